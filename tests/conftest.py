@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_KEY = "AKIAFAKEFAKEFAKE0001"
+FAKE_SECRET = "fake/secret/never-printed-0123456789abcdef"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto in server mode, a separate process serving the S3 API over HTTP on loopback."""
+    port = _free_port()
+    exe = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen(
+        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1)
+            break
+        except Exception:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("moto_server did not start")
+            time.sleep(0.2)
+    yield endpoint
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch):
+    """A fresh bucket on the S3 server, with fake credentials in the environment."""
+    import boto3
+
+    name = f"composer-{time.time_ns()}"
+    boto3.client(
+        "s3", endpoint_url=s3_server, aws_access_key_id=FAKE_KEY, aws_secret_access_key=FAKE_SECRET, region_name="us-east-1"
+    ).create_bucket(Bucket=name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", FAKE_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
+    monkeypatch.setenv("COMPOSER_S3_ENDPOINT_URL", s3_server)
+    return {"bucket": name, "endpoint": s3_server, "options": {"endpoint_url": s3_server, "key": FAKE_KEY, "secret": FAKE_SECRET}}
+
+
+@pytest.fixture
+def composer_home(tmp_path, monkeypatch):
+    home = tmp_path / "composer"
+    home.mkdir()
+    monkeypatch.setenv("COMPOSER_HOME", str(home))
+    return home
