@@ -1,0 +1,262 @@
+"""Corpus sources declared as data, and the walkers that list their files.
+
+A walker yields one ``Entry`` per file-like thing it meets, in a deterministic order (names
+sorted at every level, depth first). Rules shared by every walker:
+
+* Entries named in ``skip_dirs`` (``.git``, ``.hg``, ``.svn``, ``__pycache__`` by default) are
+  pruned whole: neither they nor anything below them is counted as a file.
+* Symlinks are never followed. Each one is counted as skipped: ``symlink_loop`` (the link
+  cannot be resolved because it loops, or it points at a directory that contains it),
+  ``symlink_outside_root`` (it resolves outside the source root), ``unreadable`` (dangling)
+  or ``symlink`` (its target is inside the root, where it is ingested under its own path).
+* FIFOs, sockets and devices are ``not_regular_file``; they are never opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import platform
+import re
+import stat
+import subprocess
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+KINDS = ("local", "git", "s3", "python")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One corpus source. ``storage_options`` (S3 endpoint and keys) are never shown in repr."""
+
+    name: str
+    kind: str
+    uri: str = ""
+    rev: str | None = None
+    storage_options: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"source kind must be one of {KINDS}, not {self.kind!r}")
+
+
+def default_sources() -> list[SourceSpec]:
+    """The embedded default: the running interpreter's stdlib (with its tests) and site-packages."""
+    return [SourceSpec(name="python", kind="python", uri="python")]
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:64] or "source"
+
+
+def _repo_name(uri: str) -> str:
+    tail = re.split(r"[/:]", uri.rstrip("/"))[-1]
+    return tail[:-4] if tail.endswith(".git") else tail
+
+
+def _looks_git(text: str) -> bool:
+    if text.startswith(("git@", "ssh://", "git://")) or text.rstrip("/").endswith(".git"):
+        return True
+    path = text[len("file://"):] if text.startswith("file://") else text
+    return "://" not in path and os.path.exists(os.path.join(os.path.expanduser(path), ".git"))
+
+
+def parse_source(text: str, name: str | None = None) -> SourceSpec:
+    """A SourceSpec from what a user types: ``python``, ``s3://bucket/prefix``, a directory,
+    or a git repository (URL, ``*.git`` path, or a directory holding ``.git``) with an
+    optional ``@REV`` suffix. Names default to a slug of the repository or directory name."""
+    text = text.strip()
+    if text == "python":
+        return SourceSpec(name=name or "python", kind="python", uri="python")
+    if text.startswith("s3://"):
+        return SourceSpec(name=name or slug(text[5:]), kind="s3", uri=text.rstrip("/"))
+    uri, rev = text, None
+    if "@" in text:
+        base, tail = text.rsplit("@", 1)
+        if tail and ":" not in tail and _looks_git(base):
+            uri, rev = base, tail
+    if _looks_git(uri):
+        if "://" not in uri and not uri.startswith("git@"):
+            uri = os.path.abspath(os.path.expanduser(uri))
+        default = slug(_repo_name(uri) + (f"-{rev}" if rev else ""))
+        return SourceSpec(name=name or default, kind="git", uri=uri, rev=rev)
+    path = os.path.abspath(os.path.expanduser(text))
+    if os.path.isdir(path):
+        return SourceSpec(name=name or slug(os.path.basename(path)), kind="local", uri=path)
+    raise ValueError(f"not a directory, git repository, s3:// prefix or 'python': {text!r}")
+
+
+@dataclass
+class Entry:
+    """A file met by a walker: skipped already (``skip`` set) or readable through ``read``."""
+
+    path: str  # relative to the source root, POSIX
+    repo: str
+    revision: str
+    size: int
+    skip: str | None = None
+    detail: str = ""
+    read: Callable[[int], bytes] | None = None  # read(limit) returns at most limit bytes
+
+
+def _read_local(path: str, limit: int) -> bytes:
+    # O_NONBLOCK and the fstat check: a file swapped for a FIFO after lstat cannot block us.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("no longer a regular file")
+        return f.read(limit)
+
+
+def _symlink_reason(path: str, root_real: str) -> tuple[str, str]:
+    try:
+        target = os.path.realpath(path, strict=True)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "symlink_loop", "the link chain loops"
+        return "unreadable", "dangling symlink"
+    if os.path.commonpath([target, root_real]) != root_real:
+        return "symlink_outside_root", "target outside the source root"
+    parent = os.path.realpath(os.path.dirname(path))
+    if os.path.isdir(target) and os.path.commonpath([target, parent]) == target:
+        return "symlink_loop", "points at a directory that contains it"
+    return "symlink", "target inside the root is ingested under its own path"
+
+
+def _clean(path: str) -> tuple[str, bool]:
+    try:
+        path.encode("utf-8")
+        return path, True
+    except UnicodeEncodeError:
+        return path.encode("utf-8", "surrogateescape").decode("utf-8", "replace"), False
+
+
+def walk_local(
+    root: str, repo: str, revision: str, skip_dirs: tuple[str, ...],
+    prefix: str = "", prune_top: tuple[str, ...] = (),
+) -> Iterator[Entry]:
+    """Every file under ``root`` (see the module docstring for the rules)."""
+    root_real = os.path.realpath(root)
+
+    def walk(dir_path: str, rel_dir: str) -> Iterator[Entry]:
+        try:
+            with os.scandir(dir_path) as it:
+                names = sorted(e.name for e in it)
+        except OSError as exc:
+            yield Entry(prefix + rel_dir, repo, revision, 0, "unreadable", type(exc).__name__)
+            return
+        for name in names:
+            if name in skip_dirs or (not rel_dir and name in prune_top):
+                continue
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            full = os.path.join(dir_path, name)
+            path, ok = _clean(prefix + rel)
+            try:
+                st = os.lstat(full)
+            except OSError as exc:
+                yield Entry(path, repo, revision, 0, "unreadable", type(exc).__name__)
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                yield from walk(full, rel)
+                continue
+            entry = Entry(path, repo, revision, st.st_size)
+            if not ok:
+                entry.skip, entry.detail = "bad_filename", "file name is not valid UTF-8"
+            elif stat.S_ISLNK(st.st_mode):
+                entry.skip, entry.detail = _symlink_reason(full, root_real)
+            elif not stat.S_ISREG(st.st_mode):
+                entry.skip, entry.detail = "not_regular_file", "fifo, socket or device"
+            else:
+                entry.read = lambda limit, p=full: _read_local(p, limit)
+            yield entry
+
+    yield from walk(root, "")
+
+
+def walk_python(parts: tuple[str, ...], skip_dirs: tuple[str, ...]) -> Iterator[Entry]:
+    """The running interpreter's source: ``stdlib/...`` (with its test suite, without its
+    site-packages / dist-packages folder) then ``site-packages/...`` (purelib)."""
+    paths = sysconfig.get_paths()
+    roots = {"stdlib": paths["stdlib"], "site-packages": paths["purelib"]}
+    revision = "python-" + platform.python_version()
+    for part in parts:
+        if os.path.isdir(roots[part]):
+            prune = ("site-packages", "dist-packages") if part == "stdlib" else ()
+            yield from walk_local(roots[part], part, revision, skip_dirs, part + "/", prune)
+
+
+def _git(*args: str, cwd: str | None = None) -> str:
+    env = {**os.environ, "GIT_LFS_SKIP_SMUDGE": "1", "GIT_TERMINAL_PROMPT": "0"}
+    cmd = ["git", "-c", "submodule.recurse=false", "-c", "advice.detachedHead=false", *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        err = re.sub(r"://[^/@\s]+@", "://***@", proc.stderr.strip())  # hide URL credentials
+        raise RuntimeError(f"git {args[0]} failed: {err[-500:]}")
+    return proc.stdout.strip()
+
+
+@contextlib.contextmanager
+def git_checkout(uri: str, rev: str | None) -> Iterator[tuple[str, str]]:
+    """Clone ``uri`` (no submodules, LFS pointers left as they are) into a temporary
+    directory checked out at ``rev``; yields (directory, commit sha)."""
+    with tempfile.TemporaryDirectory(prefix="corpus-git-") as tmp:
+        dest = os.path.join(tmp, "repo")
+        _git("clone", "--no-checkout", "--quiet", uri, dest)
+        sha = None
+        for candidate in [rev, f"origin/{rev}"] if rev else ["HEAD"]:
+            with contextlib.suppress(RuntimeError):
+                sha = _git("rev-parse", "--verify", "--quiet", candidate + "^{commit}", cwd=dest)
+                break
+        if not sha:
+            raise ValueError(f"revision {rev or 'HEAD'!r} not found in {_repo_name(uri)}")
+        _git("checkout", "--quiet", "--detach", sha, cwd=dest)
+        yield dest, sha
+
+
+def s3_filesystem(storage_options: dict[str, Any] | None):
+    import fsspec
+
+    opts = dict(storage_options or {})
+    endpoint = opts.pop("endpoint_url", None)
+    if endpoint:
+        opts.setdefault("client_kwargs", {})["endpoint_url"] = endpoint
+    opts.setdefault("skip_instance_cache", True)
+    return fsspec.filesystem("s3", **opts)
+
+
+def walk_s3(spec: SourceSpec, skip_dirs: tuple[str, ...]) -> Iterator[Entry]:
+    fs = s3_filesystem(spec.storage_options)
+    base = spec.uri[len("s3://"):].rstrip("/")
+    repo = base
+    infos = fs.find(base, detail=True)
+    for key in sorted(infos):
+        info = infos[key]
+        rel = key[len(base):].lstrip("/")
+        if not rel or key.endswith("/") or info.get("type") == "directory":
+            continue
+        if any(part in skip_dirs for part in rel.split("/")):
+            continue
+        yield Entry(rel, repo, "", int(info.get("size") or 0),
+                    read=lambda limit, k=key: fs.cat_file(k, start=0, end=limit))
+
+
+@contextlib.contextmanager
+def open_entries(spec: SourceSpec, skip_dirs: tuple[str, ...],
+                 python_parts: tuple[str, ...]) -> Iterator[Iterator[Entry]]:
+    """The entries of a source; temporary checkouts live as long as the block."""
+    if spec.kind == "python":
+        yield walk_python(python_parts, skip_dirs)
+    elif spec.kind == "local":
+        root = os.path.abspath(os.path.expanduser(spec.uri))
+        if not os.path.isdir(root):
+            raise ValueError(f"source {spec.name}: not a directory: {root}")
+        yield walk_local(root, os.path.basename(root), "", skip_dirs)
+    elif spec.kind == "git":
+        with git_checkout(spec.uri, spec.rev) as (dest, sha):
+            yield walk_local(dest, _repo_name(spec.uri), sha, skip_dirs)
+    else:
+        yield walk_s3(spec, skip_dirs)
