@@ -1,0 +1,105 @@
+"""Small helpers shared by the asset modules: artifact lookup and metadata formatting."""
+
+
+from typing import Any, Mapping
+
+import dagster as dg
+import pyarrow as pa
+
+RETRY = dg.RetryPolicy(max_retries=2, delay=2, backoff=dg.Backoff.EXPONENTIAL)
+"""Retries for transient storage and network errors (a clear failure after the third try)."""
+
+
+def latest_metadata(
+    instance: dg.DagsterInstance, key: str | dg.AssetKey, partition: str | None = None
+) -> Mapping[str, Any] | None:
+    """Metadata of the newest materialization of an asset (one partition of it, if given)."""
+    asset_key = dg.AssetKey.from_coercible(key)
+    flt = dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[partition] if partition else None)
+    records = instance.fetch_materializations(flt, limit=1).records
+    if not records:
+        return None
+    mat = records[0].asset_materialization
+    return {k: v.value for k, v in (mat.metadata or {}).items()} if mat else None
+
+
+def latest_uri(instance: dg.DagsterInstance, key: str, partition: str | None = None) -> str:
+    meta = latest_metadata(instance, key, partition)
+    if not meta or "dagster/uri" not in meta:
+        where = f" partition {partition!r}" if partition else ""
+        raise dg.Failure(description=f"{key}{where} has no materialization yet: materialize it first")
+    return str(meta["dagster/uri"])
+
+
+def counts_table(counts: Mapping[str, int], key_name: str, value_name: str = "files") -> dg.MetadataValue:
+    rows = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    lines = [f"| {key_name} | {value_name} |", "|---|---:|"] + [f"| {k} | {v:,} |" for k, v in rows]
+    return dg.MetadataValue.md("\n".join(lines) if rows else f"_no {key_name}_")
+
+
+def column_schema(schema: pa.Schema) -> dg.TableSchema:
+    return dg.TableSchema(columns=[dg.TableColumn(name=f.name, type=str(f.type)) for f in schema])
+
+
+def progress_logger(context: dg.OpExecutionContext | dg.AssetExecutionContext):
+    return lambda msg: context.log.info(msg)
+
+
+class local_copy:
+    """A verified local directory for an artifact: the path itself on local storage, a
+    temporary download otherwise. Use as ``with local_copy(storage, url) as path: ...``."""
+
+    def __init__(self, storage, url: str, verify: bool = True):
+        self.storage, self.url, self.verify = storage, url, verify
+        self._tmp = None
+
+    def __enter__(self) -> str:
+        if self.verify:
+            self.storage.verify_manifest(self.url)
+        local = self.storage.local_path(self.url)
+        if local is not None:
+            return local
+        import tempfile
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="composer-")
+        self.storage.get_dir(self.url, self._tmp.name)
+        return self._tmp.name
+
+    def __exit__(self, *exc) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def publish_dir(storage, local_dir: str, url: str, extra: dict | None = None) -> str:
+    """Copy a finished local directory to ``url`` and seal it with a manifest; return its digest."""
+    storage.put_dir(local_dir, url)
+    return storage.write_manifest(url, extra)
+
+
+def plot_md(series, xlabel: str, ylabel: str, title: str) -> dg.MetadataValue:
+    """A line plot as a Markdown image (PNG inline), which the Dagster UI renders in metadata.
+
+    ``series``: (label, xs, ys) triples; empty series are left out.
+    """
+    import base64
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    for label, xs, ys in series:
+        if len(xs):
+            ax.plot(xs, ys, label=label, marker="o" if len(xs) < 12 else None, markersize=3)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return dg.MetadataValue.md(f"![{title}](data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()})")

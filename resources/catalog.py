@@ -1,0 +1,20 @@
+
+import os
+
+import dagster as dg
+
+from composer_dag.catalog import Catalog
+from resources.storage import ArtifactStorage, composer_home
+
+
+class CatalogResource(dg.ConfigurableResource):
+    """The DuckDB catalog (an embedded file by default) over the artifact storage."""
+
+    storage: ArtifactStorage
+    path: str = ""
+
+    def resolved_path(self) -> str:
+        return self.path or os.path.join(composer_home(), "catalog.duckdb")
+
+    def get(self) -> Catalog:
+        return Catalog(self.resolved_path(), self.storage.get())
