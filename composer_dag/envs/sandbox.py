@@ -1,0 +1,590 @@
+"""Process sandbox that looks like a developer's laptop: bubblewrap + rlimits + a wall clock.
+
+Layout seen from inside (``Persona`` defaults)::
+
+    /usr, /bin, /lib*, /sbin      host system, read-only
+    /usr/local                    the host's Python install (binary, stdlib, a curated
+                                  site-packages with pytest and pip), read-only, laid out
+                                  like the official python images (/usr/local/bin/python3)
+    /etc                          a handful of host files (ld.so.cache, alternatives, ...)
+                                  plus generated passwd/group/hostname/hosts
+    /home/sam                     private home (.bashrc, .profile, .gitconfig), writable
+    /home/sam/<project>           the workspace, read-write
+    /tmp, /var/tmp                private tmpfs
+    /proc, /dev                   fresh, in a new pid namespace
+
+Namespaces: ipc, pid, net (loopback only), uts (hostname), cgroup. No user namespace:
+bwrap runs as root on the host and the command then drops to uid/gid 1000 with
+``setpriv``, so files keep their real owners (system files ``root``, the workspace
+``sam``) and RLIMIT_NPROC is enforced (it is not for root). RLIMIT_NPROC counts every
+process of host uid 1000, so it is shared by sandboxes running at the same time; the
+default leaves room for many sandboxes and still stops a fork bomb.
+
+The venv that runs this code is never bound: only pytest, pip and their dependencies are
+copied (once, into a cache) to a site-packages that shows as
+``/usr/local/lib/python3.11/site-packages``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BWRAP = shutil.which("bwrap") or "/usr/bin/bwrap"
+PRLIMIT = shutil.which("prlimit") or "/usr/bin/prlimit"
+PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
+TOOLING = ("pytest", "pip")  # distributions visible inside, with their requirements
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout: float = 60.0  # wall clock, seconds; the whole process tree is killed
+    cpu_seconds: int = 120  # RLIMIT_CPU per process
+    memory_bytes: int = 4 << 30  # RLIMIT_AS per process
+    max_processes: int = 2048  # RLIMIT_NPROC (host uid 1000, shared by live sandboxes)
+    max_file_bytes: int = 256 << 20  # RLIMIT_FSIZE
+    max_open_files: int = 1024  # RLIMIT_NOFILE
+    max_output_bytes: int = 64 << 10  # kept per stream; the rest is counted and dropped
+
+
+@dataclass(frozen=True)
+class Persona:
+    user: str = "sam"
+    full_name: str = "Sam Carter"
+    email: str = "sam.carter@fastmail.com"
+    hostname: str = "sam-thinkpad"
+    uid: int = 1000
+    gid: int = 1000
+
+    @property
+    def home(self) -> str:
+        return f"/home/{self.user}"
+
+
+@dataclass
+class ExecResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    truncated: bool = False
+    seconds: float = 0.0
+    killed_reason: str | None = None  # "timeout", "cpu", "file_size", "signal:N"
+
+
+@dataclass(frozen=True)
+class Bind:
+    host: Path
+    path: str  # inside
+    writable: bool = False
+
+
+# ---------------------------------------------------------------- runtime (cached once)
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cdag-rt"
+
+
+def _dist_closure(names) -> list:
+    import importlib.metadata as md
+    from packaging.requirements import Requirement
+
+    seen, todo, out = set(), list(names), []
+    while todo:
+        dist = md.distribution(todo.pop())
+        key = dist.metadata["Name"].lower()
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(dist)
+        for r in dist.requires or []:
+            req = Requirement(r)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return sorted(out, key=lambda d: d.metadata["Name"].lower())
+
+
+_SCRIPT = "#!/usr/local/bin/python{v}\n# -*- coding: utf-8 -*-\nimport re\nimport sys\nfrom {mod} import {fn}\nif __name__ == '__main__':\n    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n    sys.exit({fn}())\n"
+
+_BASHRC = """# ~/.bashrc: executed by bash(1) for non-login shells.
+case $- in
+    *i*) ;;
+      *) return;;
+esac
+HISTCONTROL=ignoreboth
+shopt -s histappend
+HISTSIZE=1000
+HISTFILESIZE=2000
+shopt -s checkwinsize
+PS1='\\u@\\h:\\w\\$ '
+if [ -x /usr/bin/dircolors ]; then
+    eval "$(dircolors -b)"
+    alias ls='ls --color=auto'
+    alias grep='grep --color=auto'
+fi
+alias ll='ls -alF'
+alias la='ls -A'
+alias gs='git status'
+export EDITOR=vim
+"""
+
+_PROFILE = """# ~/.profile: executed by the command interpreter for login shells.
+if [ -n "$BASH_VERSION" ]; then
+    if [ -f "$HOME/.bashrc" ]; then
+        . "$HOME/.bashrc"
+    fi
+fi
+if [ -d "$HOME/.local/bin" ] ; then
+    PATH="$HOME/.local/bin:$PATH"
+fi
+"""
+
+# host /etc entries copied into the sandbox's /etc (those that exist)
+_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "timezone",
+        "nsswitch.conf", "bash.bashrc", "inputrc", "profile", "shells", "os-release",
+        "debian_version", "issue", "protocols", "services", "mime.types", "magic", "magic.mime",
+        "locale.alias", "login.defs", "skel", "terminfo", "vim", "python3", f"python{PYVER}",
+        "ssl", "ca-certificates.conf", "gai.conf", "host.conf", "networks", "manpath.config")
+
+
+def _runtime(persona: Persona) -> Path:
+    """Build (once, atomically) the host-side files the sandbox binds: bin, site-packages, etc, skel."""
+    dists = _dist_closure(TOOLING)
+    key = hashlib.sha256(json.dumps([sys.version, sys.base_prefix, repr(persona),
+                                     [(d.metadata["Name"], d.version) for d in dists], 5]).encode()).hexdigest()[:12]
+    root = _cache_root() / key
+    if (root / ".ok").exists():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (root / ".ok").exists():
+            return root
+        tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".build-"))
+        sp = tmp / "site-packages"
+        sp.mkdir()
+        for dist in dists:
+            for f in dist.files or []:
+                src = Path(dist.locate_file(f))
+                rel = os.path.normpath(str(f))
+                if rel.startswith("..") or rel.endswith((".pth", ".pyc")) or not src.is_file():
+                    continue
+                (sp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, sp / rel)
+        import compileall
+        compileall.compile_dir(sp, quiet=2, workers=1)
+        # the root file system: a prebuilt skeleton, bound read-only, with mount points
+        fs = tmp / "root"
+        for d in ("usr", "proc", "dev", "tmp", "home/" + persona.user, "etc", "var/tmp", "var/lib",
+                  "var/log", "var/cache", "opt", "mnt", "media", "srv", "run", "boot", "root"):
+            (fs / d).mkdir(parents=True, exist_ok=True)
+        (fs / "root").chmod(0o700)
+        for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            host = Path("/") / name
+            if host.is_symlink():
+                (fs / name).symlink_to(os.readlink(host))
+            elif host.is_dir():
+                (fs / name).mkdir()
+        etc = fs / "etc"
+        for name in _ETC:
+            src = Path("/etc") / name
+            if src.is_symlink() or src.is_file():
+                shutil.copy2(src, etc / name, follow_symlinks=False)
+            elif src.is_dir():
+                shutil.copytree(src, etc / name, symlinks=True, ignore_dangling_symlinks=True)
+        p = persona
+        (etc / "passwd").write_text(
+            "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n"
+            "bin:x:2:2:bin:/bin:/usr/sbin/nologin\nsys:x:3:3:sys:/dev:/usr/sbin/nologin\n"
+            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+            f"{p.user}:x:{p.uid}:{p.gid}:{p.full_name},,,:{p.home}:/bin/bash\n")
+        (etc / "group").write_text(
+            f"root:x:0:\nadm:x:4:{p.user}\ncdrom:x:24:{p.user}\nsudo:x:27:{p.user}\n"
+            f"plugdev:x:46:{p.user}\nusers:x:100:\nnogroup:x:65534:\n{p.user}:x:{p.gid}:\n")
+        (etc / "hostname").write_text(p.hostname + "\n")
+        (etc / "hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{p.hostname}\n\n"
+                                   "::1     localhost ip6-localhost ip6-loopback\n"
+                                   "ff02::1 ip6-allnodes\nff02::2 ip6-allrouters\n")
+        (etc / "resolv.conf").write_text("nameserver 127.0.0.53\noptions edns0 trust-ad\nsearch lan\n")
+        (etc / "machine-id").write_text(hashlib.md5(p.hostname.encode()).hexdigest() + "\n")
+        # /usr/local: the python install's layout; lib/ and the binary are bound over it
+        loc = tmp / "usr-local"
+        for d in ("bin", "etc", "games", "include", "lib", "sbin", "share", "src"):
+            (loc / d).mkdir(parents=True)
+        binp = loc / "bin"
+        (binp / f"python{PYVER}").touch()  # mount point for the real binary
+        for name, target in (("python3", f"python{PYVER}"), ("python", "python3")):
+            (binp / name).symlink_to(target)
+        scripts = {"pytest": ("pytest", "console_main"), "py.test": ("pytest", "console_main"),
+                   "pip": ("pip._internal.cli.main", "main"), "pip3": ("pip._internal.cli.main", "main"),
+                   f"pip{PYVER}": ("pip._internal.cli.main", "main"), "pydoc3": ("pydoc", "cli")}
+        for name, (mod, fn) in scripts.items():
+            (binp / name).write_text(_SCRIPT.format(v=PYVER, mod=mod, fn=fn))
+            (binp / name).chmod(0o755)
+        skel = tmp / "skel"
+        skel.mkdir()
+        (skel / ".bashrc").write_text(_BASHRC)
+        (skel / ".profile").write_text(_PROFILE)
+        (skel / ".bash_logout").write_text("# ~/.bash_logout: executed by bash(1) when login shell exits.\n")
+        (skel / ".gitconfig").write_text(
+            f"[user]\n\tname = {p.full_name}\n\temail = {p.email}\n[init]\n\tdefaultBranch = main\n"
+            "[core]\n\teditor = vim\n[pull]\n\trebase = false\n")
+        for d in (".cache", ".config", ".local/bin", ".local/share"):
+            (skel / d).mkdir(parents=True)
+        (tmp / "empty").touch()
+        (tmp / ".ok").touch()
+        if root.exists():
+            shutil.rmtree(root)
+        os.rename(tmp, root)
+    return root
+
+
+def _system_binds() -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        p = Path("/") / name
+        if p.is_dir() and not p.is_symlink():
+            args += ["--ro-bind", str(p), f"/{name}"]
+    return args
+
+
+def _libpython_binds() -> list[str]:
+    """The host python finds libpython through an absolute RUNPATH that is not bound; point
+    the loader's usual location at the right library instead."""
+    libdir = Path(sys.base_prefix) / "lib"
+    args = []
+    for lib in sorted(libdir.glob(f"libpython{PYVER}*.so.*")):
+        for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib"):
+            if (Path(d) / lib.name).exists():
+                args += ["--ro-bind", str(lib), f"{d}/{lib.name}"]
+                break
+    return args
+
+
+_BASE_ARGS: dict = {}
+
+
+def _base_args(persona: Persona) -> list[str]:
+    """bwrap arguments shared by every sandbox with this persona (computed once)."""
+    if persona in _BASE_ARGS:
+        return _BASE_ARGS[persona]
+    rt = _runtime(persona)
+    prefix = Path(sys.base_prefix)
+    exe = prefix / "bin" / f"python{PYVER}"
+    a = [BWRAP, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+         "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--as-pid-1",
+         "--hostname", persona.hostname]
+    a += ["--ro-bind", str(rt / "root"), "/"] + _system_binds()
+    a += ["--ro-bind", str(rt / "usr-local"), "/usr/local",
+          "--ro-bind", str(prefix / "lib"), "/usr/local/lib",
+          "--ro-bind", str(exe), f"/usr/local/bin/python{PYVER}",
+          "--ro-bind", str(rt / "site-packages"), f"/usr/local/lib/python{PYVER}/site-packages"]
+    a += _libpython_binds()
+    a += ["--proc", "/proc", "--dev", "/dev",
+          "--perms", "1777", "--tmpfs", "/tmp", "--perms", "1777", "--tmpfs", "/var/tmp"]
+    _BASE_ARGS[persona] = a
+    return a
+
+
+# ---------------------------------------------------------------- sandbox
+
+_SIGNAL_REASON = {signal.SIGXCPU: "cpu", signal.SIGKILL: "cpu", signal.SIGXFSZ: "file_size"}
+
+
+def chown_tree(path: Path, uid: int = 1000, gid: int = 1000) -> None:
+    """Give a host tree to the sandbox user (files the host writes later need it too)."""
+    os.lchown(path, uid, gid)
+    for root, dirs, files in os.walk(path):
+        for n in dirs + files:
+            os.lchown(os.path.join(root, n), uid, gid)
+
+
+class Sandbox:
+    """Run commands with ``workspace`` mounted read-write at ``/home/<user>/<project>``.
+
+    Each ``run`` is a fresh bwrap (processes do not outlive it); the home directory and
+    the workspace persist across runs of one Sandbox, like a user's machine.
+    ``masks`` hide paths inside (a host file bound over a file, or None: an empty dir).
+    """
+
+    def __init__(self, workspace: Path, limits: Limits = Limits(), *, project: str | None = None,
+                 persona: Persona = Persona(), masks: dict[str, Path | None] | None = None,
+                 binds: list[Bind] = (), chown: bool = True):
+        self.workspace = Path(workspace).resolve()
+        self.limits = limits
+        self.persona = persona
+        self.project = project or self.workspace.name
+        self.root = f"{persona.home}/{self.project}"
+        rt = _runtime(persona)
+        self._home = Path(tempfile.mkdtemp(prefix="cdag-h-"))
+        shutil.copytree(rt / "skel", self._home, dirs_exist_ok=True, symlinks=True)
+        (self._home / self.project).mkdir(exist_ok=True)
+        chown_tree(self._home, persona.uid, persona.gid)
+        if chown:
+            chown_tree(self.workspace, persona.uid, persona.gid)
+        a = list(_base_args(persona))
+        a += ["--bind", str(self._home), persona.home, "--bind", str(self.workspace), self.root]
+        for path, host in (masks or {}).items():
+            a += ["--tmpfs", path] if host is None else ["--ro-bind", str(host), path]
+        for b in binds:
+            a += ["--bind" if b.writable else "--ro-bind", str(b.host), b.path]
+        self._args = a
+        p = persona
+        self.env = {"HOME": p.home, "USER": p.user, "LOGNAME": p.user, "SHELL": "/bin/bash",
+                    "PATH": f"{p.home}/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                    "LANG": "C.UTF-8", "TERM": "xterm-256color", "EDITOR": "vim"}
+
+    def close(self) -> None:
+        shutil.rmtree(self._home, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _argv(self, cmd, cwd: str | None, env: dict | None, info_fd: int) -> list[str]:
+        L = self.limits
+        wd = self.root if not cwd else (cwd if cwd.startswith("/") else f"{self.root}/{cwd}")
+        envd = dict(self.env, PWD=wd, **(env or {}))
+        argv = [PRLIMIT, f"--cpu={L.cpu_seconds}:{L.cpu_seconds + 1}", f"--as={L.memory_bytes}",
+                f"--nproc={L.max_processes}", f"--fsize={L.max_file_bytes}",
+                f"--nofile={L.max_open_files}", "--core=0", "--"]
+        argv += self._args + ["--info-fd", str(info_fd), "--chdir", wd, "--clearenv"]
+        for k, v in envd.items():
+            argv += ["--setenv", k, v]
+        argv += ["--", "/usr/bin/setpriv", f"--reuid={self.persona.uid}", f"--regid={self.persona.gid}",
+                 "--clear-groups", "--"]
+        argv += ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        return argv
+
+    def run(self, cmd: list[str] | str, timeout: float | None = None, stdin: str | bytes | None = None,
+            *, cwd: str | None = None, env: dict | None = None) -> ExecResult:
+        timeout = self.limits.timeout if timeout is None else timeout
+        t0 = time.monotonic()
+        r_info, w_info = os.pipe()
+        try:
+            proc = subprocess.Popen(self._argv(cmd, cwd, env, w_info), pass_fds=(w_info,),
+                                    stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        finally:
+            os.close(w_info)
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        out, err, info, timed_out, dropped = _pump(proc, data, r_info, t0 + timeout, self.limits.max_output_bytes)
+        if timed_out:
+            _kill(proc, info)
+        code = proc.wait()
+        seconds = time.monotonic() - t0
+        reason = "timeout" if timed_out else None
+        if not timed_out and code > 128 and code - 128 in (9, 24, 25):
+            reason = _SIGNAL_REASON.get(signal.Signals(code - 128))
+        elif not timed_out and code < 0:
+            reason = f"signal:{-code}"
+        return ExecResult(exit_code=124 if timed_out else code, stdout=_text(out, dropped[0]),
+                          stderr=_text(err, dropped[1]), timed_out=timed_out, truncated=any(dropped),
+                          seconds=seconds, killed_reason=reason)
+
+
+def _text(buf: bytes, dropped: int) -> str:
+    s = buf.decode("utf-8", errors="replace")
+    return s + f"\n[... {dropped} bytes truncated ...]" if dropped else s
+
+
+def _pump(proc, stdin: bytes | None, r_info: int, deadline: float, budget: int):
+    """Feed stdin, collect stdout/stderr up to ``budget`` bytes each, until exit or deadline."""
+    sel = selectors.DefaultSelector()
+    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), r_info: bytearray()}
+    dropped = {proc.stdout.fileno(): 0, proc.stderr.fileno(): 0}
+    for fd in bufs:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    view = memoryview(stdin or b"")
+    fin = proc.stdin.fileno() if stdin is not None else -1
+    if stdin is not None:
+        os.set_blocking(fin, False)
+        sel.register(fin, selectors.EVENT_WRITE)
+    timed_out = False
+    try:
+        while len(sel.get_map()) > (0 if proc.poll() is None else 1 if r_info in sel.get_map() else 0):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(min(left, 0.5)):
+                fd = key.fd
+                if fd == fin:
+                    try:
+                        n = os.write(fd, view[:65536])
+                    except (BrokenPipeError, BlockingIOError):
+                        n = len(view)
+                    view = view[n:]
+                    if not view:
+                        sel.unregister(fd)
+                        proc.stdin.close()
+                    continue
+                try:
+                    chunk = os.read(fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(fd)
+                    continue
+                buf = bufs[fd]
+                if fd == r_info:
+                    buf += chunk
+                    continue
+                room = max(0, budget - len(buf))
+                buf += chunk[:room]
+                dropped[fd] += len(chunk) - min(room, len(chunk))
+        if not timed_out:
+            while proc.poll() is None:  # pipes closed but the tree is still running
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    break
+                time.sleep(0.002)
+    finally:
+        sel.close()
+        with contextlib.suppress(OSError):
+            bufs[r_info] += os.read(r_info, 65536)
+        os.close(r_info)
+        proc.stdout.close()
+        proc.stderr.close()
+    info = {}
+    with contextlib.suppress(ValueError):
+        info = json.loads(bytes(bufs[r_info]).decode() or "{}")
+    fo, fe = list(dropped)
+    return bytes(bufs[fo]), bytes(bufs[fe]), info, timed_out, [dropped[fo], dropped[fe]]
+
+
+def _kill(proc, info: dict) -> None:
+    """SIGKILL the pid-1 of the sandbox's pid namespace (the kernel then kills the rest) and bwrap."""
+    pid = info.get("child-pid")
+    if pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- realism
+
+_FINGERPRINT = r'''
+import json, os, pwd, socket, subprocess, sys
+def ver(*cmd):
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+        return (out.stdout or out.stderr).splitlines()[0].strip()
+    except Exception as e:
+        return f"unavailable: {type(e).__name__}"
+def ls(d):
+    try:
+        return sorted(os.listdir(os.path.expanduser(d)))
+    except OSError as e:
+        return [f"<{e.strerror}>"]
+mounts = []
+with open("/proc/self/mountinfo") as f:
+    for line in f:
+        p = line.split()
+        mounts.append(f"{p[4]} <- {p[3]} ({p[p.index('-') + 1]})")
+uid = os.getuid()
+print(json.dumps({
+    "env": sorted(os.environ),
+    "env_values": {k: os.environ.get(k) for k in ("HOME", "USER", "LOGNAME", "SHELL", "PATH", "LANG", "TERM")},
+    "hostname": socket.gethostname(),
+    "uid": uid, "user": pwd.getpwuid(uid).pw_name,
+    "versions": {"python3": ver("python3", "--version"), "git": ver("git", "--version"),
+                 "bash": ver("bash", "--version"), "ls": ver("ls", "--version"),
+                 "grep": ver("grep", "--version"), "sed": ver("sed", "--version"),
+                 "pytest": ver("python3", "-m", "pytest", "--version")},
+    "python": {"executable": sys.executable, "prefix": sys.prefix, "path": sys.path[1:]},
+    "layout": {d: ls(d) for d in ("/", "/home", "~", "/usr/local/bin", "/tmp", "/etc")},
+    "mounts": mounts,
+    "pid1": open("/proc/1/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")[:200],
+    "processes": sorted({open(f"/proc/{p}/comm").read().strip() for p in os.listdir("/proc") if p.isdigit()
+                         and os.path.exists(f"/proc/{p}/comm")}),
+    "cgroup": open("/proc/self/cgroup").read().strip(),
+}))
+'''
+
+TELL_TALES = re.compile(r"sandbox|bwrap|bubblewrap|container|docker|episode|\brl\b|rl_|_rl\b|reward|"
+                        r"hidden|grader|rollout|composer|policy|\bagent", re.I)
+
+
+def fingerprint(sandbox: Sandbox | None = None) -> dict:
+    """What a curious process can see: env names, tool versions, layout, hostname, uid, mounts."""
+    if sandbox is None:
+        out = subprocess.run(["python3", "-c", _FINGERPRINT], capture_output=True, text=True, timeout=60,
+                             env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"})
+        return json.loads(out.stdout)
+    r = sandbox.run(["python3", "-c", _FINGERPRINT], timeout=60)
+    if r.exit_code:
+        raise RuntimeError(f"fingerprint failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout)
+
+
+def realism_diff(host: dict, sandbox: dict) -> list[str]:
+    """Every difference between two fingerprints, one line each."""
+    out = []
+
+    def walk(a, b, path):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                walk(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+        elif isinstance(a, list) and isinstance(b, list) and all(isinstance(x, str) for x in a + b):
+            only_h, only_s = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+            if only_h:
+                out.append(f"{path}: only on host: {', '.join(only_h)}")
+            if only_s:
+                out.append(f"{path}: only in sandbox: {', '.join(only_s)}")
+        elif a != b:
+            out.append(f"{path}: host={a!r} sandbox={b!r}")
+
+    walk(host, sandbox, "")
+    return out
+
+
+def tell_tales(fp: dict) -> list[str]:
+    """Strings in a fingerprint that would give the game away."""
+    hits = []
+
+    def walk(x, path):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(k, path + "/key")
+                walk(v, f"{path}.{k}")
+        elif isinstance(x, list):
+            for v in x:
+                walk(v, path)
+        elif isinstance(x, str) and TELL_TALES.search(x):
+            hits.append(f"{path}: {x}")
+
+    walk(fp, "")
+    return hits
+
+
+# ---------------------------------------------------------------- command line helper
+
+def sandbox_exec(workspace_dir, cmd, limits: Limits = Limits()) -> int:
+    """Run ``cmd`` (list or shell string) in a sandbox on ``workspace_dir``; print its output."""
+    with Sandbox(Path(workspace_dir), limits) as sb:
+        r = sb.run(cmd)
+    sys.stdout.write(r.stdout)
+    sys.stderr.write(r.stderr)
+    if r.timed_out:
+        sys.stderr.write(f"\ntimed out after {r.seconds:.1f}s\n")
+    return r.exit_code

@@ -1,0 +1,289 @@
+"""The tools a policy acts through, and the ``Episode`` that runs them on one task.
+
+File tools work on the host copy of the workspace and refuse any path that resolves
+(symlinks included) outside it; terminal commands run in the task's sandbox. Every call,
+valid or not, lands in ``Episode.log``; malformed calls come back as error observations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .grade import GradeConfig, GradeResult, grade, load_task, project_name
+from .sandbox import Limits, Sandbox
+
+
+def _fn(name: str, description: str, props: dict, required: list[str]) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": props, "required": required, "additionalProperties": False}}}
+
+
+_S, _I = {"type": "string"}, {"type": "integer"}
+TOOL_SCHEMAS: list[dict] = [
+    _fn("read_file", "Read a text file of the project. Lines are numbered from 1; give start_line/end_line "
+        "(inclusive) to read part of a long file.",
+        {"path": {**_S, "description": "Path relative to the project root (or absolute inside it)."},
+         "start_line": {**_I, "minimum": 1}, "end_line": {**_I, "minimum": 1}}, ["path"]),
+    _fn("list_dir", "List a directory of the project (directories end with '/').",
+        {"path": {**_S, "description": "Directory, relative to the project root; '.' for the root."}}, ["path"]),
+    _fn("search", "Search file contents with a Python regular expression, like grep -rn. Returns path:line: text.",
+        {"pattern": {**_S, "description": "Regular expression."},
+         "path": {**_S, "description": "File or directory to search (default: the whole project)."}}, ["pattern"]),
+    _fn("edit_file", "Replace the exact text `old` with `new` in a file. `old` must occur exactly once. "
+        "With old = \"\" and a path that does not exist, create the file with content `new`.",
+        {"path": _S, "old": _S, "new": _S}, ["path", "old", "new"]),
+    _fn("run_terminal_cmd", "Run a bash command in the project directory on the user's machine and return its "
+        "exit code and output. Commands are killed after a timeout; nothing runs in the background afterwards.",
+        {"command": _S}, ["command"]),
+    _fn("submit", "Finish: the work is done and ready for review.", {}, []),
+]
+_SCHEMA = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
+
+
+@dataclass
+class Observation:
+    content: str
+    is_error: bool = False
+    done: bool = False
+    tool: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class EpisodeConfig:
+    max_turns: int | None = None  # default: the task's limits
+    command_timeout: float | None = None
+    observation_chars: int | None = None
+    limits: Limits = Limits()
+    grade: GradeConfig = GradeConfig()
+    work_root: str | None = None  # where workspaces are created (default: the temp dir)
+
+
+def truncate(text: str, budget: int) -> str:
+    """Keep the head and tail of ``text`` within ``budget`` characters, with a marker between."""
+    if len(text) <= budget:
+        return text
+    head = int(budget * 0.7)
+    tail = max(0, budget - head)
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n[... {cut} characters truncated ...]\n{text[len(text) - tail:] if tail else ''}"
+
+
+class ToolError(Exception):
+    pass
+
+
+class Episode:
+    """One attempt at one task: a fresh workspace, a sandbox, tools, an action log, grading."""
+
+    def __init__(self, task_dir, config: EpisodeConfig = EpisodeConfig()):
+        self.task_dir = Path(task_dir)
+        self.task = load_task(self.task_dir)
+        lim = self.task.get("limits", {})
+        self.config = config
+        self.max_turns = config.max_turns or lim.get("max_turns", 50)
+        self.command_timeout = config.command_timeout or lim.get("command_timeout", 60.0)
+        self.obs_chars = config.observation_chars or lim.get("observation_chars", 12_000)
+        self._tmp = Path(tempfile.mkdtemp(prefix="cdag-w-", dir=config.work_root))
+        self.workspace = self._tmp / project_name(self.task)
+        shutil.copytree(self.task_dir / "repo", self.workspace, symlinks=True)
+        masks = {p: (self.task_dir / "masks" / v if v else None)
+                 for p, v in self.task.get("sandbox", {}).get("masks", {}).items()}
+        self.sandbox = Sandbox(self.workspace, config.limits, project=self.workspace.name, masks=masks)
+        self.root = self.sandbox.root  # the project's path inside the sandbox
+        self._real = os.path.realpath(self.workspace)
+        self.log: list[dict] = []
+        self.turn = 0
+        self.done = False
+        self.result: GradeResult | None = None
+
+    # -- lifecycle
+    def close(self) -> None:
+        self.sandbox.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def prompt(self) -> str:
+        return (f"{self.task['instructions']}\n\n(The project is checked out at `{self.root}`; "
+                "that is also the working directory of terminal commands.)")
+
+    def grade(self) -> GradeResult:
+        self.result = grade(self.task_dir, self.workspace, self.log, self.config.grade)
+        return self.result
+
+    # -- stepping
+    def step(self, tool_call: dict) -> Observation:
+        t0 = time.monotonic()
+        entry = {"turn": self.turn, "tool": None, "args": None, "ok": False, "outside": False}
+        try:
+            name, args = self._parse(tool_call)
+            entry.update(tool=name, args=args)
+            if self.done:
+                raise ToolError("the episode is over; no more tool calls are accepted")
+            self.turn += 1
+            if self.turn > self.max_turns:
+                self.done = True
+                raise ToolError(f"turn limit ({self.max_turns}) reached")
+            content = getattr(self, f"_t_{name}")(entry, **args)
+            entry["ok"] = True
+            obs = Observation(truncate(content, self.obs_chars), done=self.done, tool=name)
+        except ToolError as e:
+            entry["error"] = str(e)
+            obs = Observation(f"Error: {e}", is_error=True, done=self.done, tool=entry["tool"])
+        obs.seconds = entry["seconds"] = time.monotonic() - t0
+        self.log.append(entry)
+        return obs
+
+    def _parse(self, call) -> tuple[str, dict]:
+        if not isinstance(call, dict):
+            raise ToolError("a tool call must be an object with 'name' and 'arguments'")
+        fn = call.get("function", call)
+        name, args = fn.get("name") if isinstance(fn, dict) else None, fn.get("arguments", {}) if isinstance(fn, dict) else None
+        if name not in _SCHEMA:
+            raise ToolError(f"unknown tool {name!r}; available: {', '.join(_SCHEMA)}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ToolError(f"arguments are not valid JSON: {e}") from None
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            raise ToolError("arguments must be a JSON object")
+        schema = _SCHEMA[name]
+        unknown = set(args) - set(schema["properties"])
+        if unknown:
+            raise ToolError(f"{name}: unexpected argument(s) {sorted(unknown)}")
+        missing = [k for k in schema["required"] if k not in args]
+        if missing:
+            raise ToolError(f"{name}: missing required argument(s) {missing}")
+        for k, v in args.items():
+            want = schema["properties"][k]["type"]
+            if want == "string" and not isinstance(v, str) or want == "integer" and (
+                    not isinstance(v, int) or isinstance(v, bool) or v < schema["properties"][k].get("minimum", v)):
+                raise ToolError(f"{name}: argument {k!r} must be {'a positive integer' if want == 'integer' else 'a string'}")
+        return name, args
+
+    def _path(self, path: str, entry: dict) -> Path:
+        """Host path for a project path; refuses (and records) anything resolving outside."""
+        p = path.strip()
+        home = self.sandbox.persona.home
+        if p.startswith("~/"):
+            p = home + p[1:]
+        if p.startswith("/"):
+            if p == self.root or p.startswith(self.root + "/"):
+                p = p[len(self.root):].lstrip("/") or "."
+            else:
+                entry["outside"] = True
+                raise ToolError(f"{path}: outside the project directory {self.root}")
+        real = os.path.realpath(os.path.join(self.workspace, p))
+        if real != self._real and not real.startswith(self._real + os.sep):
+            entry["outside"] = True
+            raise ToolError(f"{path}: outside the project directory {self.root}")
+        return Path(real)
+
+    def _rel(self, p: Path) -> str:
+        return os.path.relpath(p, self._real)
+
+    # -- tools
+    def _t_read_file(self, entry, path, start_line=None, end_line=None) -> str:
+        f = self._path(path, entry)
+        if not f.is_file():
+            raise ToolError(f"{path}: no such file" if not f.exists() else f"{path}: is a directory")
+        try:
+            lines = f.read_text().splitlines()
+        except UnicodeDecodeError:
+            raise ToolError(f"{path}: binary file") from None
+        a = (start_line or 1) - 1
+        b = end_line or len(lines)
+        if a >= max(1, len(lines)) and lines:
+            raise ToolError(f"{path}: start_line {start_line} is past the end ({len(lines)} lines)")
+        return "\n".join(f"{i + 1:>6}\t{line}" for i, line in enumerate(lines[a:b], start=a)) or "(empty file)"
+
+    def _t_list_dir(self, entry, path) -> str:
+        d = self._path(path, entry)
+        if not d.is_dir():
+            raise ToolError(f"{path}: not a directory")
+        rows = []
+        for c in sorted(d.iterdir(), key=lambda c: c.name):
+            rows.append(c.name + "/" if c.is_dir() else f"{c.name}  ({c.stat().st_size if c.exists() else 0} bytes)")
+        return "\n".join(rows) or "(empty directory)"
+
+    def _t_search(self, entry, pattern, path=".") -> str:
+        try:
+            rx = re.compile(pattern)
+        except re.error as e:
+            raise ToolError(f"invalid regular expression: {e}") from None
+        base = self._path(path, entry)
+        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
+        hits = []
+        for f in files:
+            rel = self._rel(f)
+            if ".git" in Path(rel).parts or "__pycache__" in rel or f.stat().st_size > 1 << 20:
+                continue
+            if not os.path.realpath(f).startswith(self._real + os.sep):
+                continue
+            try:
+                text = f.read_text()
+            except (UnicodeDecodeError, OSError):
+                continue
+            for i, line in enumerate(text.splitlines(), 1):
+                if rx.search(line):
+                    hits.append(f"{rel}:{i}: {line[:300]}")
+                    if len(hits) >= 200:
+                        return "\n".join(hits) + "\n(stopped after 200 matches)"
+        return "\n".join(hits) or "No matches."
+
+    def _t_edit_file(self, entry, path, old, new) -> str:
+        f = self._path(path, entry)
+        if old == "":
+            if f.exists():
+                raise ToolError(f"{path}: already exists; give the text to replace in `old`")
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(new)
+            self._own(f)
+            return f"Created {self._rel(f)} ({len(new.splitlines())} lines)."
+        if not f.is_file():
+            raise ToolError(f"{path}: no such file")
+        text = f.read_text()
+        n = text.count(old)
+        if n == 0:
+            raise ToolError(f"{path}: `old` text not found (it must match exactly, whitespace included)")
+        if n > 1:
+            raise ToolError(f"{path}: `old` text occurs {n} times; include more context to make it unique")
+        f.write_text(text.replace(old, new, 1))
+        line = text[:text.index(old)].count("\n") + 1
+        return f"Edited {self._rel(f)} at line {line} (-{len(old.splitlines())} +{len(new.splitlines())} lines)."
+
+    def _own(self, f: Path) -> None:
+        uid, gid = self.sandbox.persona.uid, self.sandbox.persona.gid
+        p = f
+        while str(p).startswith(self._real) and p != Path(self._real):
+            os.lchown(p, uid, gid)
+            p = p.parent
+
+    def _t_run_terminal_cmd(self, entry, command) -> str:
+        r = self.sandbox.run(command, timeout=self.command_timeout)
+        entry["exit_code"], entry["command_seconds"] = r.exit_code, r.seconds
+        parts = [f"exit code: {r.exit_code}" + (f" (killed: {r.killed_reason} after {r.seconds:.1f}s)" if r.killed_reason else "")]
+        if r.stdout:
+            parts.append(r.stdout.rstrip("\n"))
+        if r.stderr:
+            parts.append("stderr:\n" + r.stderr.rstrip("\n"))
+        return "\n".join(parts)
+
+    def _t_submit(self, entry) -> str:
+        self.done = True
+        return "Submitted."

@@ -1,0 +1,118 @@
+"""The sandbox, for real: bubblewrap, rlimits, timeouts, isolation, realism."""
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+
+from composer_dag.envs.sandbox import (Limits, Sandbox, fingerprint, realism_diff, sandbox_exec,
+                                       tell_tales)
+
+
+@pytest.fixture
+def sb(tmp_path):
+    ws = tmp_path / "webshop"
+    ws.mkdir()
+    (ws / "app.py").write_text("print('hello from app')\n")
+    with Sandbox(ws, Limits(timeout=20)) as s:
+        yield s
+
+
+def test_identity_and_layout(sb):
+    r = sb.run("id -un; id -u; hostname; pwd; echo $HOME $USER $SHELL; python3 app.py; "
+               "touch new.txt && echo ws-ok; touch /usr/x 2>/dev/null || echo usr-ro; "
+               "touch /tmp/t && echo tmp-ok; touch ~/.notes && echo home-ok; git config user.name")
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[:4] == ["sam", "1000", "sam-thinkpad", "/home/sam/webshop"]
+    assert lines[4] == "/home/sam sam /bin/bash"
+    assert "hello from app" in lines and "ws-ok" in lines and "usr-ro" in lines
+    assert "tmp-ok" in lines and "home-ok" in lines and lines[-1] == "Sam Carter"
+    assert (sb.workspace / "new.txt").exists()
+
+
+def test_host_paths_and_network_are_unreachable(sb):
+    venv = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    r = sb.run(f"ls {venv} /work /root/.pyenv 2>&1; python3 -c \"import socket; socket.create_connection(('1.1.1.1', 53), timeout=2)\" 2>&1 | tail -1; "
+               "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
+    assert "No such file" in r.stdout or "Permission denied" in r.stdout
+    assert "unreachable" in r.stdout.lower() or "error" in r.stdout.lower()
+    assert r.stdout.strip().splitlines()[-1] == "lo"
+
+
+def test_private_tmp_between_sandboxes(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    with Sandbox(a) as s1, Sandbox(b) as s2:
+        s1.run("echo secret > /tmp/x")
+        assert s2.run("cat /tmp/x").exit_code != 0
+        assert s1.run("cat /tmp/x").exit_code != 0  # each run gets a fresh /tmp
+
+
+def test_timeout_kills_the_whole_tree(sb):
+    t0 = time.monotonic()
+    r = sb.run("sleep 97.5 & (sleep 98.5 &) ; sleep 99.5", timeout=1)
+    assert r.timed_out and r.killed_reason == "timeout" and r.exit_code == 124
+    assert time.monotonic() - t0 < 5
+    time.sleep(0.2)
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"sleep\x0097.5" in cmd or b"sleep\x0098.5" in cmd or b"sleep\x0099.5" in cmd:
+            left.append(pid)
+    assert not left
+
+
+def test_rlimits(tmp_path):
+    with Sandbox(tmp_path, Limits(cpu_seconds=1, memory_bytes=512 << 20, max_file_bytes=1 << 20,
+                                  max_processes=2000, timeout=20)) as s:
+        r = s.run("python3 -c 'while True: pass'")
+        assert r.killed_reason == "cpu" and not r.timed_out
+        r = s.run("head -c 5000000 /dev/zero > big")
+        assert r.killed_reason == "file_size"
+        assert (tmp_path / "big").stat().st_size <= 1 << 20
+        r = s.run("python3 -c 'x = bytearray(1 << 30)'")
+        assert r.exit_code != 0 and "MemoryError" in r.stderr
+        r = s.run("ulimit -u")
+        assert r.stdout.strip() == "2000"
+
+
+def test_output_truncated_and_stdin(sb):
+    r = sb.run("yes 0123456789 | head -c 1000000", stdin=None)
+    assert r.truncated and len(r.stdout) < 70_000 and "bytes truncated ...]" in r.stdout
+    assert sb.run(["cat"], stdin="piped input").stdout == "piped input"
+    assert sb.run(["bash", "-c", "exit 7"]).exit_code == 7
+
+
+def test_realism_no_tell_tales(sb, capsys):
+    host, inside = fingerprint(), fingerprint(sb)
+    diff = realism_diff(host, inside)
+    with capsys.disabled():
+        print("\nrealism diff (host vs sandbox):\n  " + "\n  ".join(d[:200] for d in diff))
+    assert tell_tales(inside) == []
+    assert inside["uid"] == 1000 and inside["user"] == "sam" and inside["hostname"] == "sam-thinkpad"
+    assert {"HOME", "USER", "LOGNAME", "SHELL", "PATH", "LANG", "TERM"} <= set(inside["env"])
+    for tool in ("python3", "git", "bash", "ls", "grep", "sed", "pytest"):
+        assert "unavailable" not in inside["versions"][tool], tool
+    assert inside["versions"]["python3"] == host["versions"]["python3"]
+    assert inside["versions"]["git"] == host["versions"]["git"]
+
+
+def test_start_latency(sb):
+    ts = []
+    for _ in range(15):
+        t = time.perf_counter()
+        sb.run(["/bin/true"])
+        ts.append(time.perf_counter() - t)
+    assert statistics.median(ts) < 0.1  # benchmarks/bench_sandbox.py records the real numbers
+
+
+def test_sandbox_exec(tmp_path, capfd):
+    (tmp_path / "f.txt").write_text("data\n")
+    assert sandbox_exec(tmp_path, "cat f.txt; exit 3") == 3
+    assert "data" in capfd.readouterr().out

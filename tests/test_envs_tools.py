@@ -1,0 +1,122 @@
+"""Tools and Episode: validation, path confinement, edits, terminal, truncation, a full episode."""
+
+import json
+import os
+
+import pytest
+
+from composer_dag.envs.tasks import build_tasks, task_dirs
+from composer_dag.envs.tools import TOOL_SCHEMAS, Episode, EpisodeConfig, truncate
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tasks")
+    build_tasks(out, {"humaneval_limit": 3, "bugfix_count": 0})
+    return next(d for d in task_dirs(out, "rl_tasks") + task_dirs(out, "eval_tasks") if d.name == "humaneval-000")
+
+
+@pytest.fixture
+def ep(task):
+    with Episode(task) as e:
+        yield e
+
+
+def call(name, **args):
+    return {"name": name, "arguments": args}
+
+
+def test_schemas_are_openai_function_specs():
+    names = [t["function"]["name"] for t in TOOL_SCHEMAS]
+    assert names == ["read_file", "list_dir", "search", "edit_file", "run_terminal_cmd", "submit"]
+    for t in TOOL_SCHEMAS:
+        assert t["type"] == "function" and t["function"]["parameters"]["type"] == "object"
+        json.dumps(t)
+
+
+@pytest.mark.parametrize("bad", [
+    "not a dict", {"name": "rm_rf", "arguments": {}}, {"name": "read_file", "arguments": "{not json"},
+    {"name": "read_file", "arguments": {}}, {"name": "read_file", "arguments": {"path": 3}},
+    {"name": "read_file", "arguments": {"path": "a", "mode": "w"}},
+    {"name": "read_file", "arguments": {"path": "README.md", "start_line": 0}},
+    {"name": "edit_file", "arguments": {"path": "x"}}, {"function": {"name": "list_dir", "arguments": [1]}},
+])
+def test_malformed_calls_give_error_observations(ep, bad):
+    obs = ep.step(bad)
+    assert obs.is_error and obs.content.startswith("Error:") and not obs.done
+    assert ep.log[-1]["ok"] is False
+
+
+def test_openai_style_call_with_json_string(ep):
+    obs = ep.step({"type": "function", "function": {"name": "list_dir", "arguments": '{"path": "."}'}})
+    assert not obs.is_error and "has_close_elements.py" in obs.content and "tests/" in obs.content
+
+
+def test_paths_outside_are_refused_and_recorded(ep, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s3cr3t")
+    os.symlink(secret, ep.workspace / "link.txt")
+    for path in ["/etc/passwd", "../../../etc/passwd", "link.txt", str(secret), "tests/../../x"]:
+        obs = ep.step(call("read_file", path=path))
+        assert obs.is_error and "outside the project" in obs.content, path
+        assert ep.log[-1]["outside"]
+    assert not ep.step(call("read_file", path=f"{ep.root}/README.md")).is_error
+    assert not ep.step(call("read_file", path="~/has-close-elements/README.md")).is_error
+
+
+def test_read_list_search(ep):
+    obs = ep.step(call("read_file", path="has_close_elements.py", start_line=1, end_line=2))
+    assert obs.content.splitlines()[0].strip().startswith("1") and len(obs.content.splitlines()) == 2
+    assert "has_close_elements.py:" in ep.step(call("search", pattern=r"def \w+\(")).content
+    assert ep.step(call("search", pattern="(unclosed")).is_error
+    assert ep.step(call("search", pattern="zzz_nothing")).content == "No matches."
+    assert ep.step(call("read_file", path="nope.py")).is_error
+
+
+def test_edit_file_semantics(ep):
+    assert ep.step(call("edit_file", path="has_close_elements.py", old="no such text", new="x")).is_error
+    assert "19 times" in ep.step(call("edit_file", path="README.md", old="e", new="E")).content
+    assert not ep.step(call("edit_file", path="pkg/new.py", old="", new="VALUE = 1\n")).is_error
+    assert ep.step(call("edit_file", path="pkg/new.py", old="", new="again")).is_error
+    assert not ep.step(call("edit_file", path="pkg/new.py", old="VALUE = 1", new="VALUE = 2")).is_error
+    obs = ep.step(call("run_terminal_cmd", command="python3 -c 'import pkg.new as m; print(m.VALUE)'; echo more >> pkg/new.py"))
+    assert "exit code: 0" in obs.content and "\n2" in obs.content
+    assert "more" in ep.step(call("read_file", path="pkg/new.py")).content
+
+
+def test_terminal_errors_and_truncation(task):
+    with Episode(task, EpisodeConfig(observation_chars=500, command_timeout=1)) as ep:
+        obs = ep.step(call("run_terminal_cmd", command="seq 1 5000"))
+        assert "characters truncated ...]" in obs.content and len(obs.content) < 600
+        assert "killed: timeout" in ep.step(call("run_terminal_cmd", command="sleep 5")).content
+        assert "exit code: 2" in ep.step(call("run_terminal_cmd", command="ls /nonexistent")).content
+    assert truncate("x" * 100, 10).count("[... 90 characters truncated ...]") == 1
+
+
+def test_turn_limit_and_done(task):
+    with Episode(task, EpisodeConfig(max_turns=2)) as ep:
+        ep.step(call("list_dir", path="."))
+        ep.step(call("list_dir", path="."))
+        obs = ep.step(call("list_dir", path="."))
+        assert obs.is_error and obs.done and "turn limit" in obs.content
+    with Episode(task) as ep:
+        assert ep.step(call("submit")).done
+        assert ep.step(call("list_dir", path=".")).is_error
+
+
+def test_full_episode_reward(task):
+    ref = (task / "reference" / "files" / "has_close_elements.py").read_text()
+    with Episode(task) as ep:
+        assert "has_close_elements" in ep.prompt()
+        stub = (ep.workspace / "has_close_elements.py").read_text()
+        body_old = "    raise NotImplementedError\n"
+        ep.step(call("edit_file", path="has_close_elements.py", old=body_old, new=ref[len(stub) - len(body_old):]))
+        obs = ep.step(call("run_terminal_cmd", command="python -m pytest -q"))
+        assert "1 passed" in obs.content, obs.content
+        ep.step(call("submit"))
+        r = ep.grade()
+    assert r.reward == 1.0 and r.flags == [] and r.passed == 1
+    with Episode(task) as ep:
+        ep.step(call("submit"))
+        r = ep.grade()
+    assert r.reward == 0.0 and r.failed == 1 and not r.flags
