@@ -1,0 +1,71 @@
+"""Report progress and results from an engine entry point, through Dagster Pipes when present.
+
+When the process was launched by Dagster Pipes (``DAGSTER_PIPES_CONTEXT`` is set and the
+``dagster_pipes`` package imports), rank 0 opens the Pipes session and forwards logs, asset
+materializations and custom messages. Otherwise log lines go to stderr and ``result`` prints
+the final JSON summary as the last line of stdout. Ranks other than 0 stay silent.
+This is the only engine module that may import ``dagster_pipes`` (never ``dagster``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+
+class Reporter:
+    def __init__(self, rank: int | None = None):
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.pipes = None
+
+    def __enter__(self) -> "Reporter":
+        if self.rank == 0 and os.environ.get("DAGSTER_PIPES_CONTEXT"):
+            try:
+                from dagster_pipes import open_dagster_pipes
+            except ImportError:
+                pass
+            else:
+                self.pipes = open_dagster_pipes()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pipes is not None:
+            self.pipes.__exit__(*exc)
+            self.pipes = None
+
+    def log(self, msg: str) -> None:
+        if self.rank != 0:
+            return
+        if self.pipes is not None:
+            self.pipes.log.info(msg)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def progress(self, msg: str) -> None:
+        """A progress line: stdout, and the Dagster log when under Pipes."""
+        if self.rank != 0:
+            return
+        print(msg, flush=True)
+        if self.pipes is not None:
+            self.pipes.log.info(msg)
+
+    def report_asset_materialization(self, metadata: dict[str, Any],
+                                     asset_key: str | None = None) -> None:
+        if self.rank == 0 and self.pipes is not None:
+            self.pipes.report_asset_materialization(metadata=metadata, asset_key=asset_key)
+
+    def report_custom_message(self, payload: Any) -> None:
+        if self.rank == 0 and self.pipes is not None:
+            self.pipes.report_custom_message(payload)
+
+    def result(self, summary: dict[str, Any]) -> None:
+        """The final summary: a Pipes custom message (the launching asset turns it into its
+        materialization), else the last line of stdout."""
+        if self.rank != 0:
+            return
+        if self.pipes is None:
+            print(json.dumps(summary, default=str), flush=True)
+        else:
+            self.pipes.report_custom_message(summary)

@@ -1,0 +1,236 @@
+"""Token shards: pack documents into Megatron-style ``.bin``/``.idx`` files and stream them.
+
+Layout of a shard directory::
+
+    train.bin  train.idx  val.bin  val.idx  summary.json
+
+``<split>.bin`` is the token stream of every document of that split, each document followed
+by one EOS token, as little-endian uint16 (vocab < 65,536) or uint32. ``<split>.idx`` is::
+
+    header   struct "<8sIIQ": magic b"CDTOKIDX", version 1, dtype code (2 = uint16,
+             4 = uint32; the item size in bytes), doc count N
+    offsets  int64[N + 1]: start of each document in tokens; offsets[N] = total tokens
+
+Train/val membership is a deterministic hash of the document id (independent of the seed, so
+a document never moves between splits). The mixture gives each document a weight looked up by
+language, then source, then ``"replay"`` (non-code text: Markdown, reST, plain text, ...),
+then ``"*"`` (default 1.0): the integer part is a number of copies and the fractional part the
+probability of one more, drawn from a hash of (seed, doc id). Validation keeps one copy of
+every document whose weight is > 0, so it measures the natural distribution.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import time
+from collections import Counter
+from typing import Iterable, Iterator
+
+import numpy as np
+
+IDX_MAGIC = b"CDTOKIDX"
+IDX_VERSION = 1
+IDX_HEADER = struct.Struct("<8sIIQ")
+REPLAY_LANGUAGES = {"markdown", "restructuredtext", "rst", "text", "plain text", "txt",
+                    "html", "asciidoc", "tex", "org"}
+
+
+def _unit(*parts) -> float:
+    """A deterministic number in [0, 1) from the parts."""
+    h = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") / 2**64
+
+
+def is_replay(language: str | None) -> bool:
+    return (language or "").strip().lower() in REPLAY_LANGUAGES
+
+
+def mixture_weight(mixture: dict[str, float] | None, source: str, language: str) -> float:
+    if not mixture:
+        return 1.0
+    for key in (language, source, "replay" if is_replay(language) else None, "*"):
+        if key is not None and key in mixture:
+            return float(mixture[key])
+    return 1.0
+
+
+def copies(weight: float, doc_id: str, seed: int) -> int:
+    whole = int(weight)
+    return whole + (1 if _unit(seed, "mix", doc_id) < weight - whole else 0)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size < 65536 else np.dtype(np.uint32)
+
+
+class _ShardWriter:
+    def __init__(self, out_dir: str, split: str, dtype: np.dtype):
+        self.path = os.path.join(out_dir, split)
+        self.dtype = dtype
+        self.f = open(self.path + ".bin.tmp", "wb")
+        self.offsets = [0]
+
+    def add(self, tokens: np.ndarray) -> None:
+        self.f.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self.offsets.append(self.offsets[-1] + len(tokens))
+
+    def close(self) -> None:
+        self.f.close()
+        with open(self.path + ".idx.tmp", "wb") as f:
+            f.write(IDX_HEADER.pack(IDX_MAGIC, IDX_VERSION, self.dtype.itemsize,
+                                    len(self.offsets) - 1))
+            f.write(np.asarray(self.offsets, dtype=np.int64).tobytes())
+        os.replace(self.path + ".bin.tmp", self.path + ".bin")
+        os.replace(self.path + ".idx.tmp", self.path + ".idx")
+
+
+def read_idx(path: str) -> tuple[np.dtype, np.ndarray]:
+    """(token dtype, int64 document offsets) of an ``.idx`` file."""
+    with open(path, "rb") as f:
+        magic, version, code, n = IDX_HEADER.unpack(f.read(IDX_HEADER.size))
+        if magic != IDX_MAGIC or version != IDX_VERSION:
+            raise ValueError(f"{path}: not a token index (magic {magic!r}, version {version})")
+        offsets = np.frombuffer(f.read(8 * (n + 1)), dtype=np.int64)
+    return np.dtype({2: np.uint16, 4: np.uint32}[code]), offsets
+
+
+def load_tokens(prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    """(memory-mapped token stream, document offsets) of a ``<prefix>.bin``/``.idx`` pair."""
+    dtype, offsets = read_idx(prefix + ".idx")
+    if offsets[-1] == 0:
+        return np.zeros(0, dtype=dtype), offsets
+    return np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(int(offsets[-1]),)), offsets
+
+
+def pack_documents(docs: Iterable[tuple[str, str, str, str]], tokenizer, out_dir: str,
+                   val_fraction: float = 0.01, mixture: dict[str, float] | None = None,
+                   seed: int = 0, batch_docs: int = 512) -> dict:
+    """Tokenize ``(doc_id, text, source, language)`` rows into train/val shards in ``out_dir``.
+
+    ``tokenizer`` is a transformers fast tokenizer or a path to one. Returns (and writes as
+    ``summary.json``) counters: docs in/train/val/dropped, tokens train/val, bytes in,
+    seconds, MB/s, tokens per language and per source (train), replay tokens and share.
+    """
+    if isinstance(tokenizer, str):
+        from .tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(tokenizer)
+    backend = tokenizer.backend_tokenizer  # the Rust tokenizer: batch encode in parallel
+    eos = tokenizer.eos_token_id
+    vocab = len(tokenizer)
+    dtype = token_dtype(vocab)
+    os.makedirs(out_dir, exist_ok=True)
+    writers = {s: _ShardWriter(out_dir, s, dtype) for s in ("train", "val")}
+    c = Counter()
+    by_lang, by_source = Counter(), Counter()
+    t0 = time.perf_counter()
+
+    def flush(batch):
+        encs = backend.encode_batch([b[1] for b in batch], add_special_tokens=False)
+        for (doc_id, _, source, language, n, split), enc in zip(batch, encs):
+            toks = np.empty(len(enc.ids) + 1, dtype=np.int64)
+            toks[:-1] = enc.ids
+            toks[-1] = eos
+            for _ in range(n):
+                writers[split].add(toks)
+            c[f"tokens_{split}"] += n * len(toks)
+            c[f"docs_{split}"] += 1
+            if split == "train":
+                by_lang[language] += n * len(toks)
+                by_source[source] += n * len(toks)
+                c["replay_tokens"] += n * len(toks) if is_replay(language) else 0
+
+    batch = []
+    for doc_id, text, source, language in docs:
+        c["docs_in"] += 1
+        c["bytes_in"] += len(text.encode("utf-8", "surrogatepass"))
+        weight = mixture_weight(mixture, source, language)
+        split = "val" if _unit("split", doc_id) < val_fraction else "train"
+        n = (1 if weight > 0 else 0) if split == "val" else copies(weight, doc_id, seed)
+        if n == 0:
+            c["docs_dropped"] += 1
+            continue
+        batch.append((doc_id, text, source, language, n, split))
+        if len(batch) >= batch_docs:
+            flush(batch)
+            batch = []
+    if batch:
+        flush(batch)
+    for w in writers.values():
+        w.close()
+    seconds = time.perf_counter() - t0
+    summary = {
+        "docs_in": c["docs_in"], "docs_train": c["docs_train"], "docs_val": c["docs_val"],
+        "docs_dropped": c["docs_dropped"], "tokens_train": c["tokens_train"],
+        "tokens_val": c["tokens_val"], "bytes_in": c["bytes_in"],
+        "seconds": round(seconds, 3), "mb_per_s": round(c["bytes_in"] / 1e6 / max(seconds, 1e-9), 3),
+        "tokens_by_language": dict(by_lang.most_common()),
+        "tokens_by_source": dict(by_source.most_common()),
+        "replay_tokens": c["replay_tokens"],
+        "replay_share": round(c["replay_tokens"] / max(c["tokens_train"], 1), 4),
+        "dtype": dtype.name, "vocab_size": vocab, "eos_token_id": eos,
+        "val_fraction": val_fraction, "mixture": mixture or {}, "seed": seed,
+    }
+    with open(os.path.join(out_dir, "summary.json.tmp"), "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(os.path.join(out_dir, "summary.json.tmp"), os.path.join(out_dir, "summary.json"))
+    return summary
+
+
+class TokenShardDataset:
+    """Fixed-length samples of ``seq_len + 1`` tokens over a shard's token stream.
+
+    Sample ``j`` of an epoch is the window ``tokens[j*seq_len : j*seq_len + seq_len + 1]``
+    (consecutive windows share one token, so every token is a target exactly once). Global
+    sample ``g`` is window ``perm_e[g % n]`` of epoch ``e = g // n`` (``perm_e`` the identity,
+    or a permutation seeded by ``(shuffle_seed, e)``); rank ``r`` of ``world_size`` gets the
+    global samples ``g >= start_sample`` with ``g % world_size == r``. ``start_sample`` is the
+    number of global samples already consumed, so a run resumes at the exact sample.
+    Iteration cycles through epochs forever unless ``epochs`` is given.
+    """
+
+    def __init__(self, prefix: str, seq_len: int, rank: int = 0, world_size: int = 1,
+                 start_sample: int = 0, shuffle_seed: int | None = None,
+                 epochs: int | None = None):
+        self.tokens, self.doc_offsets = load_tokens(prefix)
+        self.seq_len, self.rank, self.world_size = seq_len, rank, world_size
+        self.start_sample, self.shuffle_seed, self.epochs = start_sample, shuffle_seed, epochs
+        self.num_samples = max(0, (len(self.tokens) - 1) // seq_len)
+        if self.num_samples == 0:
+            raise ValueError(f"{prefix}: {len(self.tokens)} tokens, fewer than seq_len + 1")
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def window(self, g: int) -> int:
+        epoch, j = divmod(g, self.num_samples)
+        if self.shuffle_seed is None:
+            return j
+        if self._perm is None or self._perm[0] != epoch:
+            rng = np.random.default_rng([self.shuffle_seed, epoch])
+            self._perm = (epoch, rng.permutation(self.num_samples))
+        return int(self._perm[1][j])
+
+    def __getitem__(self, g: int) -> np.ndarray:
+        start = self.window(g) * self.seq_len
+        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+
+    def indices(self) -> Iterator[int]:
+        g = self.start_sample + (self.rank - self.start_sample) % self.world_size
+        end = None if self.epochs is None else self.epochs * self.num_samples
+        while end is None or g < end:
+            yield g
+            g += self.world_size
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for g in self.indices():
+            yield self[g]
+
+    def batches(self, batch_size: int) -> Iterator[np.ndarray]:
+        """Stacked ``[batch_size, seq_len + 1]`` int64 arrays (the last partial one dropped)."""
+        buf = []
+        for sample in self:
+            buf.append(sample)
+            if len(buf) == batch_size:
+                yield np.stack(buf)
+                buf = []

@@ -1,0 +1,440 @@
+"""Mid-training (continued pre-training on code) with DeepSpeed ZeRO.
+
+    python -m composer_dag.train.midtrain --config run.json [--set key=json_value ...]
+    torchrun --nproc-per-node N -m composer_dag.train.midtrain --config run.json
+    deepspeed --num_gpus N --module composer_dag.train.midtrain --config run.json
+
+On CPU: fp32, ``DS_ACCELERATOR=cpu``, gloo. On GPU: bf16 (when ``bf16`` is null/auto), NCCL.
+Everything lands in ``out_dir``::
+
+    metrics.jsonl               one JSON line per log step ({"step","loss","lr","tokens",
+                                "tokens_per_s",...}) and per eval ({"step","val_loss","val_ppl"})
+    checkpoints/step_0000005/   DeepSpeed engine state (model, ZeRO optimizer partitions, LR
+                                scheduler), trainer_state.json (step, samples, rng states,
+                                loss and eval history), hf/ (a Hugging Face export)
+    latest                      {"tag","step","samples"}, written last, atomically: the
+                                checkpoint to resume from
+    hf/                         the final Hugging Face model directory
+    result.json                 the run summary (also the last stdout line / Pipes message)
+
+Resume: a run whose ``out_dir`` has ``latest`` loads that checkpoint and continues at the
+exact global sample, so an interrupted run ends where an uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import json
+import logging
+import math
+import os
+import pickle
+import random
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..pipes import Reporter
+from .data import TokenShardDataset
+from .model import atomic_dir, copy_tokenizer_files, param_count, save_hf_dir
+
+
+@dataclass
+class MidtrainConfig:
+    model_dir: str                  # Hugging Face directory of the base model (+ tokenizer)
+    data_dir: str                   # shard directory: train.bin/.idx, val.bin/.idx
+    out_dir: str
+    seq_len: int = 256
+    micro_batch: int = 8            # samples per rank per forward
+    grad_accum: int = 1
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 20
+    schedule: str = "cosine"        # "cosine" | "wsd" (warmup, stable, linear decay)
+    decay_frac: float = 0.2         # wsd: the last fraction of steps that decays
+    max_steps: int = 200            # optimizer steps
+    max_tokens: int | None = None   # if set, also stop after this many tokens
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    zero_stage: int = 2
+    bf16: bool | None = None        # None: bf16 on a GPU with bf16, fp32 otherwise
+    eval_every: int = 50            # steps; validation also runs at step 0 and at the end
+    eval_batches: int = 8           # micro-batches per rank per validation
+    save_every: int = 100           # steps; a checkpoint is also written at the end
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    shuffle: bool = True            # shuffle sample order per epoch (seeded)
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MidtrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown MidtrainConfig fields: {sorted(unknown)}")
+        cfg = cls(**d)
+        if cfg.schedule not in ("cosine", "wsd"):
+            raise ValueError(f"schedule must be 'cosine' or 'wsd', not {cfg.schedule!r}")
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str, overrides: dict | None = None) -> "MidtrainConfig":
+        with open(path) as f:
+            return cls.from_dict({**json.load(f), **(overrides or {})})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def total_steps(self, world_size: int) -> int:
+        if self.max_tokens is None:
+            return self.max_steps
+        per_step = self.seq_len * self.micro_batch * self.grad_accum * world_size
+        return min(self.max_steps, math.ceil(self.max_tokens / per_step))
+
+
+def lr_factor(cfg: MidtrainConfig, total_steps: int):
+    """LR multiplier for LambdaLR: linear warmup, then cosine or WSD down to ``min_lr``."""
+    floor = cfg.min_lr / cfg.lr
+
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "cosine":
+            t = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+        decay_start = max(cfg.warmup_steps, int(total_steps * (1 - cfg.decay_frac)))
+        if step < decay_start:
+            return 1.0
+        t = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
+        return 1 - (1 - floor) * t
+
+    return f
+
+
+def ds_config(cfg: MidtrainConfig, bf16: bool, gpu: bool = False) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage, "contiguous_gradients": True,
+                              "overlap_comm": gpu},
+        "bf16": {"enabled": bf16},
+        "zero_allow_untested_optimizer": True,  # torch AdamW as the client optimizer
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed() -> tuple[int, int, "torch.device"]:
+    """Initialise torch.distributed the DeepSpeed way; works without a launcher too."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
+
+
+def lm_loss(model, x):
+    import torch.nn.functional as F
+
+    logits = model(input_ids=x[:, :-1], use_cache=False).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+
+
+def val_samples_per_rank(cfg: MidtrainConfig, world: int) -> int:
+    """How many val samples each rank evaluates (0: no usable validation split)."""
+    prefix = os.path.join(cfg.data_dir, "val")
+    if not os.path.exists(prefix + ".idx"):
+        return 0
+    try:
+        n = TokenShardDataset(prefix, cfg.seq_len).num_samples
+    except ValueError:  # fewer than seq_len + 1 tokens
+        return 0
+    return min(cfg.eval_batches * cfg.micro_batch, n // world)
+
+
+def evaluate(engine, cfg: MidtrainConfig, rank: int, world: int, device) -> float | None:
+    """Mean token loss on the first val samples (same count on every rank); None if no val."""
+    import torch
+    import torch.distributed as dist
+
+    per_rank = val_samples_per_rank(cfg, world)
+    if per_rank == 0:
+        return None
+    ds = TokenShardDataset(os.path.join(cfg.data_dir, "val"), cfg.seq_len)
+    idx = [rank + k * world for k in range(per_rank)]
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    engine.eval()
+    with torch.no_grad():
+        for i in range(0, len(idx), cfg.micro_batch):
+            x = torch.from_numpy(np.stack([ds[g] for g in idx[i:i + cfg.micro_batch]]))
+            n = x[:, 1:].numel()
+            total += torch.tensor([lm_loss(engine, x.to(device)).item() * n, n],
+                                  dtype=torch.float64, device=device)
+    engine.train()
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+# ---- trainer state ---------------------------------------------------------------------
+def _pack(obj) -> str:
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+def _unpack(s: str):
+    return pickle.loads(base64.b64decode(s))
+
+
+def rng_state() -> dict:
+    import torch
+
+    return {"python": _pack(random.getstate()), "numpy": _pack(np.random.get_state()),
+            "torch": _pack(torch.get_rng_state())}
+
+
+def set_rng_state(state: dict) -> None:
+    import torch
+
+    random.setstate(_unpack(state["python"]))
+    np.random.set_state(_unpack(state["numpy"]))
+    torch.set_rng_state(_unpack(state["torch"]))
+
+
+def write_json_atomic(path: str, obj) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_latest(out_dir: str) -> dict | None:
+    path = os.path.join(out_dir, "latest")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _trim_metrics(path: str, step: int) -> None:
+    """Drop metric lines past ``step`` (written after the checkpoint a run resumes from)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+# ---- the run ---------------------------------------------------------------------------
+def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    rank, world, device = setup_distributed()
+    rep = rep or Reporter(rank)
+    import deepspeed
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+    bf16 = cfg.bf16 if cfg.bf16 is not None else (
+        device.type == "cuda" and torch.cuda.is_bf16_supported())
+    total_steps = cfg.total_steps(world)
+    samples_per_step = cfg.micro_batch * cfg.grad_accum * world
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
+    n_params = param_count(model)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg, total_steps))
+    engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                               config=ds_config(cfg, bf16, device.type == "cuda"))
+
+    ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
+    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    os.makedirs(ckpt_root, exist_ok=True)
+    step, samples, history, evals = 0, 0, [], []
+    latest = read_latest(cfg.out_dir)
+    if latest:
+        engine.load_checkpoint(ckpt_root, tag=latest["tag"])
+        with open(os.path.join(ckpt_root, latest["tag"], "trainer_state.json")) as f:
+            st = json.load(f)
+        step, samples, history, evals = st["step"], st["samples"], st["loss_history"], st["evals"]
+        set_rng_state(st["rng"])
+        if rank == 0:
+            _trim_metrics(metrics_path, step)
+        rep.log(f"resumed from {latest['tag']}: step {step}, sample {samples}")
+
+    def log_metrics(rec: dict) -> None:
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def run_eval() -> None:
+        loss = evaluate(engine, cfg, rank, world, device)
+        ppl = None if loss is None else math.exp(min(loss, 50))
+        rec = {"step": step, "val_loss": loss, "val_ppl": ppl}
+        evals.append(rec)
+        log_metrics(rec)
+        if loss is not None:
+            rep.progress(f"step {step:>6} val_loss {loss:.4f} val_ppl {ppl:.2f}")
+
+    def save() -> str:
+        tag = f"step_{step:07d}"
+        engine.save_checkpoint(ckpt_root, tag=tag, save_latest=False)
+        full = engine._zero3_consolidated_16bit_state_dict() if cfg.zero_stage == 3 else None
+        if rank == 0:
+            engine.module.config.dtype = "bfloat16" if bf16 else "float32"
+            save_hf_dir(engine.module, os.path.join(ckpt_root, tag, "hf"),
+                        tokenizer_dir=cfg.model_dir, state_dict=full)
+            write_json_atomic(os.path.join(ckpt_root, tag, "trainer_state.json"), {
+                "step": step, "samples": samples, "tokens": samples * cfg.seq_len,
+                "world_size": world, "rng": rng_state(), "loss_history": history,
+                "evals": evals, "config": cfg.to_dict()})
+        dist.barrier()
+        if rank == 0:
+            write_json_atomic(os.path.join(cfg.out_dir, "latest"),
+                              {"tag": tag, "step": step, "samples": samples})
+            tags = sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))
+            for old in tags[:-cfg.keep_checkpoints]:
+                shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
+        return tag
+
+    if not evals:
+        if val_samples_per_rank(cfg, world) == 0:
+            rep.log(f"no usable validation split in {cfg.data_dir}: validation is skipped")
+        run_eval()
+    data = TokenShardDataset(os.path.join(cfg.data_dir, "train"), cfg.seq_len, rank, world,
+                             start_sample=samples,
+                             shuffle_seed=cfg.seed if cfg.shuffle else None).batches(cfg.micro_batch)
+    rep.log(f"midtrain: {n_params:,} params, world {world}, {'bf16' if bf16 else 'fp32'}, "
+            f"ZeRO-{cfg.zero_stage}, steps {step}->{total_steps}, "
+            f"{samples_per_step * cfg.seq_len} tokens/step")
+    train_time, run_tokens, win_time, win_tokens = 0.0, 0, 0.0, 0
+    loss_acc, n_acc = torch.zeros((), device=device), 0
+    tag = latest["tag"] if latest else None
+    t_start = time.perf_counter()
+    while step < total_steps:
+        t0 = time.perf_counter()
+        for _ in range(cfg.grad_accum):
+            x = torch.from_numpy(next(data)).to(device, non_blocking=True)
+            loss = lm_loss(engine, x)
+            engine.backward(loss)
+            engine.step()
+            loss_acc += loss.detach() / cfg.grad_accum
+        step += 1
+        n_acc += 1
+        samples += samples_per_step
+        win_tokens += samples_per_step * cfg.seq_len
+        if step % cfg.log_every == 0 or step == total_steps:
+            dist.all_reduce(loss_acc)
+            loss_val = loss_acc.item() / world / n_acc
+            loss_acc.zero_()
+            n_acc = 0
+            win_time += time.perf_counter() - t0
+            train_time, run_tokens = train_time + win_time, run_tokens + win_tokens
+            rec = {"step": step, "loss": loss_val, "lr": sched.get_last_lr()[0],
+                   "tokens": samples * cfg.seq_len, "tokens_per_s": win_tokens / win_time,
+                   "elapsed_s": round(time.perf_counter() - t_start, 3)}
+            history.append([step, loss_val])
+            log_metrics(rec)
+            rep.progress(f"step {step:>6}/{total_steps} loss {loss_val:.4f} lr {rec['lr']:.2e} "
+                         f"tok/s {rec['tokens_per_s']:,.0f}")
+            win_time, win_tokens = 0.0, 0
+        else:
+            win_time += time.perf_counter() - t0
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps:
+            if not evals or evals[-1]["step"] != step:
+                run_eval()
+        if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps:
+            tag = save()
+
+    if tag is None:  # nothing to train (already done, or max_steps 0): still leave a checkpoint
+        tag = save()
+    hf_dir = os.path.join(cfg.out_dir, "hf")
+    result = {
+        "steps": step, "total_steps": total_steps, "world_size": world,
+        "tokens_seen": samples * cfg.seq_len, "samples_seen": samples,
+        "tokens_this_run": run_tokens, "train_seconds": round(train_time, 3),
+        "tokens_per_s": run_tokens / train_time if train_time else None,
+        "val_loss_before": evals[0]["val_loss"], "val_ppl_before": evals[0]["val_ppl"],
+        "val_loss_after": evals[-1]["val_loss"], "val_ppl_after": evals[-1]["val_ppl"],
+        "loss_curve": history, "evals": evals, "hf_dir": hf_dir, "checkpoint": tag,
+        "params": n_params, "precision": "bf16" if bf16 else "fp32",
+        "zero_stage": cfg.zero_stage, "config": cfg.to_dict(),
+    }
+    if rank == 0:
+        with atomic_dir(hf_dir) as tmp:
+            src = os.path.join(ckpt_root, tag, "hf")
+            for name in os.listdir(src):
+                shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
+        write_json_atomic(os.path.join(cfg.out_dir, "result.json"), result)
+    dist.barrier()
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description="Mid-training with DeepSpeed")
+    p.add_argument("--config", required=True, help="MidtrainConfig as JSON")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="override a config field, e.g. --set max_steps=50")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                   help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    args = p.parse_args(argv)
+    overrides = {}
+    for kv in args.set:
+        k, v = kv.split("=", 1)
+        try:
+            overrides[k] = json.loads(v)
+        except json.JSONDecodeError:
+            overrides[k] = v
+    cfg = MidtrainConfig.from_json(args.config, overrides)
+    with Reporter() as rep:
+        result = train(cfg, rep)
+        rep.result(result)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()

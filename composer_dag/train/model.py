@@ -1,0 +1,144 @@
+"""Base model: a small Llama built from a named config, saved as a Hugging Face directory.
+
+The directory (config.json, model.safetensors, generation_config.json, tokenizer files) loads
+with ``transformers.AutoModelForCausalLM.from_pretrained`` and with vLLM (Llama architecture,
+untied embeddings).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from typing import Iterator
+
+CONFIGS: dict[str, dict] = {
+    # ~7.4M parameters at vocab 8192 (embeddings 4.2M, 4 blocks of 0.79M)
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4, intermediate_size=688, max_position_embeddings=512),
+    # ~34M parameters at vocab 8192
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=8, intermediate_size=1376, max_position_embeddings=1024),
+    # ~1B parameters at vocab 32k: the scale-out shape for GPU nodes
+    "gpu-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                   num_key_value_heads=8, intermediate_size=5504, max_position_embeddings=4096,
+                   rope_theta=500000.0),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt",
+                   "added_tokens.json")
+
+
+def default_dtype() -> str:
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+
+
+def llama_config(config_name: str, tokenizer, dtype: str | None = None, **overrides):
+    from transformers import LlamaConfig
+
+    if config_name not in CONFIGS:
+        raise ValueError(f"unknown model config {config_name!r}; known: {sorted(CONFIGS)}")
+    cfg = dict(CONFIGS[config_name], vocab_size=len(tokenizer), tie_word_embeddings=False,
+               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id, rms_norm_eps=1e-5, attention_dropout=0.0,
+               hidden_act="silu", initializer_range=0.02)
+    cfg.update(overrides)
+    config = LlamaConfig(**cfg)
+    config.dtype = dtype or default_dtype()
+    return config
+
+
+def param_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: str) -> Iterator[str]:
+    """Yield a temporary sibling directory; on success it replaces ``out_dir`` in one rename."""
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        if os.path.isdir(out_dir):
+            old = tmp + ".old"
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_tokenizer_files(src_dir: str, dst_dir: str) -> None:
+    for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(src_dir, name)):
+            shutil.copy2(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+
+
+def _legacy_config_keys(path: str) -> None:
+    """Also spell dtype and rope theta the way older transformers and vLLM readers expect."""
+    with open(path) as f:
+        cfg = json.load(f)
+    if "dtype" in cfg:
+        cfg.setdefault("torch_dtype", cfg["dtype"])
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None:
+        cfg.setdefault("rope_theta", theta)
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def save_hf_dir(model, out_dir: str, tokenizer_dir: str | None = None, tokenizer=None,
+                state_dict=None) -> str:
+    """Write ``model`` (weights, config, generation config) and tokenizer files atomically."""
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        _legacy_config_keys(os.path.join(tmp, "config.json"))
+        if tokenizer_dir:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+        elif tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return out_dir
+
+
+def build_base_model(config_name: str, tokenizer, out_dir: str, seed: int = 0,
+                     dtype: str | None = None, **overrides) -> dict:
+    """Build a freshly initialised Llama from ``CONFIGS[config_name]`` and save it to ``out_dir``.
+
+    ``tokenizer`` is a tokenizer directory (its files are copied as they are) or a tokenizer
+    object. ``overrides`` go into the ``LlamaConfig``. Returns path, param count and config.
+    """
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    from .tokenizer import load_tokenizer
+
+    tok_dir = tokenizer if isinstance(tokenizer, str) else None
+    tok = load_tokenizer(tok_dir) if tok_dir else tokenizer
+    config = llama_config(config_name, tok, dtype, **overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, config.dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, do_sample=True, temperature=0.8, top_p=0.95,
+        max_new_tokens=256)
+    save_hf_dir(model, out_dir, tokenizer_dir=tok_dir, tokenizer=None if tok_dir else tok)
+    return {"path": out_dir, "params": param_count(model), "config_name": config_name,
+            "config": config.to_dict()}
+
+
+def load_base_model(path: str, dtype: str | None = None):
+    """A causal LM from a local Hugging Face directory (float32 on CPU unless told)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype or default_dtype()))

@@ -1,0 +1,34 @@
+"""A tiny distributed payload for the cluster-resource tests: every rank records its pid,
+joins the process group, and rank 0 reports the world size through Pipes.
+With ``--sleep S`` every rank then sleeps (to be cancelled)."""
+
+import argparse
+import os
+import time
+
+import torch.distributed as dist
+
+from composer_dag.pipes import Reporter
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--pid-dir", required=True)
+    p.add_argument("--sleep", type=float, default=0.0)
+    args = p.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    with open(os.path.join(args.pid_dir, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    with Reporter() as rep:
+        rep.log(f"rank {rank} of {world} up")
+        if args.sleep:
+            time.sleep(args.sleep)
+        dist.barrier()
+        rep.result({"world_size": world, "rank": rank})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The cluster resource: the local backend for real (torchrun through Dagster Pipes, cancellation
+stops the whole process tree); k8s and Slurm by rendering their specs (no cluster here)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from resources.cluster import ClusterResource
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _asset_for(pid_dir: str, sleep: float = 0.0):
+    @dg.asset
+    def distributed(context: dg.AssetExecutionContext, cluster: ClusterResource):
+        result = cluster.run(context, "tests.cluster_payload", ["--pid-dir", pid_dir, "--sleep", str(sleep)])
+        return dg.MaterializeResult(metadata={"world_size": result["world_size"], "rank": result["rank"]})
+
+    return distributed
+
+
+@pytest.mark.slow
+def test_local_backend_runs_torchrun_and_returns_rank0_result(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    res = dg.materialize([_asset_for(str(tmp_path))], resources={"cluster": ClusterResource(nproc_per_node=2)})
+    assert res.success
+    meta = res.get_asset_materialization_events()[0].materialization.metadata
+    assert meta["world_size"].value == 2 and meta["rank"].value == 0
+    assert sorted(p.name for p in tmp_path.glob("rank*.pid")) == ["rank0.pid", "rank1.pid"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_cancelling_the_run_stops_every_process(tmp_path):
+    """Interrupt the Dagster run while two torchrun ranks sleep: the launcher and both ranks die."""
+    script = textwrap.dedent(f"""
+        import dagster as dg
+        from resources.cluster import ClusterResource
+        from tests.test_cluster import _asset_for
+        dg.materialize([_asset_for({str(tmp_path)!r}, sleep=600)],
+                       resources={{"cluster": ClusterResource(nproc_per_node=2, grace_seconds=3)}},
+                       raise_on_error=False)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    deadline = time.monotonic() + 180
+    while len(list(tmp_path.glob("rank*.pid"))) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, "ranks never started"
+        time.sleep(0.5)
+    pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+    assert all(_alive(p) for p in pids)
+    proc.send_signal(signal.SIGINT)  # what a run termination delivers to the step
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "a rank survived the cancellation"
+
+
+def test_k8s_pod_spec_requests_gpus():
+    cluster = ClusterResource(backend="k8s", image="registry.example.com/composer:1", nproc_per_node=8,
+                              gpus_per_node=8, namespace="ml", memory="200Gi")
+    pod = cluster.render("composer_dag.train.midtrain", ["--config", "/data/c.json"])
+    assert pod["kind"] == "Pod" and pod["metadata"]["namespace"] == "ml"
+    c = pod["spec"]["containers"][0]
+    assert c["image"] == "registry.example.com/composer:1"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert c["command"][:1] == ["torchrun"] and "--nproc-per-node" in c["command"]
+    assert c["command"][-3:] == ["composer_dag.train.midtrain", "--config", "/data/c.json"]
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert "DS_ACCELERATOR" not in {e["name"] for e in c["env"]}  # GPUs: the default accelerator
+
+
+def test_slurm_script_is_multinode_torchrun():
+    cluster = ClusterResource(backend="slurm", nnodes=4, nproc_per_node=8, gpus_per_node=8, partition="gpu",
+                              account="ml", time_limit="12:00:00", shared_dir="/shared")
+    script = cluster.render("composer_dag.train.midtrain", ["--config", "/shared/c.json"])
+    assert script.startswith("#!/bin/bash")
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+                 "#SBATCH --account=ml", "#SBATCH --time=12:00:00"):
+        assert line in script
+    assert "srun torchrun --nnodes $SLURM_NNODES --nproc-per-node 8 --rdzv-backend c10d" in script
+    assert script.rstrip().endswith("-m composer_dag.train.midtrain --config /shared/c.json")
+
+
+def test_local_command_is_cpu_torchrun():
+    cluster = ClusterResource(nproc_per_node=2)
+    cmd = cluster.render("composer_dag.train.midtrain", ["--config", "c.json"])
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--nnodes"] and "--nproc-per-node" in cmd
+    assert cluster.spec("x", []).env["DS_ACCELERATOR"] == "cpu"
+
+
+def test_python_launcher_refuses_many_processes():
+    with pytest.raises(ValueError, match="one process"):
+        ClusterResource(launcher="python", nproc_per_node=2).render("m", [])
