@@ -44,12 +44,13 @@ class Reporter:
             print(msg, file=sys.stderr, flush=True)
 
     def progress(self, msg: str) -> None:
-        """A progress line: stdout, and the Dagster log when under Pipes."""
+        """A progress line: the Dagster log under Pipes, else stdout."""
         if self.rank != 0:
             return
-        print(msg, flush=True)
         if self.pipes is not None:
             self.pipes.log.info(msg)
+        else:
+            print(msg, flush=True)
 
     def report_asset_materialization(self, metadata: dict[str, Any],
                                      asset_key: str | None = None) -> None:
