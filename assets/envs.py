@@ -131,10 +131,11 @@ def split_disjoint(context: dg.AssetCheckExecutionContext, artifacts: ArtifactSt
 
 
 def eval_task_texts(context, storage) -> list[tuple[str, str]]:
-    """(task id, text) pairs of every held-out task, for the decontamination set."""
+    """(item, text) pairs of every held-out task, for the decontamination set. The item is the
+    task's source file, so every text of the tasks built from one module counts as one item."""
     out = []
     with local_copy(storage, latest_uri(context.instance, "eval_tasks")) as path:
         for d in sorted(p.parent for p in Path(path).glob("*/task.json")):
-            for i, text in enumerate(engine.task_texts(d)):
-                out.append((f"eval_tasks/{d.name}#{i}", text))
+            item = json.loads((d / "task.json").read_text()).get("source_file") or d.name
+            out.extend((f"eval_tasks:{item}", text) for text in engine.task_texts(d))
     return out

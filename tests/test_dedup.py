@@ -290,3 +290,19 @@ def test_worker_processes_give_the_same_output(tmp_path):
         res, kept, dropped, clusters, storage = _run(tmp_path / f"w{k}", rows, cfg)
         outs.append((kept, dropped, clusters, res.dropped))
     assert outs[0] == outs[1]
+
+
+def test_contamination_items_are_counted_by_name_not_by_text():
+    """A held-out module brings several texts (buggy copy, reference, hidden tests) under one
+    item; its n-grams must stay in the index (the 'shared by many items' rule is for
+    benchmark boilerplate), so a training file holding that module is caught."""
+    from composer_dag.dedup.decontam import ContaminationIndex
+
+    module = " ".join(f"word{i} value{i} token{i}" for i in range(40))
+    texts = [("eval:stdlib:mod.py", module)] * 5 + [("eval:other", "unrelated words only here " * 5)]
+    index = ContaminationIndex(texts, n=10, min_word_tokens=6, max_items=3)
+    hit = index.first_match("prefix " + module[:300])
+    assert hit is not None and hit[0] == "eval:stdlib:mod.py"
+    # the same n-grams under four different names are boilerplate and left out
+    spread = ContaminationIndex([(f"eval:{k}", module) for k in range(4)], n=10, min_word_tokens=6, max_items=3)
+    assert spread.first_match(module) is None

@@ -45,7 +45,12 @@ class ContaminationIndex:
     ) -> None:
         self.n = n
         self.texts = dict(texts)
-        per_text = [(name, np.unique(_word_ngrams(text, n, min_word_tokens))) for name, text in texts]
+        # n-grams are counted per item name, not per text: one held-out task (or module) may
+        # bring several texts that share its code, and must still count as one item
+        grouped: dict[str, list[np.ndarray]] = {}
+        for name, text in texts:
+            grouped.setdefault(name, []).append(_word_ngrams(text, n, min_word_tokens))
+        per_text = [(name, np.unique(np.concatenate(gs))) for name, gs in grouped.items()]
         if per_text:
             allg = np.concatenate([g for _, g in per_text])
             uniq, counts = np.unique(allg, return_counts=True)
