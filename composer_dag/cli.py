@@ -14,7 +14,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
 
 from composer_dag.storage import ArtifactError, Storage
 
@@ -69,6 +69,48 @@ def cmd_dedup(args: argparse.Namespace) -> dict[str, Any]:
     return dedup(inputs, out, out.root, cfg, progress=_progress).to_dict()
 
 
+def cmd_env_grade(args: argparse.Namespace) -> dict[str, Any]:
+    from composer_dag.envs.grade import grade_cli
+
+    for path, what in ((args.task_dir, "task directory"), (args.workspace_dir, "workspace")):
+        if not os.path.isdir(path):
+            raise ValueError(f"{what} {path} does not exist")
+    if not os.path.exists(os.path.join(args.task_dir, "task.json")):
+        raise ValueError(f"{args.task_dir} has no task.json: not a task directory")
+    return grade_cli(args.task_dir, args.workspace_dir)
+
+
+def cmd_sandbox_exec(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    from composer_dag.envs.sandbox import Limits, Sandbox
+
+    if not os.path.isdir(args.workspace_dir):
+        raise ValueError(f"workspace {args.workspace_dir} does not exist")
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise ValueError("no command given: composer-dag sandbox exec WORKSPACE -- CMD...")
+    with Sandbox(args.workspace_dir, Limits(timeout=args.timeout)) as sb:
+        r = sb.run(cmd)
+    sys.stdout.write(r.stdout)
+    if r.stdout and not r.stdout.endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stderr.write(r.stderr)
+    summary = {"exit_code": r.exit_code, "seconds": round(r.seconds, 3), "timed_out": r.timed_out,
+               "truncated": r.truncated, "killed_reason": r.killed_reason}
+    return summary, r.exit_code
+
+
+def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
+    from composer_dag.evals.evaluate import eval_cli
+
+    if not os.path.exists(os.path.join(args.checkpoint, "config.json")):
+        raise ValueError(f"{args.checkpoint} has no config.json: not a Hugging Face checkpoint directory")
+    if not os.path.isdir(args.tasks):
+        raise ValueError(f"tasks directory {args.tasks} does not exist")
+    opts = {"out_dir": args.out, "engine": args.engine, "samples_per_task": args.samples, "max_tasks": args.max_tasks,
+            "baseline": args.baseline, "max_turns": args.max_turns, "system_style": args.system_style}
+    return eval_cli(args.checkpoint, args.tasks, **{k: v for k, v in opts.items() if v is not None})
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="composer-dag", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -88,12 +130,31 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threshold", type=float, default=0.7)
     d.set_defaults(func=cmd_dedup)
 
-    for register in EXTRA_COMMANDS:
-        register(sub)
+    v = sub.add_parser("eval", help="evaluate a checkpoint on held-out tasks (pass@k, HumanEval, cost)")
+    v.add_argument("checkpoint", help="a Hugging Face checkpoint directory")
+    v.add_argument("--tasks", required=True, help="a directory of task directories (e.g. an eval_tasks artifact)")
+    v.add_argument("--out", default=None, help="output directory (default ./eval-<digest>)")
+    v.add_argument("--engine", choices=["vllm", "hf"], default=None)
+    v.add_argument("--samples", type=int, default=None, help="samples per task (pass@k needs k <= samples)")
+    v.add_argument("--max-tasks", type=int, default=None)
+    v.add_argument("--max-turns", type=int, default=None)
+    v.add_argument("--system-style", choices=["full", "compact"], default=None)
+    v.add_argument("--baseline", default=None, help="a summary.json to gate against")
+    v.set_defaults(func=cmd_eval)
+
+    e = sub.add_parser("env", help="RL environments").add_subparsers(dest="env_command", required=True)
+    g = e.add_parser("grade", help="grade a workspace as if submitted: reward, per-test results, cheat flags")
+    g.add_argument("task_dir")
+    g.add_argument("workspace_dir")
+    g.set_defaults(func=cmd_env_grade)
+
+    s = sub.add_parser("sandbox", help="the bubblewrap sandbox").add_subparsers(dest="sandbox_command", required=True)
+    x = s.add_parser("exec", help="run a command in the sandbox; its exit code is passed through")
+    x.add_argument("workspace_dir")
+    x.add_argument("--timeout", type=float, default=60.0)
+    x.add_argument("cmd", nargs=argparse.REMAINDER)
+    x.set_defaults(func=cmd_sandbox_exec)
     return p
-
-
-EXTRA_COMMANDS: list[Callable[[Any], None]] = []
 
 
 def main(argv: list[str] | None = None) -> int:

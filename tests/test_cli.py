@@ -58,3 +58,25 @@ def test_errors_are_one_line(tmp_path: Path):
     assert proc.stderr.strip().count("\n") == 0 and "error:" in proc.stderr
     proc = run("corpus", str(tmp_path / "does-not-exist"), "--out", str(tmp_path / "o"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_sandbox_exec_passes_exit_code(tmp_path: Path):
+    (tmp_path / "hello.txt").write_text("hi\n")
+    proc = run("sandbox", "exec", str(tmp_path), "--", "sh", "-c", "cat hello.txt; exit 7")
+    assert proc.returncode == 7
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "hi" and json.loads(lines[-1])["exit_code"] == 7
+
+
+def test_env_grade_broken_and_reference(tmp_path: Path):
+    from composer_dag.envs.grade import apply_reference
+    from composer_dag.envs.tasks import build_tasks
+
+    summary = build_tasks(tmp_path / "tasks", {"humaneval_limit": 3, "bugfix_count": 0})
+    assert summary["tasks"] == 3
+    task = sorted((tmp_path / "tasks").glob("*/*/task.json"))[0].parent
+    broken = last_json(run("env", "grade", str(task), str(task / "repo")))
+    assert broken["reward"] == 0.0 and broken["failed"] >= 1
+    ws = apply_reference(task, tmp_path / "ws")
+    good = last_json(run("env", "grade", str(task), str(ws)))
+    assert good["reward"] == 1.0 and good["flags"] == [] and good["passed"] >= 1
