@@ -47,6 +47,25 @@ def test_malformed_calls_give_error_observations(ep, bad):
     assert ep.log[-1]["ok"] is False
 
 
+@pytest.mark.parametrize("bad", [
+    {"name": ["read_file"], "arguments": {"path": "README.md"}},
+    {"name": {"tool": "read_file"}, "arguments": {"path": "README.md"}},
+    {"name": None, "arguments": {}}, {"name": 3, "arguments": {}}, {"arguments": {"path": "."}},
+    {"function": {"name": ["list_dir"], "arguments": '{"path": "."}'}},
+    {"function": {"name": {"a": 1}, "arguments": {}}}, {"function": ["list_dir"]},
+    {"name": "list_dir", "arguments": "path=."}, {"name": "list_dir", "arguments": "[1, 2]"},
+    {"name": "list_dir", "arguments": ["."]}, {"name": "list_dir", "arguments": '"."'},
+    {"name": "list_dir", "arguments": '{"path": ' + "1" * 5000 + "}"},
+    {"name": "list_dir", "arguments": "[" * 100_000},
+])
+def test_calls_with_ill_typed_name_or_arguments_give_error_observations(ep, bad):
+    obs = ep.step(bad)
+    assert obs.is_error and obs.content.startswith("Error:") and not obs.done
+    assert len(obs.content) < 1000
+    assert ep.log[-1]["ok"] is False and ep.log[-1]["tool"] is None
+    assert not ep.step(call("list_dir", path=".")).is_error  # the episode carries on
+
+
 def test_openai_style_call_with_json_string(ep):
     obs = ep.step({"type": "function", "function": {"name": "list_dir", "arguments": '{"path": "."}'}})
     assert not obs.is_error and "has_close_elements.py" in obs.content and "tests/" in obs.content

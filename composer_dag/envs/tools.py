@@ -150,14 +150,20 @@ class Episode:
         if not isinstance(call, dict):
             raise ToolError("a tool call must be an object with 'name' and 'arguments'")
         fn = call.get("function", call)
-        name, args = fn.get("name") if isinstance(fn, dict) else None, fn.get("arguments", {}) if isinstance(fn, dict) else None
+        if not isinstance(fn, dict):
+            raise ToolError("'function' must be an object with 'name' and 'arguments'")
+        name, args = fn.get("name"), fn.get("arguments", {})
+        if not isinstance(name, str):
+            # Checked before the lookup: a list or dict name is unhashable and cannot be a tool anyway.
+            raise ToolError(f"the tool name must be a string, not {type(name).__name__}; "
+                            f"available: {', '.join(_SCHEMA)}")
         if name not in _SCHEMA:
-            raise ToolError(f"unknown tool {name!r}; available: {', '.join(_SCHEMA)}")
+            raise ToolError(f"unknown tool {truncate(repr(name), 200)}; available: {', '.join(_SCHEMA)}")
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ToolError(f"arguments are not valid JSON: {e}") from None
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, over-long integers, deep nesting
+                raise ToolError(f"arguments are not valid JSON: {truncate(str(e), 300)}") from None
         if args is None:
             args = {}
         if not isinstance(args, dict):

@@ -17,7 +17,7 @@ from typing import Iterator
 CONFIGS: dict[str, dict] = {
     # ~7.4M parameters at vocab 8192 (embeddings 4.2M, 4 blocks of 0.79M)
     "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=4, intermediate_size=688, max_position_embeddings=512),
+                 num_key_value_heads=4, intermediate_size=688, max_position_embeddings=2048),
     # ~34M parameters at vocab 8192
     "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=8, intermediate_size=1376, max_position_embeddings=1024),

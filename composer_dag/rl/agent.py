@@ -1,0 +1,250 @@
+"""The agent loop: many episodes in flight, one batched ``generate`` call per turn.
+
+Each episode keeps one token stream: the rendered prompt (system + user), then for every
+turn the sampled tokens (loss mask 1, with their sampling logprobs) followed by the tool
+turn that answers them (mask 0). The stream is exactly what the policy saw, so the trainer
+scores the same tokens. Tool calls are ``<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>`` blocks; a turn without a parseable call gets an error observation and is
+counted, never raised.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..envs.tools import TOOL_SCHEMAS, Episode, EpisodeConfig, Observation
+from ..inference.engine import Completion, Engine, Sampling
+
+SYSTEM_INTRO = ("You are a coding agent working in the user's project on their machine. Act only through "
+                "tools: write each call as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. "
+                "Call submit when the work is done.")
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+NO_CALL = ("Error: no tool call found. Write a call as <tool_call>{\"name\": \"...\", \"arguments\": {...}}"
+           "</tool_call>; call submit when the work is done.")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    max_turns: int = 8              # assistant turns per episode (also capped by the task's limit)
+    max_new_tokens: int = 256       # per assistant turn
+    max_context: int = 2048         # prompt + every turn, per episode
+    temperature: float = 1.0
+    top_p: float = 1.0
+    system_style: str = "full"      # "full": the JSON tool schemas; "compact": one signature per line
+    max_calls_per_turn: int = 4
+    workers: int = 4                # threads for tool calls and grading
+    episode: EpisodeConfig = EpisodeConfig()
+
+
+def system_prompt(style: str = "full") -> str:
+    if style == "full":
+        tools = "\n".join(json.dumps(t["function"]) for t in TOOL_SCHEMAS)
+    elif style == "compact":
+        sig = lambda f: ", ".join(f"{k}: {v['type']}" for k, v in f["parameters"]["properties"].items())
+        tools = "\n".join(f"{t['function']['name']}({sig(t['function'])})" for t in TOOL_SCHEMAS)
+    else:
+        raise ValueError(f"system_style must be 'full' or 'compact', not {style!r}")
+    return f"{SYSTEM_INTRO}\nTools:\n{tools}"
+
+
+def render_prompt(tokenizer, user: str, system_style: str = "full") -> str:
+    msgs = [{"role": "system", "content": system_prompt(system_style)}, {"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def parse_tool_calls(text: str) -> tuple[list[dict], list[str], str]:
+    """(calls, errors, prose) from an assistant completion. ``errors`` holds one message per
+    block that is not a JSON object; ``prose`` is the text outside the blocks."""
+    calls, errors = [], []
+    for body in _CALL.findall(text):
+        try:
+            obj = json.loads(body.strip())
+        except json.JSONDecodeError as e:
+            errors.append(f"Error: the tool call is not valid JSON ({e.msg} at char {e.pos}).")
+            continue
+        fn = obj.get("function", obj) if isinstance(obj, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            calls.append(obj)
+        else:
+            errors.append("Error: a tool call must be a JSON object with a string 'name' and 'arguments'.")
+    prose = _CALL.sub("", text).replace("<|im_end|>", "").replace("<|endoftext|>", "").strip()
+    return calls, errors, prose
+
+
+@dataclass
+class _Run:
+    task_dir: Path
+    group_id: str
+    sample: int
+    episode: Episode
+    prompt_ids: list[int]
+    max_turns: int
+    messages: list[dict] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    malformed: int = 0
+    tool_errors: int = 0
+    finish: str = ""
+    gen_s: float = 0.0
+    tool_s: float = 0.0
+    grade_s: float = 0.0
+    result: object = None
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish)
+
+    def extend(self, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
+        self.ids += ids
+        self.mask += [mask] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+class AgentLoop:
+    """Runs groups of episodes against an ``Engine``; returns rollout records (dicts)."""
+
+    def __init__(self, engine: Engine, tokenizer, config: AgentConfig = AgentConfig()):
+        self.engine, self.tok, self.cfg = engine, tokenizer, config
+        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.stops = (self.im_end, tokenizer.eos_token_id)
+        self.newline = self._encode("\n")
+        self.pool = ThreadPoolExecutor(max(1, config.workers), thread_name_prefix="agent")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False).input_ids
+
+    def _start(self, task_dir, group_id: str, sample: int) -> _Run:
+        ep = Episode(task_dir, self.cfg.episode)
+        user = ep.prompt()
+        msgs = [{"role": "system", "content": system_prompt(self.cfg.system_style)},
+                {"role": "user", "content": user}]
+        prompt = self._encode(render_prompt(self.tok, user, self.cfg.system_style))
+        return _Run(Path(task_dir), group_id, sample, ep, prompt, min(self.cfg.max_turns, ep.max_turns), msgs)
+
+    def run(self, jobs: list[tuple[str, str, int]], version: int, seed: int = 0) -> list[dict]:
+        """``jobs``: (task_dir, group_id, sample_index). Every job becomes one rollout."""
+        runs = list(self.pool.map(lambda j: self._start(*j), jobs))
+        grading = []
+        active = runs
+        turn = 0
+        try:
+            while active:
+                for r in active:
+                    if len(r.prompt_ids) + len(r.ids) + self.cfg.max_new_tokens > self.cfg.max_context:
+                        r.finish = "max_context"
+                grading += [self.pool.submit(self._grade, r) for r in active if r.done]
+                active = [r for r in active if not r.done]
+                if not active:
+                    break
+                t0 = time.perf_counter()
+                outs = self.engine.generate(
+                    [r.prompt_ids + r.ids for r in active],
+                    Sampling(1, self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens,
+                             self.stops, seed + 7919 * turn))
+                dt = time.perf_counter() - t0
+                for r, c in zip(active, outs):
+                    r.gen_s += dt
+                list(self.pool.map(self._act, active, outs))
+                grading += [self.pool.submit(self._grade, r) for r in active if r.done]
+                active = [r for r in active if not r.done]
+                turn += 1
+            for g in grading:
+                g.result()
+        finally:
+            for r in runs:
+                r.episode.close()
+        return [self._record(r, version) for r in runs]
+
+    def _act(self, r: _Run, c: Completion) -> None:
+        r.turns += 1
+        r.extend(c.token_ids, 1, c.logprobs)
+        text = self.tok.decode(c.token_ids, skip_special_tokens=False)
+        calls, errors, prose = parse_tool_calls(text)
+        r.messages.append({"role": "assistant", "content": prose, "tool_calls": calls})
+        if c.token_ids and c.token_ids[-1] == self.tok.eos_token_id:
+            r.finish = "eos"
+            return
+        r.extend(([] if c.finish_reason == "stop" else [self.im_end]) + self.newline, 0)
+        observations: list[Observation] = [Observation(e, is_error=True) for e in errors]
+        if not calls and not errors:
+            observations.append(Observation(NO_CALL, is_error=True))
+        r.malformed += len(observations)
+        for call in calls[:self.cfg.max_calls_per_turn]:
+            obs = r.episode.step(call)
+            r.tool_s += obs.seconds
+            r.tool_errors += obs.is_error
+            observations.append(obs)
+            if obs.done:
+                break
+        tool_msgs = [{"role": "tool", "content": o.content} for o in observations]
+        r.messages += tool_msgs
+        if r.episode.done:
+            r.finish = "submit" if any(o.tool == "submit" and not o.is_error for o in observations) else "task_turn_limit"
+        elif r.turns >= r.max_turns:
+            r.finish = "max_turns"
+        if not r.done:
+            r.extend(self._encode(self.tok.apply_chat_template(tool_msgs, tokenize=False,
+                                                               add_generation_prompt=True)), 0)
+
+    def _grade(self, r: _Run) -> None:
+        t0 = time.perf_counter()
+        r.result = r.episode.grade()
+        r.grade_s = time.perf_counter() - t0
+
+    def _record(self, r: _Run, version: int) -> dict:
+        g = r.result
+        return {
+            "rollout_id": uuid.uuid4().hex[:16], "task_id": r.episode.task.get("id", r.task_dir.name),
+            "task_dir": str(r.task_dir), "group_id": r.group_id, "sample_index": r.sample,
+            "policy_version": version, "messages": json.dumps(r.messages),
+            "prompt_ids": r.prompt_ids, "completion_ids": r.ids, "loss_mask": r.mask,
+            "logprobs": r.logprobs, "reward": float(g.reward), "unflagged_reward": float(g.details.get("unflagged_reward", g.reward)),
+            "tests_passed": g.passed, "tests_failed": g.failed, "flags": list(g.flags),
+            "num_turns": r.turns, "malformed_calls": r.malformed, "tool_errors": r.tool_errors,
+            "finish": r.finish, "generated_tokens": sum(r.mask),
+            "gen_seconds": r.gen_s, "tool_seconds": r.tool_s, "grade_seconds": r.grade_s,
+            "episode_seconds": time.perf_counter() - r.t0,
+        }
+
+
+_SCHEMA = None
+
+
+def rollout_schema():
+    import pyarrow as pa
+
+    global _SCHEMA
+    if _SCHEMA is None:
+        ints, floats = pa.list_(pa.int32()), pa.list_(pa.float32())
+        _SCHEMA = pa.schema([
+            ("rollout_id", pa.string()), ("task_id", pa.string()), ("task_dir", pa.string()),
+            ("group_id", pa.string()), ("sample_index", pa.int32()), ("policy_version", pa.int64()),
+            ("messages", pa.string()), ("prompt_ids", ints), ("completion_ids", ints), ("loss_mask", pa.list_(pa.int8())),
+            ("logprobs", floats), ("reward", pa.float64()), ("unflagged_reward", pa.float64()),
+            ("tests_passed", pa.int32()), ("tests_failed", pa.int32()), ("flags", pa.list_(pa.string())),
+            ("num_turns", pa.int32()), ("malformed_calls", pa.int32()), ("tool_errors", pa.int32()),
+            ("finish", pa.string()), ("generated_tokens", pa.int32()), ("gen_seconds", pa.float64()),
+            ("tool_seconds", pa.float64()), ("grade_seconds", pa.float64()), ("episode_seconds", pa.float64()),
+            ("step", pa.int64()), ("advantage", pa.float64()), ("staleness", pa.int64()),
+        ])
+    return _SCHEMA
+
+
+def rollouts_to_table(rollouts: list[dict]):
+    """A pyarrow Table (one row per rollout); fields a record lacks are null."""
+    import pyarrow as pa
+
+    schema = rollout_schema()
+    return pa.Table.from_pylist([{k: r.get(k) for k in schema.names} for r in rollouts], schema=schema)

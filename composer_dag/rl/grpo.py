@@ -1,0 +1,75 @@
+"""GRPO pieces as plain functions: group-relative advantages, batch packing, token logprobs
+and the clipped token-level loss (with an optional KL term to a reference policy)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+
+def group_advantages(rewards: list[float], group_ids: list[str], normalize_std: bool = True,
+                     eps: float = 1e-6) -> list[float]:
+    """reward - mean of its group, divided by the group's std unless ``normalize_std`` is off."""
+    groups = defaultdict(list)
+    for r, g in zip(rewards, group_ids):
+        groups[g].append(r)
+    stats = {}
+    for g, rs in groups.items():
+        t = torch.tensor(rs, dtype=torch.float64)
+        stats[g] = (t.mean().item(), t.std(unbiased=False).item())
+    return [(r - stats[g][0]) / ((stats[g][1] + eps) if normalize_std else 1.0)
+            for r, g in zip(rewards, group_ids)]
+
+
+def pack(rollouts: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for a micro-batch. Target-aligned (length T-1) fields:
+    ``loss_mask`` (1 on sampled tokens only), ``old_logprobs``; plus ``advantages`` [B]."""
+    seqs = [list(r["prompt_ids"]) + list(r["completion_ids"]) for r in rollouts]
+    width = max(map(len, seqs))
+    B = len(seqs)
+    ids = torch.full((B, width), pad_id, dtype=torch.long)
+    att = torch.zeros((B, width), dtype=torch.long)
+    mask = torch.zeros((B, width - 1))
+    old = torch.zeros((B, width - 1))
+    for i, (r, s) in enumerate(zip(rollouts, seqs)):
+        ids[i, :len(s)] = torch.tensor(s)
+        att[i, :len(s)] = 1
+        p, n = len(r["prompt_ids"]), len(r["completion_ids"])
+        if n:
+            mask[i, p - 1:p - 1 + n] = torch.tensor(list(r["loss_mask"]), dtype=torch.float32)
+            old[i, p - 1:p - 1 + n] = torch.tensor(list(r["logprobs"]), dtype=torch.float32)
+    adv = torch.tensor([float(r["advantage"]) for r in rollouts])
+    return {"input_ids": ids, "attention_mask": att, "loss_mask": mask, "old_logprobs": old,
+            "advantages": adv}
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log p(x_t | x_<t) of every next token, under logits / temperature: [B, T-1]."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    logits = logits.float() / (temperature if temperature > 0 else 1.0)
+    return logits.log_softmax(-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              clip_eps: float = 0.2, clip_eps_high: float | None = None, ref_logp: torch.Tensor | None = None,
+              kl_coef: float = 0.0, denom: float | None = None) -> tuple[torch.Tensor, dict]:
+    """Token-level clipped surrogate (PPO-style) against the sampling logprobs, summed over
+    masked tokens and divided by ``denom`` (default: the mask's sum), plus ``kl_coef`` times
+    the k3 estimate of KL(policy || reference) on the same tokens."""
+    denom = float(denom if denom is not None else mask.sum().clamp(min=1).item())
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))
+    adv = advantages.unsqueeze(-1)
+    hi = clip_eps if clip_eps_high is None else clip_eps_high
+    surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + hi) * adv)
+    loss = -(surr * mask).sum() / denom
+    stats = {"clip_frac": ((((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + hi) & (adv > 0))).float()
+                           * mask).sum().item(),
+             "ratio_sum": (ratio.detach() * mask).sum().item(), "tokens": mask.sum().item(), "kl_sum": 0.0}
+    if ref_logp is not None and kl_coef:
+        d = (ref_logp - logp).clamp(-20, 20)
+        kl = torch.exp(d) - d - 1
+        loss = loss + kl_coef * (kl * mask).sum() / denom
+        stats["kl_sum"] = (kl.detach() * mask).sum().item()
+    return loss, stats

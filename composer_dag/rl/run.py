@@ -1,0 +1,317 @@
+"""The RL run: orchestrator (agent episodes on an inference engine), GRPO trainer, weight sync.
+
+    python -m composer_dag.rl.run --config CONFIG.json [--set key=json_value ...]
+
+Writes under ``out_dir``::
+
+    rollouts/step_0003.parquet   the rollouts the update to version 4 used (see agent.rollout_schema)
+    checkpoints/step_0000004/    DeepSpeed state, hf/ (Hugging Face export), trainer_state.json
+    latest                       {"tag", "step"}: the checkpoint a restarted run resumes from
+    weights/                     published versions: full every ``full_every``, deltas between
+    sync/v00000004/              model.safetensors the in-process engine reloads
+    metrics.jsonl                one line per update
+    hf/                          the final policy
+    result.json                  the summary (also the Pipes result / last stdout line)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..pipes import Reporter
+
+
+@dataclass
+class RLConfig:
+    policy_dir: str                 # Hugging Face checkpoint (+ tokenizer) to start from
+    tasks_dir: str                  # a directory of task directories (each with task.json)
+    out_dir: str
+    steps: int = 10                 # policy updates
+    tasks_per_step: int = 4
+    group_size: int = 8             # samples per task (a GRPO group)
+    max_turns: int = 8
+    max_new_tokens: int = 256       # per assistant turn
+    max_context: int = 2048         # tokens per episode
+    temperature: float = 1.0
+    top_p: float = 1.0
+    system_style: str = "full"      # "full" | "compact" tool listing in the system prompt
+    lr: float = 1e-5
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    kl_coef: float = 0.0
+    normalize_std: bool = True
+    micro_batch: int = 8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    zero_stage: int = 2
+    max_staleness: int = 1          # versions a batch may lag the trainer
+    async_generation: bool = True   # generate the next batch while training on this one
+    queue_size: int | None = None   # batches generated ahead (default: max(1, max_staleness))
+    engine: str = "vllm"            # "vllm" | "hf"
+    max_model_len: int = 2048
+    kv_cache_mb: int = 512          # vLLM on CPU
+    full_every: int = 5             # published weights: a full checkpoint every N versions
+    weights_uri: str | None = None  # where to publish (default out_dir/weights); s3:// works
+    save_every: int = 1             # checkpoint every N updates (and at the end)
+    keep_checkpoints: int = 2
+    workers: int = 4                # threads for tools and grading
+    torch_threads: int | None = None
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RLConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(d) - known:
+            raise ValueError(f"unknown RLConfig fields: {sorted(set(d) - known)}")
+        cfg = cls(**d)
+        if cfg.engine not in ("vllm", "hf"):
+            raise ValueError(f"engine must be 'vllm' or 'hf', not {cfg.engine!r}")
+        return cfg
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def find_tasks(tasks_dir: str) -> list[Path]:
+    dirs = sorted(p.parent for p in Path(tasks_dir).glob("*/task.json"))
+    if not dirs:
+        raise FileNotFoundError(f"no task directories (*/task.json) under {tasks_dir}")
+    return dirs
+
+
+def _stats(xs: list[float]) -> dict:
+    return {"mean": sum(xs) / len(xs), "max": max(xs), "min": min(xs), "n": len(xs)} if xs else {"n": 0}
+
+
+def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
+    import torch
+
+    from ..inference import make_engine
+    from ..storage import Storage
+    from ..train.midtrain import _trim_metrics, read_latest, write_json_atomic
+    from ..train.tokenizer import load_tokenizer
+    from .agent import AgentConfig, AgentLoop, rollouts_to_table
+    from .grpo import group_advantages
+    from .loop import Batch, RolloutSource
+    from .trainer import GRPOTrainer, TrainerConfig
+    from .weights import WeightPublisher, reconstruct, state_digest
+
+    rep = rep or Reporter()
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    out = Path(cfg.out_dir)
+    for d in ("rollouts", "checkpoints", "sync"):
+        (out / d).mkdir(parents=True, exist_ok=True)
+    store = Storage(str(out))
+    wstore = Storage(cfg.weights_uri) if cfg.weights_uri else store
+    wprefix = wstore.root if cfg.weights_uri else store.url("weights")
+    metrics_path, ckpt_root = out / "metrics.jsonl", str(out / "checkpoints")
+    tasks = find_tasks(cfg.tasks_dir)
+
+    trainer = GRPOTrainer(cfg.policy_dir, TrainerConfig(
+        lr=cfg.lr, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef,
+        normalize_std=cfg.normalize_std, micro_batch=cfg.micro_batch, batch_size=cfg.tasks_per_step * cfg.group_size,
+        weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
+        zero_stage=cfg.zero_stage, seed=cfg.seed))
+    counters = {"dropped_stale_rollouts": 0, "dropped_stale_batches": 0, "next_batch": 0}
+    engine_dir, resumed_from = cfg.policy_dir, None
+    latest = read_latest(str(out))
+    if latest:
+        st = trainer.load_checkpoint(ckpt_root, latest["tag"])
+        counters.update(st.get("counters", {}))
+        engine_dir, resumed_from = os.path.join(ckpt_root, latest["tag"], "hf"), trainer.version
+        _trim_metrics(str(metrics_path), trainer.version)
+        rep.log(f"resumed from {latest['tag']} at policy version {trainer.version}")
+
+    # The context can't exceed what the policy's position embeddings cover.
+    from ..inference.engine import model_max_len
+
+    mpe = model_max_len(cfg.policy_dir)
+    if mpe and cfg.max_model_len > mpe:
+        rep.log(f"max_model_len {cfg.max_model_len} > the policy's max_position_embeddings {mpe}: using {mpe}")
+        cfg = dataclasses.replace(cfg, max_model_len=int(mpe))
+    if cfg.max_context > cfg.max_model_len:
+        cfg = dataclasses.replace(cfg, max_context=cfg.max_model_len)
+    ekw = {"seed": cfg.seed}
+    if cfg.engine == "vllm":
+        ekw.update(max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_mb << 20)
+    engine = make_engine(cfg.engine, engine_dir, **ekw)
+    tok = load_tokenizer(cfg.policy_dir)
+    agent = AgentLoop(engine, tok, AgentConfig(
+        max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
+        temperature=cfg.temperature, top_p=cfg.top_p, system_style=cfg.system_style, workers=cfg.workers))
+    publisher = WeightPublisher(wstore, wprefix, cfg.full_every)
+
+    lock = threading.Lock()
+    live = {"version": trainer.version, "dir": None}     # newest weights for the engine
+    engine_state = {"version": trainer.version}
+    sync_seconds: list[float] = []
+
+    def sync() -> int:
+        with lock:
+            v, d = live["version"], live["dir"]
+        if d is not None and v > engine_state["version"]:
+            sync_seconds.append(engine.load_weights(d))
+            engine_state["version"] = v
+        return engine_state["version"]
+
+    def produce(index: int, version: int) -> Batch:
+        t0 = time.perf_counter()
+        rng = random.Random(cfg.seed * 1_000_003 + index)
+        chosen = rng.sample(tasks, cfg.tasks_per_step) if cfg.tasks_per_step <= len(tasks) else \
+            [rng.choice(tasks) for _ in range(cfg.tasks_per_step)]
+        jobs = [(str(t), f"b{index:05d}-{k}-{t.name}", j) for k, t in enumerate(chosen) for j in range(cfg.group_size)]
+        g0, n0 = engine.stats.seconds, engine.stats.generated_tokens
+        rollouts = agent.run(jobs, version, seed=cfg.seed * 7_919 + index * 131)
+        return Batch(index, version, rollouts, {
+            "generate": engine.stats.seconds - g0, "generated_tokens": engine.stats.generated_tokens - n0,
+            "tools": sum(r["tool_seconds"] for r in rollouts), "grade": sum(r["grade_seconds"] for r in rollouts),
+            "wall": time.perf_counter() - t0})
+
+    source = RolloutSource(produce, sync, cfg.max_staleness, cfg.async_generation, cfg.queue_size,
+                           start_index=counters["next_batch"])
+    dropped0 = (counters["dropped_stale_rollouts"], counters["dropped_stale_batches"])
+    rep.log(f"rl: {len(tasks)} tasks, {cfg.tasks_per_step}x{cfg.group_size} rollouts/step, engine {cfg.engine}, "
+            f"steps {trainer.version}->{cfg.steps}, async {cfg.async_generation}, max staleness {cfg.max_staleness}")
+    source.start()
+    publish_info: list[dict] = []
+    tag = latest["tag"] if latest else None
+    try:
+        while trainer.version < cfg.steps:
+            t_step = time.perf_counter()
+            batch = source.get(trainer.version)
+            wait_s = time.perf_counter() - t_step
+            rs, step = batch.rollouts, trainer.version
+            for r, a in zip(rs, group_advantages([r["reward"] for r in rs], [r["group_id"] for r in rs],
+                                                 cfg.normalize_std)):
+                r["advantage"], r["step"] = a, step
+            store.write_parquet(rollouts_to_table(rs), store.url("rollouts", f"step_{step:04d}.parquet"))
+            ts = trainer.train_step(rs)
+            version = trainer.version
+            t0 = time.perf_counter()
+            sd = trainer.state_dict()
+            sync_dir = trainer.save_weights(str(out / "sync" / f"v{version:08d}"), sd)
+            with lock:
+                old, live["version"], live["dir"] = live["dir"], version, sync_dir
+            save_s = time.perf_counter() - t0
+            pub = publisher.publish(version, sd)
+            publish_info.append(pub)
+            if not cfg.async_generation:
+                sync()
+            for d in sorted((out / "sync").iterdir())[:-2]:
+                shutil.rmtree(d, ignore_errors=True)
+            counters.update(next_batch=source.next_index,
+                            dropped_stale_rollouts=dropped0[0] + source.dropped_rollouts,
+                            dropped_stale_batches=dropped0[1] + source.dropped_batches)
+            n = len(rs)
+            rec = {
+                "step": version, "batch": batch.index, "policy_version": batch.version,
+                "staleness": step - batch.version, "reward_mean": sum(r["reward"] for r in rs) / n,
+                "pass_rate": sum(r["tests_failed"] == 0 and r["tests_passed"] > 0 for r in rs) / n,
+                "flag_rate": sum(bool(r["flags"]) for r in rs) / n,
+                "malformed_per_rollout": sum(r["malformed_calls"] for r in rs) / n,
+                "submit_rate": sum(r["finish"] == "submit" for r in rs) / n,
+                "turns_mean": sum(r["num_turns"] for r in rs) / n,
+                "generated_tokens": batch.seconds["generated_tokens"],
+                "gen_tokens_per_s": batch.seconds["generated_tokens"] / max(batch.seconds["generate"], 1e-9),
+                "generate_s": batch.seconds["generate"], "tools_s": batch.seconds["tools"],
+                "grade_s": batch.seconds["grade"], "rollout_wall_s": batch.seconds["wall"],
+                "sync_s": batch.seconds.get("sync", 0.0), "wait_s": wait_s, "train_s": ts["train_seconds"],
+                "save_weights_s": save_s, "publish_s": pub["seconds"], "publish_kind": pub["kind"],
+                "publish_fraction": pub["fraction"], "step_s": time.perf_counter() - t_step,
+                **{k: ts[k] for k in ("loss", "clip_frac", "ratio_mean", "kl", "grad_norm", "nan_skipped", "train_tokens")},
+                "dropped_stale_rollouts": counters["dropped_stale_rollouts"],
+            }
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if version % cfg.save_every == 0 or version == cfg.steps:
+                tag = f"step_{version:07d}"
+                trainer.save_checkpoint(ckpt_root, tag, cfg.policy_dir, {"step": version, "counters": counters})
+                write_json_atomic(str(out / "latest"), {"tag": tag, "step": version})
+                for old_tag in sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))[:-cfg.keep_checkpoints]:
+                    shutil.rmtree(os.path.join(ckpt_root, old_tag), ignore_errors=True)
+            rep.progress(f"step {version:>4}/{cfg.steps} reward {rec['reward_mean']:.3f} pass {rec['pass_rate']:.2f} "
+                         f"loss {rec['loss']:+.4f} gen {rec['gen_tokens_per_s']:.0f} tok/s staleness {rec['staleness']} "
+                         f"dropped {rec['dropped_stale_rollouts']}")
+    finally:
+        source.stop()
+        agent.close()
+
+    # the published weights of the final version must equal the trainer's, bit for bit
+    t0 = time.perf_counter()
+    final_sd = trainer.state_dict()
+    verified = state_digest(reconstruct(wstore, wprefix, trainer.version)) == state_digest(final_sd)
+    apply_s = time.perf_counter() - t0
+    if tag is None:
+        tag = f"step_{trainer.version:07d}"
+        trainer.save_checkpoint(ckpt_root, tag, cfg.policy_dir, {"step": trainer.version, "counters": counters})
+        write_json_atomic(str(out / "latest"), {"tag": tag, "step": trainer.version})
+    hf_dir = trainer.export_hf(str(out / "hf"), cfg.policy_dir)
+    engine.close()
+
+    hist = [json.loads(x) for x in open(metrics_path)] if metrics_path.exists() else []
+    gen_tok, gen_s = sum(h["generated_tokens"] for h in hist), sum(h["generate_s"] for h in hist)
+    deltas = [p["fraction"] for p in publish_info if p["kind"] == "delta"]
+    k = max(1, len(hist) // 4)
+    result = {
+        "steps": trainer.version, "resumed_from": resumed_from, "engine": cfg.engine,
+        "reward_curve": [[h["step"], h["reward_mean"]] for h in hist],
+        "reward_first": sum(h["reward_mean"] for h in hist[:k]) / k if hist else None,
+        "reward_last": sum(h["reward_mean"] for h in hist[-k:]) / k if hist else None,
+        "pass_rate": sum(h["pass_rate"] for h in hist) / len(hist) if hist else None,
+        "cheat_flag_rate": sum(h["flag_rate"] for h in hist) / len(hist) if hist else None,
+        "malformed_per_rollout": sum(h["malformed_per_rollout"] for h in hist) / len(hist) if hist else None,
+        "gen_tokens_per_s": gen_tok / gen_s if gen_s else None,
+        "step_seconds": {k2: _stats([h[k2] for h in hist]) for k2 in
+                         ("generate_s", "tools_s", "grade_s", "rollout_wall_s", "train_s", "sync_s", "wait_s",
+                          "save_weights_s", "publish_s", "step_s")},
+        "staleness": {**_stats([h["staleness"] for h in hist]),
+                      "histogram": {str(s): sum(h["staleness"] == s for h in hist) for s in
+                                    sorted({h["staleness"] for h in hist})}},
+        "max_staleness": cfg.max_staleness,
+        "dropped_stale_rollouts": counters["dropped_stale_rollouts"],
+        "dropped_stale_batches": counters["dropped_stale_batches"],
+        "weight_sync_seconds": _stats(sync_seconds),
+        "delta_fraction": _stats(deltas), "publish_seconds": _stats([p["seconds"] for p in publish_info]),
+        "reconstruct_seconds": apply_s, "weights_verified": verified, "weights_uri": wprefix,
+        "nan_loss_skipped": trainer.nan_skipped, "hf_dir": hf_dir, "checkpoint": tag, "config": cfg.to_dict(),
+    }
+    write_json_atomic(str(out / "result.json"), result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description="GRPO on agent episodes")
+    p.add_argument("--config", required=True, help="RLConfig as JSON")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON")
+    args = p.parse_args(argv)
+    with open(args.config) as f:
+        d = json.load(f)
+    for kv in args.set:
+        k, v = kv.split("=", 1)
+        try:
+            d[k] = json.loads(v)
+        except json.JSONDecodeError:
+            d[k] = v
+    cfg = RLConfig.from_dict(d)
+    with Reporter() as rep:
+        result = run(cfg, rep)
+        rep.result(result)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()

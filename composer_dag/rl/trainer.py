@@ -1,0 +1,158 @@
+"""The GRPO trainer: a DeepSpeed engine over the policy, one optimizer update per batch of
+groups; weights out as a state dict or a ``model.safetensors`` directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import grpo
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lr: float = 1e-5
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    kl_coef: float = 0.0             # > 0 loads a frozen copy of the initial policy as reference
+    normalize_std: bool = True       # divide advantages by the group's reward std
+    micro_batch: int = 8
+    batch_size: int = 32             # rollouts per update (tasks_per_step * group_size)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    temperature: float = 1.0         # sampling temperature: logprobs are of logits / temperature
+    zero_stage: int = 2
+    seed: int = 0
+
+
+class GRPOTrainer:
+    def __init__(self, model_dir: str, cfg: TrainerConfig):
+        from transformers import AutoModelForCausalLM
+
+        from ..train.midtrain import setup_distributed
+        from ..train.tokenizer import load_tokenizer
+
+        self.cfg = cfg
+        self.rank, self.world, self.device = setup_distributed()
+        import deepspeed
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        torch.manual_seed(cfg.seed)
+        self.bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.pad_id = load_tokenizer(model_dir).pad_token_id
+        self.grad_accum = max(1, math.ceil(cfg.batch_size / cfg.micro_batch))
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                weight_decay=cfg.weight_decay)
+        ds = {"train_micro_batch_size_per_gpu": cfg.micro_batch, "gradient_accumulation_steps": self.grad_accum,
+              "gradient_clipping": cfg.grad_clip, "zero_optimization": {"stage": cfg.zero_stage},
+              "bf16": {"enabled": self.bf16}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+        self.ref = None
+        if cfg.kl_coef:
+            self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
+            self.ref.requires_grad_(False)
+        self.version = 0
+        self.nan_skipped = 0
+
+    # -- the update
+    def _zero_loss(self) -> torch.Tensor:
+        return sum((p * 0).sum() for p in self.engine.module.parameters() if p.requires_grad)
+
+    def train_step(self, rollouts: list[dict]) -> dict:
+        """One optimizer update on ``rollouts`` (each with ``advantage`` set); bumps ``version``."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        rollouts = [r for r in rollouts if len(r["completion_ids"])]
+        total = float(sum(sum(r["loss_mask"]) for r in rollouts)) or 1.0
+        chunks = [rollouts[i:i + cfg.micro_batch] for i in range(0, len(rollouts), cfg.micro_batch)]
+        if len(chunks) > self.grad_accum:
+            raise ValueError(f"{len(rollouts)} rollouts exceed batch_size {cfg.batch_size}")
+        chunks += [[]] * (self.grad_accum - len(chunks))
+        agg = {"loss": 0.0, "clip_frac": 0.0, "ratio_sum": 0.0, "tokens": 0.0, "kl_sum": 0.0}
+        nan = 0
+        self.engine.train()
+        for chunk in chunks:
+            if chunk:
+                b = {k: v.to(self.device) for k, v in grpo.pack(chunk, self.pad_id).items()}
+                logp = grpo.token_logprobs(self.engine, b["input_ids"], b["attention_mask"], cfg.temperature)
+                ref = None
+                if self.ref is not None:
+                    with torch.no_grad():
+                        ref = grpo.token_logprobs(self.ref, b["input_ids"], b["attention_mask"], cfg.temperature)
+                loss, st = grpo.grpo_loss(logp, b["old_logprobs"], b["advantages"], b["loss_mask"], cfg.clip_eps,
+                                          cfg.clip_eps_high, ref, cfg.kl_coef, denom=total)
+                if torch.isfinite(loss):
+                    agg["loss"] += loss.item()
+                    for k in ("clip_frac", "ratio_sum", "tokens", "kl_sum"):
+                        agg[k] += st[k]
+                else:
+                    nan += 1
+                    loss = self._zero_loss()
+            else:
+                loss = self._zero_loss()
+            # DeepSpeed divides by the accumulation steps; the loss is already a batch mean
+            self.engine.backward(loss * self.grad_accum)
+            self.engine.step()
+        self.nan_skipped += nan
+        self.version += 1
+        n = agg["tokens"] or 1.0
+        return {"loss": agg["loss"], "clip_frac": agg["clip_frac"] / n, "ratio_mean": agg["ratio_sum"] / n,
+                "kl": agg["kl_sum"] / n, "train_tokens": int(agg["tokens"]), "nan_skipped": nan,
+                "grad_norm": _float(self.engine.get_global_grad_norm()), "train_seconds": time.perf_counter() - t0}
+
+    # -- weights out
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.engine.module.state_dict().items()}
+
+    def save_weights(self, out_dir: str, state_dict=None) -> str:
+        """``model.safetensors`` only (what an inference engine reloads), written atomically."""
+        from safetensors.torch import save_file
+
+        os.makedirs(out_dir, exist_ok=True)
+        tmp = os.path.join(out_dir, f".model.safetensors.tmp-{os.getpid()}")
+        save_file(state_dict or self.state_dict(), tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+        return out_dir
+
+    def export_hf(self, out_dir: str, tokenizer_dir: str) -> str:
+        from ..train.model import save_hf_dir
+
+        self.engine.module.config.dtype = "float32"
+        return save_hf_dir(self.engine.module, out_dir, tokenizer_dir=tokenizer_dir)
+
+    # -- checkpoints
+    def save_checkpoint(self, ckpt_root: str, tag: str, tokenizer_dir: str, state: dict) -> str:
+        from ..train.midtrain import rng_state, write_json_atomic
+
+        self.engine.save_checkpoint(ckpt_root, tag=tag, save_latest=False)
+        self.export_hf(os.path.join(ckpt_root, tag, "hf"), tokenizer_dir)
+        write_json_atomic(os.path.join(ckpt_root, tag, "trainer_state.json"), {
+            **state, "version": self.version, "nan_skipped": self.nan_skipped, "rng": rng_state(),
+            "trainer_config": asdict(self.cfg)})
+        return os.path.join(ckpt_root, tag)
+
+    def load_checkpoint(self, ckpt_root: str, tag: str) -> dict:
+        from ..train.midtrain import set_rng_state
+
+        self.engine.load_checkpoint(ckpt_root, tag=tag)
+        with open(os.path.join(ckpt_root, tag, "trainer_state.json")) as f:
+            st = json.load(f)
+        self.version, self.nan_skipped = st["version"], st["nan_skipped"]
+        set_rng_state(st["rng"])
+        return st
+
+
+def _float(x):
+    try:
+        return float(x) if x is not None else None
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,75 @@
+"""The RL run as a process: resume after SIGKILL, and the staleness bound of async generation."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from composer_dag.rl.learnable import make_learnable_setup
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return make_learnable_setup(tmp_path_factory.mktemp("rl"), n_tasks=4, seed=0, words=("red", "blue"),
+                                warmup_steps=0)
+
+
+def _config(setup, out, **kw):
+    cfg = {"policy_dir": setup["policy_dir"], "tasks_dir": setup["tasks_dir"], "out_dir": str(out),
+           "steps": 4, "tasks_per_step": 1, "group_size": 2, "max_turns": 1, "max_new_tokens": 8,
+           "max_context": 512, "lr": 1e-3, "micro_batch": 2, "system_style": "compact", "engine": "hf",
+           "torch_threads": 1, "workers": 2, "full_every": 3, "async_generation": False, **kw}
+    path = out.parent / f"{out.name}.json"
+    path.write_text(json.dumps(cfg))
+    return [sys.executable, "-m", "composer_dag.rl.run", "--config", str(path)]
+
+
+def _steps(out):
+    return [json.loads(x)["step"] for x in open(out / "metrics.jsonl")]
+
+
+def test_resume_after_kill(setup, tmp_path):
+    out = tmp_path / "run"
+    cmd = _config(setup, out)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / "latest").exists() and json.loads((out / "latest").read_text())["step"] >= 2:
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = json.loads((out / "latest").read_text())["step"]
+    assert 2 <= killed_at < 4 and not (out / "result.json").exists()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res == json.loads((out / "result.json").read_text())
+    assert res["resumed_from"] == killed_at and res["steps"] == 4 and res["weights_verified"]
+    assert _steps(out) == [1, 2, 3, 4]
+    assert sorted(os.listdir(out / "rollouts")) == [f"step_{i:04d}.parquet" for i in range(4)]
+    for i in range(4):
+        t = pq.read_table(out / "rollouts" / f"step_{i:04d}.parquet")
+        assert set(t.column("policy_version").to_pylist()) == {i}  # synchronous: always fresh
+    assert os.path.isfile(os.path.join(res["hf_dir"], "model.safetensors"))
+
+
+def test_async_staleness_bound(setup, tmp_path):
+    out = tmp_path / "async"
+    cmd = _config(setup, out, steps=3, async_generation=True, max_staleness=0, queue_size=2)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "result.json").read_text())
+    assert res["dropped_stale_rollouts"] > 0 and res["dropped_stale_rollouts"] % 2 == 0
+    assert res["staleness"]["max"] == 0 and _steps(out) == [1, 2, 3]
+    for i in range(3):  # none of the used rollouts was stale
+        t = pq.read_table(out / "rollouts" / f"step_{i:04d}.parquet")
+        assert t.column("policy_version").to_pylist() == [i, i] and t.column("staleness").to_pylist() == [0, 0]

@@ -1,0 +1,239 @@
+"""RL engine pieces without a model: tool-call parsing and malformed-call observations in the
+agent loop, GRPO advantages and loss, the staleness bound, weight deltas and digests."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from composer_dag.envs.tasks import TaskLimits
+from composer_dag.inference.engine import Completion, Engine, EngineStats
+from composer_dag.rl.agent import AgentConfig, AgentLoop, parse_tool_calls, rollouts_to_table
+from composer_dag.rl.grpo import group_advantages, grpo_loss, pack
+from composer_dag.rl.learnable import build_learnable_tasks
+from composer_dag.rl.loop import Batch, RolloutSource
+from composer_dag.rl.weights import DigestMismatch, WeightPublisher, publish, reconstruct, state_digest
+from composer_dag.storage import Storage
+
+
+# ---------------------------------------------------------------- agent loop with a scripted engine
+
+class _Tok:
+    """Character-level stand-in for the tokenizer: specials are single ids."""
+    SPECIAL = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+               "<tool_response>", "</tool_response>"]
+    eos_token_id, pad_token_id = 0, 1
+
+    def convert_tokens_to_ids(self, t):
+        return self.SPECIAL.index(t)
+
+    def __call__(self, text, add_special_tokens=False):
+        ids, i = [], 0
+        while i < len(text):
+            for k, s in enumerate(self.SPECIAL):
+                if text.startswith(s, i):
+                    ids.append(k)
+                    i += len(s)
+                    break
+            else:
+                ids.append(100 + ord(text[i]))
+                i += 1
+        return type("E", (), {"input_ids": ids})()
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.SPECIAL[t] if t < 100 else chr(t - 100) for t in ids)
+
+    def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=False):
+        s = "".join(f"<|im_start|>{m['role']}\n" + (f"<tool_response>\n{m['content']}\n</tool_response>"
+                    if m["role"] == "tool" else (m["content"] or "")) + "<|im_end|>\n" for m in msgs)
+        return s + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+class _Scripted(Engine):
+    def __init__(self, tok, turns):
+        self.tok, self.turns, self.calls = tok, turns, 0
+        self.stats = EngineStats()
+
+    def generate(self, prompts, params):
+        text = self.turns[min(self.calls, len(self.turns) - 1)]
+        self.calls += 1
+        outs = []
+        for p in prompts:
+            ids = self.tok(text).input_ids
+            outs.append(Completion(p, ids, [-0.5] * len(ids), text, "stop" if ids[-1] == 3 else "length"))
+        return self._account(outs, time.perf_counter())
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    return build_learnable_tasks(tmp_path_factory.mktemp("tasks"), 2, seed=0, words=("red", "blue"),
+                                 limits=TaskLimits(max_turns=10, command_timeout=10, test_timeout=30))
+
+
+def test_parse_tool_calls():
+    calls, errors, prose = parse_tool_calls('hi <tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>'
+                                            '<tool_call>{oops}</tool_call><tool_call>[1]</tool_call>'
+                                            '<tool_call>{"name": {"x": 1}}</tool_call><|im_end|>')
+    assert calls == [{"name": "submit", "arguments": {}}] and len(errors) == 3 and prose == "hi"
+
+
+def test_malformed_calls_get_error_observations_and_are_counted(tasks):
+    tok = _Tok()
+    word = json.loads((tasks[0] / "task.json").read_text())["reference"]["word"]
+    script = ["no call here<|im_end|>",
+              '<tool_call>{"name": "edit_file", "arguments": {"path": 3}</tool_call><|im_end|>',   # bad JSON
+              '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call><|im_end|>',             # unknown tool
+              '<tool_call>{"name": "edit_file", "arguments": {"path": "answer.txt", "old": "", "new": "'
+              + word + '"}}</tool_call><|im_end|>',
+              '<tool_call>{"name": "submit", "arguments": {}}</tool_call><|im_end|>']
+    loop = AgentLoop(_Scripted(tok, script), tok, AgentConfig(max_turns=8, max_new_tokens=200, max_context=50_000, workers=1))
+    (r,) = loop.run([(str(tasks[0]), "g", 0)], version=3)
+    loop.close()
+    assert r["finish"] == "submit" and r["num_turns"] == 5 and r["reward"] == 1.0
+    assert r["malformed_calls"] == 2 and r["tool_errors"] == 1 and r["policy_version"] == 3
+    tool_turns = [m["content"] for m in json.loads(r["messages"]) if m["role"] == "tool"]
+    assert tool_turns[0].startswith("Error: no tool call") and "not valid JSON" in tool_turns[1]
+    assert tool_turns[2].startswith("Error: unknown tool")
+    # the stream: sampled tokens masked in with their logprobs, everything else masked out
+    ids, mask, lps = r["completion_ids"], r["loss_mask"], r["logprobs"]
+    assert len(ids) == len(mask) == len(lps)
+    sampled = [t for t, m in zip(ids, mask) if m]
+    assert tok.decode(sampled) == "".join(script)
+    assert all(lp == -0.5 for lp, m in zip(lps, mask) if m) and all(lp == 0 for lp, m in zip(lps, mask) if not m)
+    assert "Error: no tool call" in tok.decode([t for t, m in zip(ids, mask) if not m])
+    t = rollouts_to_table([r])
+    assert t.num_rows == 1 and t.column("reward")[0].as_py() == 1.0
+
+
+def test_turn_budget_ends_episode(tasks):
+    tok = _Tok()
+    loop = AgentLoop(_Scripted(tok, ["thinking"]), tok, AgentConfig(max_turns=2, max_new_tokens=50, max_context=50_000, workers=1))
+    rs = loop.run([(str(tasks[1]), "g", 0), (str(tasks[1]), "g", 1)], version=0)
+    loop.close()
+    assert [r["finish"] for r in rs] == ["max_turns"] * 2 and all(r["reward"] == 0 for r in rs)
+    assert rs[0]["malformed_calls"] == 2
+
+
+# ---------------------------------------------------------------- GRPO
+
+def test_group_advantages():
+    adv = group_advantages([1, 0, 0, 0, 1, 1], ["a", "a", "b", "b", "c", "c"])
+    assert adv[0] > 0 > adv[1] and adv[2] == adv[3] == 0 and adv[4] == adv[5] == 0
+    raw = group_advantages([1, 0, 0, 0], ["a", "a", "a", "a"], normalize_std=False)
+    assert raw == pytest.approx([0.75, -0.25, -0.25, -0.25])
+
+
+def test_grpo_loss_clips_and_masks():
+    logp = torch.log(torch.tensor([[0.5, 0.9, 0.1]]))
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, st = grpo_loss(logp, old, torch.tensor([1.0]), mask, clip_eps=0.2)
+    assert loss.item() == pytest.approx(-(1.0 + 1.2) / 2) and st["clip_frac"] == 1
+    x = logp.clone().requires_grad_()
+    grpo_loss(x, old, torch.tensor([1.0]), mask, 0.2)[0].backward()
+    assert x.grad[0, 1] == 0 and x.grad[0, 2] == 0 and x.grad[0, 0] < 0  # clipped and masked: no gradient
+    _, st = grpo_loss(logp, old, torch.tensor([1.0]), mask, 0.2, ref_logp=old, kl_coef=0.1)
+    assert st["kl_sum"] > 0
+
+
+def test_pack_aligns_targets():
+    r = {"prompt_ids": [5, 6], "completion_ids": [7, 8, 9], "loss_mask": [1, 0, 1], "logprobs": [-1, 0, -2],
+         "advantage": 0.5}
+    b = pack([r, {**r, "prompt_ids": [5]}], pad_id=1)
+    assert b["input_ids"][0].tolist() == [5, 6, 7, 8, 9] and b["input_ids"][1].tolist() == [5, 7, 8, 9, 1]
+    assert b["loss_mask"][0].tolist() == [0, 1, 0, 1] and b["old_logprobs"][0].tolist() == [0, -1, 0, -2]
+    assert b["loss_mask"][1].tolist() == [1, 0, 1, 0]
+
+
+# ---------------------------------------------------------------- staleness bound
+
+def test_async_source_drops_stale_batches():
+    trainer = {"version": 0}
+    made = []
+
+    def produce(index, version):
+        time.sleep(0.05)
+        made.append(version)
+        return Batch(index, version, [{"policy_version": version} for _ in range(4)])
+
+    src = RolloutSource(produce, lambda: trainer["version"], max_staleness=0, queue_size=3).start()
+    used = []
+    for _ in range(4):
+        b = src.get(trainer["version"])
+        used.append(trainer["version"] - b.version)
+        time.sleep(0.3)  # a slow update: the generator runs ahead with the old weights
+        trainer["version"] += 1
+    src.stop()
+    assert used == [0, 0, 0, 0] and src.dropped_batches > 0 and src.dropped_rollouts == 4 * src.dropped_batches
+    assert all(s <= 0 for s in src.staleness)
+
+
+def test_sync_source_is_never_stale():
+    src = RolloutSource(lambda i, v: Batch(i, v, []), lambda: 7, max_staleness=0, async_generation=False)
+    assert src.get(7).version == 7 and src.dropped_batches == 0
+
+
+def test_generation_errors_surface():
+    def boom(i, v):
+        raise OSError("engine died")
+
+    src = RolloutSource(boom, lambda: 0).start()
+    with pytest.raises(RuntimeError, match="rollout generation failed"):
+        src.get(0)
+    src.stop()
+
+
+# ---------------------------------------------------------------- weight deltas
+
+def _states(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sd = {"w": torch.randn(300, 40, generator=g), "b": torch.randn(40, generator=g).to(torch.bfloat16),
+          "i": torch.arange(10)}
+    out = []
+    for _ in range(n):
+        out.append({k: v.clone() for k, v in sd.items()})
+        sd["w"] = sd["w"] - 1e-3 * torch.randn(300, 40, generator=g)
+        sd["b"] = (sd["b"].float() + 1e-2 * torch.randn(40, generator=g)).to(torch.bfloat16)
+        sd["w"][0, 0] = float("nan") if len(out) == 3 else sd["w"][0, 0]
+    return out
+
+
+def test_delta_round_trip_is_bit_exact(tmp_path):
+    st = Storage(str(tmp_path))
+    prefix = st.url("weights")
+    states = _states()
+    pub = WeightPublisher(st, prefix, full_every=4)
+    infos = [pub.publish(v, sd) for v, sd in enumerate(states)]
+    assert [i["kind"] for i in infos] == ["full", "delta", "delta", "delta", "full", "delta"]
+    assert all(i["fraction"] < 0.9 for i in infos if i["kind"] == "delta")
+    for v, sd in enumerate(states):
+        got = reconstruct(st, prefix, v)
+        assert state_digest(got) == state_digest(sd)
+        for k in sd:  # bit for bit, NaN payloads included
+            assert got[k].dtype == sd[k].dtype and torch.equal(got[k].view(torch.uint8) if got[k].dtype != torch.int64
+                                                               else got[k], sd[k].view(torch.uint8)
+                                                               if sd[k].dtype != torch.int64 else sd[k])
+    # without the in-memory previous version, publish reads it back from storage
+    info = publish(st, prefix, 6, states[5], full_every=4)
+    assert info["kind"] == "delta" and state_digest(reconstruct(st, prefix, 6)) == state_digest(states[5])
+
+
+def test_digest_mismatch_is_detected(tmp_path):
+    st = Storage(str(tmp_path))
+    prefix = st.url("w")
+    pub = WeightPublisher(st, prefix, full_every=10)
+    for v, sd in enumerate(_states(3)):
+        pub.publish(v, sd)
+    meta = st.read_json(prefix + "/v00000002.json")
+    meta["digest"] = "0" * 64
+    st.write_json(prefix + "/v00000002.json", meta)
+    reconstruct(st, prefix, 1)
+    with pytest.raises(DigestMismatch):
+        reconstruct(st, prefix, 2)
+    blob = bytearray(st.read_bytes(prefix + "/v00000000.full.safetensors"))
+    blob[-1] ^= 1  # corrupt a weight byte of the full checkpoint
+    st.write_bytes(prefix + "/v00000000.full.safetensors", bytes(blob))
+    with pytest.raises(DigestMismatch):
+        reconstruct(st, prefix, 1)
