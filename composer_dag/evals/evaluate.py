@@ -1,0 +1,304 @@
+"""Evaluate a checkpoint: agentic pass@k on held-out tasks through the RL harness (same
+agent loop, sandbox and grader), HumanEval function completion, validation perplexity, cost.
+
+Files written to ``out_dir``::
+
+    results.parquet     one row per task sample (checkpoint digest, task, source, sample,
+                        reward, passed, flags, tokens, seconds)
+    rollouts.parquet    the full episodes (messages, token ids), the RL rollout schema
+    humaneval.parquet   one row per HumanEval completion (when HumanEval runs)
+    summary.json        the summary ``evaluate`` returns
+    manifest.json       size and sha256 of every file above
+
+A sample *passes* when every hidden test ran and passed and no cheat flag was raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from .metrics import aggregate, pass_at_k
+
+
+@dataclass
+class EvalConfig:
+    samples_per_task: int = 8               # n: samples per task (pass@k needs k <= n)
+    ks: tuple[int, ...] = (1, 4, 8)
+    task_ids: list[str] | None = None       # a subset of tasks_dir (default: every task)
+    max_tasks: int | None = None            # the first N tasks (by id) after task_ids
+    engine: str = "vllm"                    # "vllm" | "hf"
+    max_model_len: int = 2048
+    kv_cache_mb: int = 512                  # vLLM on CPU
+    temperature: float = 1.0                # agent episodes sample like RL rollouts
+    top_p: float = 1.0
+    max_turns: int = 8
+    max_new_tokens: int = 256
+    max_context: int = 2048
+    system_style: str = "full"
+    workers: int = 4                        # threads for tools, grading and HumanEval checks
+    batch_tasks: int | None = 16            # tasks per agent-loop batch (all their samples together)
+    humaneval_ids: list[str] | None = None  # None: the HumanEval problems behind tasks_dir's humaneval tasks; []: skip
+    humaneval_samples: int = 1
+    humaneval_temperature: float = 0.0      # greedy
+    humaneval_max_tokens: int = 256
+    humaneval_timeout: float = 10.0
+    val_dir: str | None = None              # token shard directory with val.bin/.idx; None: no perplexity
+    ppl_seq_len: int = 256
+    ppl_batch_size: int = 8
+    ppl_max_batches: int | None = 16
+    torch_threads: int | None = None
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EvalConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(d) - known:
+            raise ValueError(f"unknown EvalConfig fields: {sorted(set(d) - known)}")
+        cfg = cls(**{**d, **({"ks": tuple(d["ks"])} if "ks" in d else {})})
+        if cfg.engine not in ("vllm", "hf"):
+            raise ValueError(f"engine must be 'vllm' or 'hf', not {cfg.engine!r}")
+        if cfg.samples_per_task < 1 or any(k < 1 for k in cfg.ks):
+            raise ValueError("samples_per_task and every k must be >= 1")
+        return cfg
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _config(config) -> EvalConfig:
+    if config is None:
+        return EvalConfig()
+    return EvalConfig.from_dict(config.to_dict() if isinstance(config, EvalConfig) else dict(config))
+
+
+def checkpoint_digest(checkpoint_dir) -> str:
+    """sha256 of the checkpoint's ``manifest.json`` when it has one (the storage digest),
+    else sha256 over every file's relative path and sha256, in path order."""
+    root = Path(checkpoint_dir)
+    if (root / "manifest.json").is_file():
+        return hashlib.sha256((root / "manifest.json").read_bytes()).hexdigest()
+    outer = hashlib.sha256()
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        rel = p.relative_to(root).as_posix()
+        if any(part.startswith(".") and ".tmp" in part for part in rel.split("/")):
+            continue
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        outer.update(f"{rel}\0{h.hexdigest()}\n".encode())
+    return outer.hexdigest()
+
+
+def select_tasks(tasks_dir, cfg: EvalConfig) -> list[tuple[Path, dict]]:
+    """(task dir, task.json) of the tasks to evaluate, sorted by id."""
+    tasks = sorted(((p.parent, json.loads(p.read_text())) for p in Path(tasks_dir).glob("*/task.json")),
+                   key=lambda t: t[1].get("id", t[0].name))
+    if cfg.task_ids is not None:
+        want = set(cfg.task_ids)
+        tasks = [t for t in tasks if t[1].get("id", t[0].name) in want]
+        missing = want - {t[1].get("id", t[0].name) for t in tasks}
+        if missing:
+            raise FileNotFoundError(f"tasks not found under {tasks_dir}: {sorted(missing)[:5]}")
+    tasks = tasks[:cfg.max_tasks] if cfg.max_tasks is not None else tasks
+    if not tasks:
+        raise FileNotFoundError(f"no task directories (*/task.json) to evaluate under {tasks_dir}")
+    return tasks
+
+
+def _write_parquet(rows: list[dict], path: Path, schema=None) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=schema)
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+    return str(path)
+
+
+def _results_schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("checkpoint_digest", pa.string()), ("task_id", pa.string()), ("source", pa.string()),
+        ("sample_index", pa.int32()), ("reward", pa.float64()), ("unflagged_reward", pa.float64()),
+        ("passed", pa.bool_()), ("flags", pa.list_(pa.string())), ("tests_passed", pa.int32()),
+        ("tests_failed", pa.int32()), ("num_turns", pa.int32()), ("finish", pa.string()),
+        ("prompt_tokens", pa.int32()), ("generated_tokens", pa.int32()), ("seconds", pa.float64()),
+        ("gen_seconds", pa.float64()), ("tool_seconds", pa.float64()), ("grade_seconds", pa.float64()),
+    ])
+
+
+def sample_passed(rollout: dict) -> bool:
+    return rollout["tests_passed"] > 0 and rollout["tests_failed"] == 0 and not rollout["flags"]
+
+
+def _run_agent(engine, tok, tasks, cfg: EvalConfig, log) -> list[dict]:
+    from ..rl.agent import AgentConfig, AgentLoop
+
+    agent = AgentLoop(engine, tok, AgentConfig(
+        max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
+        temperature=cfg.temperature, top_p=cfg.top_p, system_style=cfg.system_style, workers=cfg.workers))
+    size = cfg.batch_tasks or len(tasks)
+    rollouts = []
+    try:
+        for b in range(0, len(tasks), size):
+            chunk = tasks[b:b + size]
+            jobs = [(str(d), t.get("id", d.name), j) for d, t in chunk for j in range(cfg.samples_per_task)]
+            rollouts += agent.run(jobs, version=0, seed=cfg.seed + 1_000_003 * (b // size))
+            log(f"eval: {min(b + size, len(tasks))}/{len(tasks)} tasks, "
+                f"{sum(map(sample_passed, rollouts))}/{len(rollouts)} samples passed")
+    finally:
+        agent.close()
+    return rollouts
+
+
+def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | None = None, rep=None) -> dict:
+    """Evaluate the Hugging Face checkpoint at ``checkpoint_dir`` on the tasks under
+    ``tasks_dir``; write the files listed in the module docstring to ``out_dir`` and return
+    the summary. ``rep``: a ``pipes.Reporter`` (or anything with ``log``) for progress."""
+    import torch
+
+    from ..inference import make_engine
+    from ..rl.agent import rollouts_to_table
+    from ..storage import Storage
+    from ..train.tokenizer import load_tokenizer
+    from . import humaneval as he
+
+    cfg = _config(config)
+    log = rep.log if rep is not None else (lambda msg: None)
+    t_start = time.perf_counter()
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir = str(checkpoint_dir)
+    digest = checkpoint_digest(checkpoint_dir)
+    tasks = select_tasks(tasks_dir, cfg)
+    source = {t.get("id", d.name): t.get("source", "unknown") for d, t in tasks}
+    he_ids = he.held_out_ids(tasks_dir) if cfg.humaneval_ids is None else list(cfg.humaneval_ids)
+    log(f"eval: checkpoint {digest[:12]}, {len(tasks)} tasks x {cfg.samples_per_task} samples, "
+        f"{len(he_ids)} HumanEval problems, perplexity {'on' if cfg.val_dir else 'off'}")
+
+    ppl = None
+    if cfg.val_dir:  # before the engine takes its memory
+        from .perplexity import perplexity
+
+        ppl = perplexity(checkpoint_dir, cfg.val_dir, cfg.ppl_seq_len, cfg.ppl_batch_size, cfg.ppl_max_batches)
+        log(f"eval: val loss {ppl['val_loss']:.4f}, perplexity {ppl['val_ppl']:.2f}")
+
+    from ..inference.engine import model_max_len
+
+    cap = model_max_len(checkpoint_dir)
+    if cap and max(cfg.max_model_len, cfg.max_context) > cap:  # the checkpoint's positions bound the context
+        cfg = dataclasses.replace(cfg, max_model_len=min(cfg.max_model_len, cap), max_context=min(cfg.max_context, cap))
+    ekw = {"seed": cfg.seed}
+    if cfg.engine == "vllm":
+        ekw.update(max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_mb << 20)
+    engine = make_engine(cfg.engine, checkpoint_dir, **ekw)
+    he_res, he_tokens = None, {}
+    try:
+        tok = load_tokenizer(checkpoint_dir)
+        t0 = time.perf_counter()
+        rollouts = _run_agent(engine, tok, tasks, cfg, log)
+        agent_wall = time.perf_counter() - t0
+        gen_tokens, gen_seconds = engine.stats.generated_tokens, engine.stats.seconds
+        if he_ids:
+            t1 = time.perf_counter()
+            problems = he.load_problems(he_ids)
+            texts, he_tokens = he.generate_completions(
+                engine, tok, problems, cfg.humaneval_samples, cfg.humaneval_temperature,
+                max_tokens=cfg.humaneval_max_tokens, seed=cfg.seed)
+            he_res = he.score_completions(problems, texts, cfg.humaneval_timeout, cfg.workers)
+            he_res["seconds"] = round(time.perf_counter() - t1, 3)
+            log(f"eval: HumanEval function completion pass@1 {he_res['pass@1']:.4f} on {len(problems)} problems")
+    finally:
+        engine.close()
+
+    # ---- rows, metrics
+    rows = [{"checkpoint_digest": digest, "task_id": r["task_id"], "source": source.get(r["task_id"], "unknown"),
+             "sample_index": r["sample_index"], "reward": r["reward"], "unflagged_reward": r["unflagged_reward"],
+             "passed": sample_passed(r), "flags": r["flags"], "tests_passed": r["tests_passed"],
+             "tests_failed": r["tests_failed"], "num_turns": r["num_turns"], "finish": r["finish"],
+             "prompt_tokens": len(r["prompt_ids"]), "generated_tokens": r["generated_tokens"],
+             "seconds": r["episode_seconds"], "gen_seconds": r["gen_seconds"], "tool_seconds": r["tool_seconds"],
+             "grade_seconds": r["grade_seconds"]} for r in rollouts]
+    per_task: dict[str, dict] = {}
+    for r in rows:
+        t = per_task.setdefault(r["task_id"], {"source": r["source"], "n": 0, "c": 0, "flagged": 0})
+        t["n"] += 1
+        t["c"] += r["passed"]
+        t["flagged"] += bool(r["flags"])
+    for t in per_task.values():
+        t["pass@1"] = pass_at_k(t["n"], t["c"], 1)
+    agg = aggregate(per_task, cfg.ks)
+    for src, block in agg["by_source"].items():
+        src_rows = [r for r in rows if r["source"] == src]
+        block["flag_rate"] = sum(bool(r["flags"]) for r in src_rows) / len(src_rows)
+    flagged = sum(bool(r["flags"]) for r in rows)
+    solved = sum(r["passed"] for r in rows)
+    total_gen = sum(r["generated_tokens"] for r in rows)
+
+    files = {"results": _write_parquet(rows, out / "results.parquet", _results_schema()),
+             "rollouts": _write_parquet(rollouts_to_table(rollouts), out / "rollouts.parquet")}
+    he_summary = None
+    if he_res is not None:
+        he_rows = [{"checkpoint_digest": digest, **r,
+                    "generated_tokens": he_tokens[r["problem_id"]][r["sample_index"]]} for r in he_res["rows"]]
+        files["humaneval"] = _write_parquet(he_rows, out / "humaneval.parquet")
+        he_summary = {"problems": he_res["problems"], "samples_per_problem": cfg.humaneval_samples,
+                      "pass@1": he_res["pass@1"], "solved": sorted(p for p, v in he_res["per_problem"].items() if v["c"]),
+                      "seconds": he_res["seconds"]}
+    summary = {
+        "checkpoint": checkpoint_dir, "checkpoint_digest": digest, "tasks_dir": str(tasks_dir),
+        "num_tasks": len(per_task), "samples_per_task": cfg.samples_per_task, "num_samples": len(rows),
+        "pass@1": agg["pass@1"], "pass@1_stderr": agg["pass@1_stderr"], "pass_at": agg["pass_at"],
+        "by_source": agg["by_source"], "solved_samples": solved,
+        "mean_reward": sum(r["reward"] for r in rows) / len(rows),
+        "flag_rate": flagged / len(rows), "flagged_samples": flagged,
+        "flags_by_kind": dict(Counter(f.split(":", 1)[0] for r in rows for f in r["flags"]).most_common()),
+        "humaneval": he_summary, "perplexity": ppl,
+        "cost": {
+            "generated_tokens": total_gen,
+            "tokens_per_sample": total_gen / len(rows),
+            "tokens_per_task": total_gen / len(per_task),           # all samples of a task
+            "tokens_per_solved_task": total_gen / solved if solved else None,  # tokens spent per pass
+            "tokens_per_s": gen_tokens / gen_seconds if gen_seconds else None,
+            "generation_seconds": round(gen_seconds, 3), "agent_seconds": round(agent_wall, 3),
+            "wall_seconds": round(time.perf_counter() - t_start, 3),
+        },
+        "per_task": {k: {kk: v[kk] for kk in ("source", "n", "c", "pass@1", "flagged")} for k, v in per_task.items()},
+        "config": cfg.to_dict(), "files": files,
+    }
+    files["summary"] = str(out / "summary.json")
+    tmp = out / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    os.replace(tmp, out / "summary.json")
+    store = Storage(str(out))
+    summary["manifest_digest"] = store.write_manifest(store.root)
+    return summary
+
+
+def eval_cli(checkpoint, tasks_dir, **opts) -> dict:
+    """``evaluate`` for the command line: ``out_dir`` (default ``./eval-<digest12>``) and
+    ``baseline`` (a summary.json to gate against) besides the ``EvalConfig`` fields."""
+    from .gate import compare, report_markdown
+
+    out_dir = opts.pop("out_dir", None) or f"eval-{checkpoint_digest(checkpoint)[:12]}"
+    baseline = opts.pop("baseline", None)
+    gate_opts = {k: opts.pop(k) for k in ("noise_sigmas", "max_flag_rate_increase") if k in opts}
+    summary = evaluate(checkpoint, tasks_dir, out_dir, EvalConfig.from_dict({k: v for k, v in opts.items()
+                                                                              if v is not None}))
+    if baseline:
+        base = json.loads(Path(baseline).read_text())
+        cmp = compare(summary, base, **gate_opts, baseline_name=str(baseline))
+        summary["gate"] = {"passed": cmp["passed"], "reasons": cmp["reasons"], "markdown": report_markdown([cmp])}
+    return summary

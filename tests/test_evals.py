@@ -1,0 +1,281 @@
+"""Evaluation engine: the pass@k estimator, the gate, the contamination guard, the HumanEval
+function-completion harness, and end-to-end evaluations (a scripted engine with known
+outcomes, and a tiny real checkpoint through the HF engine and the entry point)."""
+
+import itertools
+import json
+import math
+import re
+import time
+from math import comb
+
+import pyarrow.parquet as pq
+import pytest
+
+from composer_dag.envs.tasks import TaskLimits, humaneval_task
+from composer_dag.evals import (EvalConfig, checkpoint_digest, compare, contamination_report, eval_cli, evaluate,
+                                pass_at_k, report_markdown, score_completions, truncate)
+from composer_dag.evals.humaneval import check_completion, load_problems
+from composer_dag.inference.engine import Completion, Engine, EngineStats
+
+LIMITS = TaskLimits(max_turns=3, command_timeout=10.0, test_timeout=30.0)
+
+
+# ---------------------------------------------------------------- pass@k
+
+def test_pass_at_k_known_values():
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert pass_at_k(10, 3, 5) == pytest.approx(1 - comb(7, 5) / comb(10, 5))
+    assert pass_at_k(10, 0, 1) == 0.0 and pass_at_k(10, 0, 10) == 0.0
+    assert pass_at_k(10, 8, 3) == 1.0  # n - c < k
+    assert pass_at_k(10, 10, 1) == 1.0
+    assert pass_at_k(1000, 1, 1) == pytest.approx(0.001)
+    assert 0 < pass_at_k(2000, 3, 100) < 1  # no overflow for large n
+    with pytest.raises(ValueError):
+        pass_at_k(5, 2, 6)
+
+
+def test_pass_at_k_brute_force():
+    for n in range(1, 8):
+        for c in range(n + 1):
+            samples = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(samples, k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets)), (n, c, k)
+
+
+# ---------------------------------------------------------------- gate
+
+def _summary(p1, tasks=100, flag_rate=0.0, **kw):
+    return {"pass@1": p1, "num_tasks": tasks, "flag_rate": flag_rate, "checkpoint_digest": "x" * 64, **kw}
+
+
+def test_gate_directions():
+    base = _summary(0.50)
+    bad = compare(_summary(0.30), base)  # se = sqrt(.21/100 + .25/100) ~ .068; 2 sigma ~ .136
+    assert not bad["passed"] and "pass@1" in bad["reasons"][0]
+    assert compare(_summary(0.42), base)["passed"]  # within noise
+    assert compare(_summary(0.60), base)["passed"]  # better
+    assert not compare(_summary(0.42), base, noise_sigmas=0.5)["passed"]  # the noise level is configurable
+    flags = compare(_summary(0.55, flag_rate=0.02), base)
+    assert not flags["passed"] and "cheat-flag" in flags["reasons"][0]
+    assert compare(_summary(0.55, flag_rate=0.02), base, max_flag_rate_increase=0.05)["passed"]
+    assert not compare({"num_tasks": 10, "flag_rate": 0.0}, base)["passed"]  # a missing metric never passes
+    # small task sets are noisier: the same drop passes on 10 tasks and fails on 1,000
+    assert compare(_summary(0.40, tasks=10), _summary(0.50, tasks=10))["passed"]
+    assert not compare(_summary(0.40, tasks=1000), _summary(0.50, tasks=1000))["passed"]
+    # more metrics can be held to the same rule, each with its own count
+    he = lambda p, n: _summary(0.5, humaneval={"pass@1": p, "problems": n})
+    assert compare(he(0.2, 20), he(0.3, 20), metrics=("pass@1", "humaneval.pass@1"))["passed"]
+    res = compare(he(0.2, 400), he(0.3, 400), metrics=("pass@1", "humaneval.pass@1"))
+    assert not res["passed"] and res["reasons"][0].startswith("humaneval.pass@1")
+
+
+def test_report_markdown():
+    cand = _summary(0.45, perplexity={"val_ppl": 12.5})
+    parent, promoted = _summary(0.44, perplexity={"val_ppl": 13.0}), _summary(0.70, perplexity={"val_ppl": 12.0})
+    md = report_markdown([compare(cand, parent, baseline_name="parent"),
+                          compare(cand, promoted, baseline_name="last promoted")])
+    lines = md.splitlines()
+    assert lines[0].split("|")[1:-1] == [" metric ", " candidate ", " parent ", " Δ vs parent ",
+                                         " last promoted ", " Δ vs last promoted "]
+    row = next(l for l in lines if l.startswith("| pass@1"))
+    assert "0.4500" in row and "0.4400" in row and "0.7000" in row and "✅" in row and "❌" in row
+    assert any(l.startswith("| val perplexity") for l in lines)
+    assert "vs **parent**: passes" in md and "vs **last promoted**: fails" in md
+
+
+# ---------------------------------------------------------------- HumanEval function completion
+
+def test_truncate_at_stop_sequences():
+    assert truncate("    return 1\n\ndef other():\n    pass") == "    return 1\n"
+    assert truncate("    x = 1\n# comment\n") == "    x = 1"
+    assert truncate("    return 2\nprint(f(1))") == "    return 2"
+    assert truncate("    return 3\n") == "    return 3\n"
+
+
+def test_humaneval_harness_scores_canonical_and_wrong():
+    problems = load_problems(["HumanEval/0", "HumanEval/2"])
+    canon = {pid: [p["canonical_solution"]] for pid, p in problems.items()}
+    res = score_completions(problems, canon, timeout=10, workers=2)
+    assert res["pass@1"] == 1.0 and all(r["passed"] for r in res["rows"])
+    wrong = {"HumanEval/0": ["    return False\n", problems["HumanEval/0"]["canonical_solution"]],
+             "HumanEval/2": ["    return number\n"]}
+    res = score_completions(problems, wrong, timeout=10, workers=2)
+    assert res["per_problem"]["HumanEval/0"] == {"n": 2, "c": 1, "pass@1": 0.5}
+    assert res["per_problem"]["HumanEval/2"]["c"] == 0 and res["pass@1"] == pytest.approx(0.25)
+    hang = check_completion(problems["HumanEval/2"], "    while True:\n        pass\n", timeout=2)
+    assert not hang["passed"] and hang["result"] == "timed out"
+
+
+# ---------------------------------------------------------------- contamination guard
+
+@pytest.fixture(scope="module")
+def he_tasks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("he_tasks")
+    for p in load_problems(["HumanEval/0", "HumanEval/2"]).values():
+        humaneval_task(p, out, LIMITS)
+    return out
+
+
+def test_contamination_guard(he_tasks):
+    import textwrap
+
+    problem = load_problems(["HumanEval/2"])["HumanEval/2"]
+    leak = ("import os\n\n\ndef helper(x):\n    return os.path.join(x, 'a')\n\n\n"
+            + problem["prompt"] + problem["canonical_solution"] + "\n\nprint(helper('b'))\n")
+    clean = [("stdlib/textwrap.py", open(textwrap.__file__).read()),
+             ("note", "A short note about parsing floats and truncating numbers in general.")]
+    assert contamination_report(iter(clean), he_tasks) == []
+    found = contamination_report([*clean, ("shard-1/row-7", leak)], he_tasks)
+    assert len(found) == 1
+    assert found[0]["shard_item"] == "shard-1/row-7" and found[0]["task_id"] == "humaneval-002"
+    assert found[0]["part"] in ("reference/truncate_number.py", "hidden_tests/test_truncate_number.py")
+    # plain strings work too (named by position)
+    assert contamination_report(["nothing here", leak], he_tasks)[0]["shard_item"] == 1
+
+
+# ---------------------------------------------------------------- end to end
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    import torch
+
+    from composer_dag.rl.learnable import make_learnable_setup
+    from composer_dag.train.data import pack_documents
+
+    out = tmp_path_factory.mktemp("eval")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        s = make_learnable_setup(out / "setup", n_tasks=2, seed=0, words=("red", "blue"), warmup_steps=0)
+    finally:
+        torch.set_num_threads(threads)
+    humaneval_task(load_problems(["HumanEval/0"])["HumanEval/0"], out / "setup" / "tasks", LIMITS)
+    import colorsys, fnmatch, textwrap
+    docs = [(m.__name__, open(m.__file__).read(), "stdlib", "python") for m in (colorsys, fnmatch, textwrap)]
+    pack_documents(docs, s["tokenizer_dir"], str(out / "shards"), val_fraction=1.0)
+    return {**s, "val_dir": str(out / "shards")}
+
+
+class _Scripted(Engine):
+    """Agent prompts: sample j of each task answers correctly (j = 0), wrongly (j = 1), or
+    correctly with a planted conftest.py (j = 2). Raw prompts (HumanEval): the canonical
+    solution of HumanEval/0."""
+
+    def __init__(self, tok):
+        self.tok, self.stats = tok, EngineStats()
+
+    def _text(self, i, prompt):
+        from composer_dag.rl.learnable import tool_call_text
+
+        m = re.search(r"Write the word (\w+)", prompt)
+        if "<|im_start|>" not in prompt:
+            return load_problems(["HumanEval/0"])["HumanEval/0"]["canonical_solution"] + "<|endoftext|>"
+        calls = []
+        if m:
+            calls.append(tool_call_text("edit_file", {"path": "answer.txt", "old": "",
+                                                      "new": "nope" if i % 3 == 1 else m.group(1)}))
+            if i % 3 == 2:
+                calls.append(tool_call_text("edit_file", {"path": "conftest.py", "old": "", "new": "X = 1\n"}))
+        return "".join(calls) + tool_call_text("submit", {}) + "<|im_end|>"
+
+    def generate(self, prompts, params):
+        t0 = time.perf_counter()
+        outs = []
+        for i, p in enumerate(prompts):
+            text = self._text(i, self.tok.decode(p))
+            ids = self.tok(text, add_special_tokens=False).input_ids
+            outs += [Completion(list(p), ids, [0.0] * len(ids), text, "stop")] * params.n
+        return self._account(outs, t0)
+
+
+def test_evaluate_scripted_known_outcomes(setup, tmp_path, monkeypatch):
+    import composer_dag.inference as inference
+    from composer_dag.train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(setup["base_dir"])
+    monkeypatch.setattr(inference, "make_engine", lambda kind, model_dir, **kw: _Scripted(tok))
+    cfg = dict(engine="hf", samples_per_task=3, ks=(1, 2, 3, 5), max_turns=2, max_new_tokens=64, max_context=4096,
+               system_style="compact", workers=2, batch_tasks=2)
+    s = evaluate(setup["base_dir"], setup["tasks_dir"], tmp_path / "base", EvalConfig(**cfg))
+    assert s["num_tasks"] == 3 and s["num_samples"] == 9
+    p2 = 1 - comb(2, 2) / comb(3, 2)
+    assert s["pass@1"] == pytest.approx(2 / 9) and s["pass_at"]["2"] == pytest.approx(2 * p2 / 3)
+    assert s["pass_at"]["3"] == pytest.approx(2 / 3) and "5" not in s["pass_at"]  # k > n is left out
+    assert s["pass@1_stderr"] == pytest.approx(math.sqrt(2 / 9 * 7 / 9 / 3))
+    assert s["by_source"]["learnable"]["pass@1"] == pytest.approx(1 / 3)
+    assert s["by_source"]["humaneval"]["pass@1"] == 0.0 and s["by_source"]["humaneval"]["flag_rate"] == 0.0
+    assert s["flag_rate"] == pytest.approx(2 / 9) and s["flags_by_kind"] == {"conftest": 2}
+    assert s["humaneval"]["pass@1"] == 1.0 and s["humaneval"]["solved"] == ["HumanEval/0"]
+    cost = s["cost"]
+    assert cost["tokens_per_solved_task"] == pytest.approx(cost["generated_tokens"] / 2)
+    assert cost["tokens_per_task"] == pytest.approx(cost["generated_tokens"] / 3) and cost["tokens_per_s"] > 0
+    rows = pq.read_table(tmp_path / "base" / "results.parquet").to_pylist()
+    by = {(r["task_id"], r["sample_index"]): r for r in rows}
+    for tid in ("answer-0-000", "answer-0-001"):
+        assert [by[(tid, j)]["passed"] for j in range(3)] == [True, False, False]
+        assert by[(tid, 0)]["reward"] == 1.0 and by[(tid, 2)]["flags"] == ["conftest:conftest.py"]
+        assert by[(tid, 2)]["unflagged_reward"] == 1.0 and by[(tid, 2)]["reward"] == 0.0
+    assert {r["checkpoint_digest"] for r in rows} == {s["checkpoint_digest"]}
+    assert json.loads((tmp_path / "base" / "summary.json").read_text())["pass@1"] == s["pass@1"]
+    assert pq.read_table(tmp_path / "base" / "humaneval.parquet").num_rows == 1
+    assert pq.read_table(tmp_path / "base" / "rollouts.parquet").num_rows == 9
+    # the CLI function, gated against the first run: the same policy passes its own gate
+    again = eval_cli(setup["base_dir"], setup["tasks_dir"], out_dir=str(tmp_path / "again"),
+                     baseline=str(tmp_path / "base" / "summary.json"), humaneval_ids=[], **cfg)
+    assert again["gate"]["passed"] and again["humaneval"] is None and "| pass@1 (gate)" in again["gate"]["markdown"]
+
+
+def test_evaluate_tiny_checkpoint_hf_entry_point(setup, tmp_path, capsys):
+    import torch
+
+    from composer_dag.evals.run import main
+
+    cfg = {"checkpoint_dir": setup["base_dir"], "tasks_dir": setup["tasks_dir"], "out_dir": str(tmp_path / "out"),
+           "engine": "hf", "samples_per_task": 2, "ks": [1, 2], "max_turns": 1, "max_new_tokens": 8,
+           "max_context": 1024, "system_style": "compact", "workers": 2, "humaneval_max_tokens": 16,
+           "val_dir": setup["val_dir"], "ppl_seq_len": 64, "ppl_max_batches": 2, "torch_threads": 1}
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    threads = torch.get_num_threads()
+    try:
+        s = main(["--config", str(tmp_path / "c.json")])
+    finally:
+        torch.set_num_threads(threads)
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["checkpoint_digest"] == s["checkpoint_digest"] == checkpoint_digest(setup["base_dir"])
+    t = pq.read_table(tmp_path / "out" / "results.parquet")
+    assert t.num_rows == 6 and {"checkpoint_digest", "task_id", "source", "sample_index", "reward", "passed",
+                                "flags", "generated_tokens", "seconds"} <= set(t.column_names)
+    rows = t.to_pylist()
+    assert sorted((r["task_id"], r["sample_index"]) for r in rows) == sorted(
+        (tid, j) for tid in ("answer-0-000", "answer-0-001", "humaneval-000") for j in range(2))
+    assert {r["source"] for r in rows} == {"learnable", "humaneval"}
+    assert all(0 < r["generated_tokens"] <= 8 for r in rows)
+    assert set(s["pass_at"]) == {"1", "2"} and 0.0 <= s["pass@1"] <= 1.0
+    assert set(s["by_source"]) == {"humaneval", "learnable"}
+    assert s["humaneval"]["problems"] == 1 and s["humaneval"]["pass@1"] in (0.0, 1.0)
+    ppl = s["perplexity"]
+    assert ppl["tokens"] == 2 * 8 * 64 and 1.0 < ppl["val_ppl"] < 1e5 and math.isfinite(ppl["val_loss"])
+    assert s["cost"]["wall_seconds"] > 0 and s["cost"]["generated_tokens"] == sum(r["generated_tokens"] for r in rows)
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["files"].keys() >= {
+        "results.parquet", "rollouts.parquet", "humaneval.parquet", "summary.json"}
+
+
+def test_eval_command_line(setup, tmp_path):
+    """`composer-dag eval CHECKPOINT --tasks DIR`: a real subprocess, JSON summary on the last line,
+    then the same against that summary as the baseline (the gate passes against itself)."""
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "composer_dag.cli", "eval", setup["base_dir"], "--tasks", setup["tasks_dir"],
+            "--engine", "hf", "--samples", "2", "--max-turns", "1", "--system-style", "compact"]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run([*base, "--out", str(tmp_path / "a")], capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    s = json.loads(first.stdout.strip().splitlines()[-1])
+    assert s["checkpoint_digest"] == checkpoint_digest(setup["base_dir"]) and "pass@1" in s
+    again = subprocess.run([*base, "--out", str(tmp_path / "b"), "--baseline", str(tmp_path / "a" / "summary.json")],
+                           capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1])["gate"]["passed"] is True
