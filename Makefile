@@ -30,16 +30,18 @@ $(STAMP): pyproject.toml
 
 install: system-deps $(STAMP)
 
-run: install
+$(DAGSTER_HOME)/dagster.yaml:
 	@mkdir -p $(DAGSTER_HOME)
+	cp deploy/dagster.yaml $@
+
+run: install $(DAGSTER_HOME)/dagster.yaml
 	$(PY) -m composer_dag.definitions materialize
 
 test: install
 	@mkdir -p tests/artifacts
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-dev: install
-	@mkdir -p $(DAGSTER_HOME)
+dev: install $(DAGSTER_HOME)/dagster.yaml
 	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 bench: install

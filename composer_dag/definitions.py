@@ -12,7 +12,7 @@ import sys
 
 import dagster as dg
 
-from assets import corpus, dedup, envs, sensors, train
+from assets import corpus, dedup, envs, evals, rl, sensors, train
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
 from resources.cluster import ClusterResource
 
@@ -67,7 +67,19 @@ train_job = dg.define_asset_job(
     description="Tokenizer, token shards, base model and the mid-training run on the cluster resource.",
 )
 
-DOWNSTREAM_JOBS = ["build_tasks", "data_refresh", "train"]
+rl_job = dg.define_asset_job(
+    "rl",
+    selection=dg.AssetSelection.assets("rl_rollouts", "rl_checkpoint"),
+    description="One RL run on the cluster resource: vLLM rollouts in the sandboxes, GRPO, weight sync.",
+)
+
+eval_job = dg.define_asset_job(
+    "evaluate",
+    selection=dg.AssetSelection.assets("evaluated_model", "promoted_model"),
+    description="Evaluate base, mid-trained and RL checkpoints on the held-out tasks; promote if the gate passes.",
+)
+
+DOWNSTREAM_JOBS = ["build_tasks", "data_refresh", "train", "rl", "evaluate"]
 """Jobs run after every source is ingested, in order: everything that is not a corpus partition."""
 
 
@@ -82,6 +94,9 @@ def build_defs(resources: dict | None = None) -> dg.Definitions:
             train.token_shards,
             train.base_model,
             train.midtrained_checkpoint,
+            rl.rl_run,
+            evals.evaluated_model,
+            evals.promoted_model,
         ],
         asset_checks=[
             dedup.kept_files_unique,
@@ -92,7 +107,7 @@ def build_defs(resources: dict | None = None) -> dg.Definitions:
             envs.eval_tasks_sound,
             envs.split_disjoint,
         ],
-        jobs=[sensors.ingest_source_job, tasks_job, data_job, train_job],
+        jobs=[sensors.ingest_source_job, tasks_job, data_job, train_job, rl_job, eval_job],
         sensors=[sensors.new_source_sensor],
         resources={**make_resources(), **(resources or {})},
     )
@@ -121,12 +136,17 @@ def materialize_all(
     new = [n for n in names if n not in existing]
     if new:
         instance.add_dynamic_partitions(corpus.sources_partitions.name, new)
+    quiet = {"loggers": {"console": {"config": {"log_level": os.environ.get("COMPOSER_LOG_LEVEL", "INFO")}}}}
+
+    def config_for(job: str) -> dict:
+        return {**quiet, **(run_config or {}).get(job, {})}
+
     results = []
     for i, name in enumerate(names, 1):
         log(f"[{i}/{len(names)}] code_corpus[{name}]")
         results.append(
             definitions.resolve_job_def("ingest_source").execute_in_process(
-                instance=instance, partition_key=name, raise_on_error=False
+                instance=instance, partition_key=name, raise_on_error=False, run_config=config_for("ingest_source")
             )
         )
     for job in DOWNSTREAM_JOBS if jobs is None else jobs:
@@ -135,7 +155,7 @@ def materialize_all(
         log(f"job {job}")
         results.append(
             definitions.resolve_job_def(job).execute_in_process(
-                instance=instance, raise_on_error=False, run_config=(run_config or {}).get(job)
+                instance=instance, raise_on_error=False, run_config=config_for(job)
             )
         )
     ok = all(r.success for r in results)

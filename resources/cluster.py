@@ -55,16 +55,17 @@ class ClusterResource(dg.ConfigurableResource):
     grace_seconds: float = 10.0
 
     # ---- specs -------------------------------------------------------------------------
-    def spec(self, entry: str, args: list[str], name: str = "composer-train") -> launch.LaunchSpec:
+    def spec(self, entry: str, args: list[str], name: str = "composer-train", launcher: str | None = None) -> launch.LaunchSpec:
         env = {**self.env}
+        single = launcher == "python"  # an entry that must run as one process
         if self.gpus_per_node == 0 and self.backend == "local":
             env.setdefault("DS_ACCELERATOR", "cpu")
         return launch.LaunchSpec(
             entry=entry,
             args=list(args),
-            nproc_per_node=self.nproc_per_node,
-            nnodes=self.nnodes,
-            launcher=self.launcher,
+            nproc_per_node=1 if single else self.nproc_per_node,
+            nnodes=1 if single else self.nnodes,
+            launcher=launcher or self.launcher,
             env=env,
             gpus_per_node=self.gpus_per_node,
             image=self.image,
@@ -73,9 +74,9 @@ class ClusterResource(dg.ConfigurableResource):
             memory=self.memory,
         )
 
-    def render(self, entry: str, args: list[str], name: str = "composer-train") -> Any:
+    def render(self, entry: str, args: list[str], name: str = "composer-train", launcher: str | None = None) -> Any:
         """What the backend would launch: an argv (local), a pod manifest (k8s), an sbatch script."""
-        spec = self.spec(entry, args, name)
+        spec = self.spec(entry, args, name, launcher)
         if self.backend == "local":
             return launch.local_command(spec)
         if self.backend == "k8s":
@@ -99,21 +100,22 @@ class ClusterResource(dg.ConfigurableResource):
         args: list[str],
         extras: dict[str, Any] | None = None,
         name: str = "composer-train",
+        launcher: str | None = None,
     ) -> dict[str, Any]:
-        """Run ``entry`` on the cluster; return rank 0's result summary (its last custom message)."""
-        if self.backend == "local":
-            session_messages = self._run_local(context, entry, args, extras, name)
-        elif self.backend == "k8s":
-            session_messages = self._run_k8s(context, entry, args, extras, name)
-        else:
-            session_messages = self._run_slurm(context, entry, args, extras, name)
+        """Run ``entry`` on the cluster; return rank 0's result summary (its last custom message).
+
+        ``launcher`` overrides the configured one for this entry (the RL run is one process that
+        starts its own inference engine: ``python``).
+        """
+        run = {"local": self._run_local, "k8s": self._run_k8s, "slurm": self._run_slurm}[self.backend]
+        session_messages = run(context, entry, args, extras, name, launcher)
         if not session_messages:
             raise ClusterError(description=f"{entry} finished without reporting a result through Pipes")
         return session_messages[-1]
 
-    def _run_local(self, context, entry, args, extras, name) -> list[Any]:
-        cmd = self.render(entry, args, name)
-        spec = self.spec(entry, args, name)
+    def _run_local(self, context, entry, args, extras, name, launcher) -> list[Any]:
+        cmd = self.render(entry, args, name, launcher)
+        spec = self.spec(entry, args, name, launcher)
         context.log.info(f"[cluster:local] {' '.join(cmd)}")
         with open_pipes_session(
             context=context,
@@ -135,10 +137,10 @@ class ClusterResource(dg.ConfigurableResource):
                 raise ClusterError(description=f"{entry} exited with code {proc.returncode} (see the run's stderr)")
         return session.get_custom_messages()
 
-    def _run_k8s(self, context, entry, args, extras, name) -> list[Any]:
+    def _run_k8s(self, context, entry, args, extras, name, launcher) -> list[Any]:
         from dagster_k8s import PipesK8sClient
 
-        manifest = self.render(entry, args, name)
+        manifest = self.render(entry, args, name, launcher)
         container = manifest["spec"]["containers"][0]
         invocation = PipesK8sClient().run(
             context=context,
@@ -152,7 +154,7 @@ class ClusterResource(dg.ConfigurableResource):
         )
         return invocation.get_custom_messages()
 
-    def _run_slurm(self, context, entry, args, extras, name) -> list[Any]:
+    def _run_slurm(self, context, entry, args, extras, name, launcher) -> list[Any]:
         if not self.shared_dir:
             raise ClusterError(description="slurm backend needs shared_dir: a directory every node can read and write")
         run_dir = os.path.join(self.shared_dir, context.run.run_id)
@@ -164,7 +166,7 @@ class ClusterResource(dg.ConfigurableResource):
             message_reader=dg.PipesFileMessageReader(msg_path),
             extras=extras,
         ) as session:
-            spec = self.spec(entry, args, name)
+            spec = self.spec(entry, args, name, launcher)
             exports = [f"export {k}='{v}'" for k, v in session.get_bootstrap_env_vars().items()]
             script = launch.slurm_script(
                 spec, partition=self.partition, nodes=self.nnodes, gpus_per_node=self.gpus_per_node,
