@@ -293,11 +293,29 @@ def midtrained_checkpoint(
         metadata={"before": float(result["val_ppl_before"]), "after": float(result["val_ppl_after"])},
     )
     sample = _generate(hf_dir)
+    served = _vllm_smoke(hf_dir)
     yield dg.AssetCheckResult(
         check_name="loads_and_generates",
-        passed=bool(sample["new_tokens"] > 0),
-        metadata={"sample": dg.MetadataValue.md("```python\n" + sample["text"][:800] + "\n```"), "new_tokens": sample["new_tokens"]},
+        passed=bool(sample["new_tokens"] > 0 and served.get("new_tokens", 0) > 0),
+        metadata={
+            "transformers_sample": dg.MetadataValue.md("```python\n" + sample["text"][:800] + "\n```"),
+            "transformers_new_tokens": sample["new_tokens"],
+            "vllm_sample": dg.MetadataValue.md("```python\n" + str(served.get("text", served.get("error")))[:800] + "\n```"),
+            "vllm_new_tokens": int(served.get("new_tokens", 0)),
+        },
     )
+
+
+def _vllm_smoke(hf_dir: str) -> dict:
+    """Load the checkpoint in vLLM (in its own process: its engine spawns workers) and sample."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "composer_dag.inference.smoke", hf_dir, "--engine", "vllm"],
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        return {"new_tokens": 0, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _generate(hf_dir: str, prompt: str = "def fibonacci(n):\n") -> dict:
