@@ -9,10 +9,11 @@ This is the only engine module that may import ``dagster_pipes`` (never ``dagste
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 
 class Reporter:
@@ -70,3 +71,36 @@ class Reporter:
             print(json.dumps(summary, default=str), flush=True)
         else:
             self.pipes.report_custom_message(summary)
+
+
+def config_from_args(description: str, argv: list[str] | None = None) -> dict:
+    """The config of an engine entry point: ``--config FILE.json`` plus ``--set KEY=JSON``
+    overrides (a value that is not JSON is taken as a string)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--config", required=True, help="the run's config as JSON")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="override a config field, e.g. --set max_steps=50")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                   help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    args = p.parse_args(argv)
+    with open(args.config) as f:
+        config = json.load(f)
+    for kv in args.set:
+        key, value = kv.split("=", 1)
+        try:
+            config[key] = json.loads(value)
+        except json.JSONDecodeError:
+            config[key] = value
+    return config
+
+
+def serve(work: Callable[["Reporter"], dict]) -> dict:
+    """Run an entry point's work under a Reporter, report its summary, and leave the process
+    group (when torch.distributed was used) cleanly."""
+    with Reporter() as rep:
+        result = work(rep)
+        rep.result(result)
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return result

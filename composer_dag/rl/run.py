@@ -16,7 +16,6 @@ Writes under ``out_dir``::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -27,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..pipes import Reporter
+from ..pipes import Reporter, config_from_args, serve
 
 
 @dataclass
@@ -290,28 +289,8 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description="GRPO on agent episodes")
-    p.add_argument("--config", required=True, help="RLConfig as JSON")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON")
-    args = p.parse_args(argv)
-    with open(args.config) as f:
-        d = json.load(f)
-    for kv in args.set:
-        k, v = kv.split("=", 1)
-        try:
-            d[k] = json.loads(v)
-        except json.JSONDecodeError:
-            d[k] = v
-    cfg = RLConfig.from_dict(d)
-    with Reporter() as rep:
-        result = run(cfg, rep)
-        rep.result(result)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return result
-
+    cfg = RLConfig.from_dict(config_from_args("GRPO on agent episodes", argv))
+    return serve(lambda rep: run(cfg, rep))
 
 if __name__ == "__main__":
     main()

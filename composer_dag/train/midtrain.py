@@ -23,7 +23,6 @@ exact global sample, so an interrupted run ends where an uninterrupted one does.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import dataclasses
 import json
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..pipes import Reporter
+from ..pipes import Reporter, config_from_args, serve
 from .data import TokenShardDataset
 from .model import atomic_dir, copy_tokenizer_files, param_count, save_hf_dir
 
@@ -411,30 +410,8 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description="Mid-training with DeepSpeed")
-    p.add_argument("--config", required=True, help="MidtrainConfig as JSON")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                   help="override a config field, e.g. --set max_steps=50")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                   help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    args = p.parse_args(argv)
-    overrides = {}
-    for kv in args.set:
-        k, v = kv.split("=", 1)
-        try:
-            overrides[k] = json.loads(v)
-        except json.JSONDecodeError:
-            overrides[k] = v
-    cfg = MidtrainConfig.from_json(args.config, overrides)
-    with Reporter() as rep:
-        result = train(cfg, rep)
-        rep.result(result)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return result
-
+    cfg = MidtrainConfig.from_dict(config_from_args("Mid-training with DeepSpeed", argv))
+    return serve(lambda rep: train(cfg, rep))
 
 if __name__ == "__main__":
     main()
