@@ -37,8 +37,9 @@ $(DAGSTER_HOME)/dagster.yaml:
 run: install $(DAGSTER_HOME)/dagster.yaml
 	$(PY) -m composer_dag.definitions materialize
 
-test: install
+test: install $(DAGSTER_HOME)/dagster.yaml
 	@mkdir -p tests/artifacts
+	$(VENV)/bin/dagster definitions validate -w workspace.yaml
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 dev: install $(DAGSTER_HOME)/dagster.yaml

@@ -7,7 +7,8 @@ import dagster as dg
 import pyarrow as pa
 
 RETRY = dg.RetryPolicy(max_retries=2, delay=2, backoff=dg.Backoff.EXPONENTIAL)
-"""Retries for transient storage and network errors (a clear failure after the third try)."""
+"""Retries for transient storage and network errors (a clear failure after the third try). Errors a
+retry cannot fix (a missing input, a bad setting) raise ``dg.Failure(allow_retries=False)`` and fail at once."""
 
 
 def latest_metadata(
@@ -25,9 +26,11 @@ def latest_metadata(
 
 def latest_uri(instance: dg.DagsterInstance, key: str, partition: str | None = None) -> str:
     meta = latest_metadata(instance, key, partition)
+    if meta and partition and partition in (meta.get("partition_uris") or {}):
+        return str(meta["partition_uris"][partition])  # one run materialized several partitions
     if not meta or "dagster/uri" not in meta:
         where = f" partition {partition!r}" if partition else ""
-        raise dg.Failure(description=f"{key}{where} has no materialization yet: materialize it first")
+        raise dg.Failure(description=f"{key}{where} has no materialization yet: materialize it first", allow_retries=False)
     return str(meta["dagster/uri"])
 
 

@@ -45,7 +45,7 @@ def corpus_inputs(context: dg.AssetExecutionContext | dg.AssetCheckExecutionCont
         urls += [u for u in storage.find(base) if u.rsplit("/", 1)[-1].startswith("files-")]
         used.append(p)
     if not urls:
-        raise dg.Failure(description="no code_corpus partition has been materialized: nothing to deduplicate")
+        raise dg.Failure(description="no code_corpus partition has been materialized: nothing to deduplicate", allow_retries=False)
     return urls, used
 
 
@@ -58,6 +58,8 @@ def _has_eval_tasks(context) -> bool:
     group_name="data",
     kinds={"python", "parquet", "duckdb"},
     retry_policy=RETRY,
+    # Rebuild after a source is (re)ingested, once no source is still being ingested.
+    automation_condition=dg.AutomationCondition.eager(),
     description="Clean training shards: quality filters, exact and MinHash near dedup, HumanEval "
     "decontamination and secret redaction; every dropped file listed with its reason.",
 )

@@ -44,7 +44,7 @@ def task_sets(context: dg.AssetExecutionContext, config: TaskParams, artifacts: 
         summary = engine.build_tasks(tmp, cfg)
         context.log.info(f"built {summary['tasks']} tasks in {summary['seconds']['total']} s")
         if not summary["split_check"]["ok"]:
-            raise dg.Failure(description=f"train/eval split is not disjoint: {summary['split_check']}")
+            raise dg.Failure(description=f"train/eval split is not disjoint: {summary['split_check']}", allow_retries=False)
         rows = []
         for side in ("rl_tasks", "eval_tasks"):
             for d in engine.task_dirs(tmp, side):

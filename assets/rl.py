@@ -97,7 +97,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
             with local_copy(storage, latest_uri(context.instance, "rl_tasks")) as src:
                 shutil.copytree(src, tasks_dir, dirs_exist_ok=True)
     else:
-        raise dg.Failure(description=f"environment must be 'tasks' or 'learnable', not {config.environment!r}")
+        raise dg.Failure(description=f"environment must be 'tasks' or 'learnable', not {config.environment!r}", allow_retries=False)
     cfg = {**run_cfg, "policy_dir": policy_dir, "tasks_dir": tasks_dir, "out_dir": out_dir}
     cfg_path = os.path.join(wd, "rl.json")
     Path(cfg_path).write_text(json.dumps(cfg, indent=2))

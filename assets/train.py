@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 import dagster as dg
+from pydantic import field_validator
 
 from assets._common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, plot_md, publish_dir
 from assets.dedup import deduped_shards
@@ -23,11 +24,12 @@ from composer_dag.train import model as model_engine
 from composer_dag.train import tokenizer as tok_engine
 from resources import ArtifactStorage, CatalogResource, composer_home
 from resources.cluster import ClusterResource
+from resources.config import ClearConfigResource
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-class ModelSettings(dg.ConfigurableResource):
+class ModelSettings(ClearConfigResource):
     """Where the base model comes from.
 
     ``base_model``: a Hugging Face directory (local path or ``s3://`` URL) of an open-weights
@@ -40,6 +42,13 @@ class ModelSettings(dg.ConfigurableResource):
     config_name: str = "tiny"
     vocab_size: int = 8192
     tokenizer_train_mb: float = 16.0
+
+    @field_validator("config_name")
+    @classmethod
+    def _known_config(cls, name: str) -> str:
+        if name not in model_engine.CONFIGS:
+            raise ValueError(f"unknown model config {name!r}; known: {sorted(model_engine.CONFIGS)}")
+        return name
 
 
 def _shard_urls(context, storage) -> list[str]:
@@ -66,9 +75,9 @@ def _fetch_base(settings: ModelSettings, dest: str) -> None:
     elif os.path.isdir(src):
         shutil.copytree(src, dest, dirs_exist_ok=True)
     else:
-        raise dg.Failure(description=f"base model {src!r} is neither a directory nor an s3:// URL")
+        raise dg.Failure(description=f"base model {src!r} is neither a directory nor an s3:// URL", allow_retries=False)
     if not os.path.exists(os.path.join(dest, "config.json")):
-        raise dg.Failure(description=f"base model {src!r} has no config.json: not a Hugging Face model directory")
+        raise dg.Failure(description=f"base model {src!r} has no config.json: not a Hugging Face model directory", allow_retries=False)
 
 
 @dg.asset(deps=[deduped_shards], group_name="pretrain", kinds={"python", "huggingface"}, retry_policy=RETRY)

@@ -13,6 +13,7 @@ import sys
 import dagster as dg
 
 from assets import corpus, dedup, envs, evals, rl, sensors, train
+from assets import jobs as jobs_module
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
 from resources.cluster import ClusterResource
 
@@ -51,36 +52,9 @@ def make_resources() -> dict:
     }
 
 
-tasks_job = dg.define_asset_job(
-    "build_tasks",
-    selection=dg.AssetSelection.assets("rl_tasks", "eval_tasks"),
-    description="Build the RL and held-out evaluation tasks (repositories with hidden tests).",
-)
-data_job = dg.define_asset_job(
-    "data_refresh",
-    selection=dg.AssetSelection.assets(dedup.deduped_shards),
-    description="Deduplicate all ingested sources into training shards.",
-)
-train_job = dg.define_asset_job(
-    "train",
-    selection=dg.AssetSelection.assets(train.tokenizer, train.token_shards, train.base_model, train.midtrained_checkpoint),
-    description="Tokenizer, token shards, base model and the mid-training run on the cluster resource.",
-)
-
-rl_job = dg.define_asset_job(
-    "rl",
-    selection=dg.AssetSelection.assets("rl_rollouts", "rl_checkpoint"),
-    description="One RL run on the cluster resource: vLLM rollouts in the sandboxes, GRPO, weight sync.",
-)
-
-eval_job = dg.define_asset_job(
-    "evaluate",
-    selection=dg.AssetSelection.assets("evaluated_model", "promoted_model"),
-    description="Evaluate base, mid-trained and RL checkpoints on the held-out tasks; promote if the gate passes.",
-)
-
-DOWNSTREAM_JOBS = ["build_tasks", "data_refresh", "train", "rl", "evaluate"]
-"""Jobs run after every source is ingested, in order: everything that is not a corpus partition."""
+DOWNSTREAM_JOBS = ["build_tasks", "data_refresh", "train"]
+"""Jobs ``materialize_all`` runs in order: tasks, then every source and the shards in one run, then
+mid-training through evaluation."""
 
 
 def build_defs(resources: dict | None = None) -> dg.Definitions:
@@ -107,8 +81,9 @@ def build_defs(resources: dict | None = None) -> dg.Definitions:
             envs.eval_tasks_sound,
             envs.split_disjoint,
         ],
-        jobs=[sensors.ingest_source_job, tasks_job, data_job, train_job, rl_job, eval_job],
-        sensors=[sensors.new_source_sensor],
+        jobs=[sensors.ingest_source_job, *jobs_module.JOBS],
+        schedules=jobs_module.SCHEDULES,
+        sensors=[sensors.new_source_sensor, sensors.record_run_failures],
         resources={**make_resources(), **(resources or {})},
     )
 
@@ -123,10 +98,12 @@ def materialize_all(
     jobs: list[str] | None = None,
     run_config: dict[str, dict] | None = None,
 ) -> list[dg.ExecuteInProcessResult]:
-    """Add every declared source as a partition, ingest each, then build everything downstream.
+    """Add every declared source as a partition, then run ``jobs`` in order (default
+    ``DOWNSTREAM_JOBS``): the tasks, every source and the shards in one ``data_refresh`` run (the
+    corpus's single-run backfill policy), then mid-training through evaluation.
 
-    ``jobs`` (default: all of ``DOWNSTREAM_JOBS``) and ``run_config`` (job name -> run config)
-    narrow or tune the runs. Returns the run results in order; stops at the first failure.
+    ``run_config`` (job name -> run config) tunes the runs. Returns the run results in order;
+    stops at the first failure.
     """
     instance = instance or dg.DagsterInstance.get()
     definitions = definitions or defs
@@ -138,26 +115,17 @@ def materialize_all(
         instance.add_dynamic_partitions(corpus.sources_partitions.name, new)
     quiet = {"loggers": {"console": {"config": {"log_level": os.environ.get("COMPOSER_LOG_LEVEL", "INFO")}}}}
 
-    def config_for(job: str) -> dict:
-        return {**quiet, **(run_config or {}).get(job, {})}
-
     results = []
-    for i, name in enumerate(names, 1):
-        log(f"[{i}/{len(names)}] code_corpus[{name}]")
-        results.append(
-            definitions.resolve_job_def("ingest_source").execute_in_process(
-                instance=instance, partition_key=name, raise_on_error=False, run_config=config_for("ingest_source")
-            )
-        )
     for job in DOWNSTREAM_JOBS if jobs is None else jobs:
-        if not all(r.success for r in results):
-            break
-        log(f"job {job}")
-        results.append(
-            definitions.resolve_job_def(job).execute_in_process(
-                instance=instance, raise_on_error=False, run_config=config_for(job)
-            )
+        job_def = definitions.resolve_job_def(job)
+        tags = jobs_module.all_sources_tags(instance) if job_def.partitions_def is not None else None
+        log(f"job {job}" + (f" (sources {tags[jobs_module.RANGE_START]} ... {tags[jobs_module.RANGE_END]})" if tags else ""))
+        result = job_def.execute_in_process(
+            instance=instance, raise_on_error=False, tags=tags, run_config={**quiet, **(run_config or {}).get(job, {})}
         )
+        results.append(result)
+        if not result.success:
+            break
     ok = all(r.success for r in results)
     log("all assets materialized" if ok else "a step failed: see the run in the UI (make dev)")
     return results
