@@ -1,7 +1,8 @@
 """``composer-dag``: the engine from a shell, for users and for cluster payloads.
 
 Every command prints progress on standard error and a JSON summary as the last line of
-standard output. Errors are one clear line on standard error and exit status 2.
+standard output. Errors are one clear line on standard error and exit status 2 (1 for an
+unexpected internal error; ``COMPOSER_DEBUG=1`` shows its traceback).
 
 S3 outputs and sources take their endpoint and credentials from the environment
 (``COMPOSER_S3_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
@@ -16,7 +17,7 @@ import os
 import sys
 from typing import Any
 
-from composer_dag.storage import ArtifactError, Storage
+from composer_dag.storage import Storage
 
 
 def _progress(msg: str) -> None:
@@ -61,7 +62,10 @@ def cmd_dedup(args: argparse.Namespace) -> dict[str, Any]:
     if not inputs:
         raise ValueError(f"{args.corpus_dir} holds no files-*.parquet: is it the output of `composer-dag corpus`?")
     if src.exists(src.url("manifest.json")):
-        src.verify_manifest(src.root)
+        try:
+            src.verify_manifest(src.root)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, or not a manifest
+            raise ValueError(f"{src.url('manifest.json')} is not a valid manifest: {type(exc).__name__}") from None
     out = storage_for(args.out)
     if out.protocol != src.protocol:
         raise ValueError("corpus and output must be on the same storage (both local or both s3://)")
@@ -157,16 +161,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its first non-empty line, or its type when it has no text."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0][:500] if lines else type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         summary = args.func(args)
-    except (ValueError, ArtifactError, FileNotFoundError, PermissionError, OSError) as exc:
-        print(f"composer-dag {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, RuntimeError, OSError) as exc:  # bad input (ArtifactError, git): the message says it
+        print(f"composer-dag {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"composer-dag {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # anything else: still one line; COMPOSER_DEBUG=1 shows the traceback
+        if os.environ.get("COMPOSER_DEBUG"):
+            raise
+        print(f"composer-dag {args.command}: error: {type(exc).__name__}: {one_line(exc)}", file=sys.stderr)
+        return 1
     code = 0
     if isinstance(summary, tuple):
         summary, code = summary

@@ -23,6 +23,16 @@ def _env(name: str):
     return dg.EnvVar(name) if os.environ.get(name) else None
 
 
+def _int_env(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, not {value!r}") from None
+
+
 def make_resources() -> dict:
     storage = ArtifactStorage(
         root=os.environ.get("COMPOSER_STORAGE_ROOT", ""),
@@ -41,9 +51,9 @@ def make_resources() -> dict:
         ),
         "cluster": ClusterResource(
             backend=os.environ.get("COMPOSER_CLUSTER_BACKEND", "local"),
-            nproc_per_node=int(os.environ.get("COMPOSER_NPROC_PER_NODE", "1")),
-            nnodes=int(os.environ.get("COMPOSER_NNODES", "1")),
-            gpus_per_node=int(os.environ.get("COMPOSER_GPUS_PER_NODE", "0")),
+            nproc_per_node=_int_env("COMPOSER_NPROC_PER_NODE", 1),
+            nnodes=_int_env("COMPOSER_NNODES", 1),
+            gpus_per_node=_int_env("COMPOSER_GPUS_PER_NODE", 0),
             image=os.environ.get("COMPOSER_IMAGE"),
             namespace=os.environ.get("COMPOSER_K8S_NAMESPACE", "default"),
             partition=os.environ.get("COMPOSER_SLURM_PARTITION"),

@@ -1,13 +1,11 @@
-
 import os
 
-import dagster as dg
-
 from composer_dag.catalog import Catalog
+from resources.config import ClearConfigResource
 from resources.storage import ArtifactStorage, composer_home
 
 
-class CatalogResource(dg.ConfigurableResource):
+class CatalogResource(ClearConfigResource):
     """The DuckDB catalog (an embedded file by default) over the artifact storage."""
 
     storage: ArtifactStorage

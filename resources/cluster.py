@@ -25,13 +25,14 @@ from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._core.pipes.utils import open_pipes_session
 
 from composer_dag import cluster as launch
+from resources.config import ClearConfigResource
 
 
 class ClusterError(dg.Failure):
     pass
 
 
-class ClusterResource(dg.ConfigurableResource):
+class ClusterResource(ClearConfigResource):
     backend: Literal["local", "k8s", "slurm"] = "local"
     launcher: Literal["torchrun", "deepspeed", "python"] = "torchrun"
     nproc_per_node: int = 1

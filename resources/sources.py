@@ -25,10 +25,10 @@ import os
 import re
 from typing import Optional
 
-import dagster as dg
 import yaml
 
 from composer_dag.corpus import CorpusConfig, SourceSpec
+from resources.config import ClearConfigResource
 from resources.storage import ArtifactStorage
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
@@ -38,7 +38,7 @@ class SourceError(ValueError):
     pass
 
 
-class SourceRegistry(dg.ConfigurableResource):
+class SourceRegistry(ClearConfigResource):
     """Where the list of sources comes from, and the per-source ingestion limits."""
 
     storage: ArtifactStorage

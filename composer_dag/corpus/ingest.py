@@ -6,7 +6,8 @@ Bad input is counted, never fatal. Every file a walker meets ends up either inge
 Reasons: ``binary``, ``invalid_utf8``, ``too_large``, ``empty``, ``unreadable``,
 ``lfs_pointer``, ``unknown_language``, ``language_excluded`` (known, but not in
 ``CorpusConfig.languages``), ``over_budget``, ``bad_filename``, ``not_regular_file``,
-``symlink``, ``symlink_loop``, ``symlink_outside_root`` (see ``sources`` for the walk rules).
+``symlink``, ``symlink_loop``, ``symlink_outside_root``, ``submodule`` (see ``sources`` for the
+walk rules).
 The same input gives byte-identical Parquet: files are met in sorted order and no row holds
 a time or a temporary path.
 """

@@ -10,6 +10,10 @@ sorted at every level, depth first). Rules shared by every walker:
   ``symlink_outside_root`` (it resolves outside the source root), ``unreadable`` (dangling)
   or ``symlink`` (its target is inside the root, where it is ingested under its own path).
 * FIFOs, sockets and devices are ``not_regular_file``; they are never opened.
+* A name that is not valid UTF-8 or holds a control character (newline, tab, ...) is
+  ``bad_filename``; its row shows the name with U+FFFD in place of the offending parts.
+* In a git source, each submodule (a gitlink in the tree) is one ``submodule`` entry: its
+  contents are not fetched, and the empty directory git leaves for it is not walked.
 """
 
 from __future__ import annotations
@@ -127,19 +131,27 @@ def _symlink_reason(path: str, root_real: str) -> tuple[str, str]:
     return "symlink", "target inside the root is ingested under its own path"
 
 
-def _clean(path: str) -> tuple[str, bool]:
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _clean(path: str) -> tuple[str, str]:
+    """(a printable form of ``path``, why the name is refused or "")."""
     try:
         path.encode("utf-8")
-        return path, True
     except UnicodeEncodeError:
-        return path.encode("utf-8", "surrogateescape").decode("utf-8", "replace"), False
+        path = path.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        return _CONTROL.sub("\ufffd", path), "file name is not valid UTF-8"
+    if _CONTROL.search(path):  # a newline or tab in a name breaks line-oriented tools
+        return _CONTROL.sub("\ufffd", path), "file name holds a control character"
+    return path, ""
 
 
 def walk_local(
     root: str, repo: str, revision: str, skip_dirs: tuple[str, ...],
-    prefix: str = "", prune_top: tuple[str, ...] = (),
+    prefix: str = "", prune_top: tuple[str, ...] = (), gitlinks: frozenset[str] = frozenset(),
 ) -> Iterator[Entry]:
-    """Every file under ``root`` (see the module docstring for the rules)."""
+    """Every file under ``root`` (see the module docstring for the rules); ``gitlinks`` are
+    the relative paths of submodules."""
     root_real = os.path.realpath(root)
 
     def walk(dir_path: str, rel_dir: str) -> Iterator[Entry]:
@@ -154,18 +166,21 @@ def walk_local(
                 continue
             rel = f"{rel_dir}/{name}" if rel_dir else name
             full = os.path.join(dir_path, name)
-            path, ok = _clean(prefix + rel)
+            path, bad_name = _clean(prefix + rel)
             try:
                 st = os.lstat(full)
             except OSError as exc:
                 yield Entry(path, repo, revision, 0, "unreadable", type(exc).__name__)
                 continue
+            if stat.S_ISDIR(st.st_mode) and rel in gitlinks:
+                yield Entry(path, repo, revision, 0, "submodule", "git submodule, not fetched")
+                continue
             if stat.S_ISDIR(st.st_mode):
                 yield from walk(full, rel)
                 continue
             entry = Entry(path, repo, revision, st.st_size)
-            if not ok:
-                entry.skip, entry.detail = "bad_filename", "file name is not valid UTF-8"
+            if bad_name:
+                entry.skip, entry.detail = "bad_filename", bad_name
             elif stat.S_ISLNK(st.st_mode):
                 entry.skip, entry.detail = _symlink_reason(full, root_real)
             elif not stat.S_ISREG(st.st_mode):
@@ -194,7 +209,7 @@ def _git(*args: str, cwd: str | None = None) -> str:
     cmd = ["git", "-c", "submodule.recurse=false", "-c", "advice.detachedHead=false", *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if proc.returncode:
-        err = re.sub(r"://[^/@\s]+@", "://***@", proc.stderr.strip())  # hide URL credentials
+        err = re.sub(r"://[^/@\s]+@", "://***@", " ".join(proc.stderr.split()))  # hide URL credentials
         raise RuntimeError(f"git {args[0]} failed: {err[-500:]}")
     return proc.stdout.strip()
 
@@ -215,6 +230,13 @@ def git_checkout(uri: str, rev: str | None) -> Iterator[tuple[str, str]]:
             raise ValueError(f"revision {rev or 'HEAD'!r} not found in {_repo_name(uri)}")
         _git("checkout", "--quiet", "--detach", sha, cwd=dest)
         yield dest, sha
+
+
+def _gitlinks(dest: str, sha: str) -> frozenset[str]:
+    """Paths of the submodules (tree entries of mode 160000) at commit ``sha``."""
+    out = _git("ls-tree", "-r", "-z", "--full-tree", sha, cwd=dest)
+    return frozenset(line.split("\t", 1)[1] for line in out.split("\0")
+                     if line.startswith("160000 ") and "\t" in line)
 
 
 def s3_filesystem(storage_options: dict[str, Any] | None):
@@ -257,6 +279,6 @@ def open_entries(spec: SourceSpec, skip_dirs: tuple[str, ...],
         yield walk_local(root, os.path.basename(root), "", skip_dirs)
     elif spec.kind == "git":
         with git_checkout(spec.uri, spec.rev) as (dest, sha):
-            yield walk_local(dest, _repo_name(spec.uri), sha, skip_dirs)
+            yield walk_local(dest, _repo_name(spec.uri), sha, skip_dirs, gitlinks=_gitlinks(dest, sha))
     else:
         yield walk_s3(spec, skip_dirs)

@@ -137,6 +137,14 @@ def read_inputs(input_urls: list[str], storage: Storage) -> pa.Table:
         missing = [c for c in REQUIRED_COLUMNS if c not in t.column_names]
         if missing:
             raise ValueError(f"Parquet input {url} lacks columns {missing}")
+        for col in REQUIRED_COLUMNS:
+            typ = t.schema.field(col).type
+            ok = pa.types.is_integer(typ) if col == "size_bytes" else (
+                pa.types.is_string(typ) or pa.types.is_large_string(typ)
+                or (col == "content" and (pa.types.is_binary(typ) or pa.types.is_large_binary(typ))))
+            if not ok and not pa.types.is_null(typ):
+                raise ValueError(f"Parquet input {url}: column {col!r} has type {typ}, "
+                                 f"expected {'an integer' if col == 'size_bytes' else 'string'}")
         tables.append(t)
     if not tables:
         raise ValueError("dedup needs at least one input Parquet file")

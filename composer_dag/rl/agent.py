@@ -6,6 +6,12 @@ turn that answers them (mask 0). The stream is exactly what the policy saw, so t
 scores the same tokens. Tool calls are ``<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>`` blocks; a turn without a parseable call gets an error observation and is
 counted, never raised.
+
+Model output and observations are untrusted: a completion longer than ``max_new_tokens`` is
+cut (the assistant message is marked ``truncated``), an observation cut to the budget is
+marked ``truncated`` (an error one ``error``), and control-token text inside an observation
+(``<|im_end|>``, ``<tool_call>``, ...) is broken with a zero-width space, so that a file
+cannot forge a turn or a call.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ SYSTEM_INTRO = ("You are a coding agent working in the user's project on their m
                 "tools: write each call as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. "
                 "Call submit when the work is done.")
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                  "<tool_response>", "</tool_response>")
 NO_CALL = ("Error: no tool call found. Write a call as <tool_call>{\"name\": \"...\", \"arguments\": {...}}"
            "</tool_call>; call submit when the work is done.")
 
@@ -67,6 +75,9 @@ def parse_tool_calls(text: str) -> tuple[list[dict], list[str], str]:
             obj = json.loads(body.strip())
         except json.JSONDecodeError as e:
             errors.append(f"Error: the tool call is not valid JSON ({e.msg} at char {e.pos}).")
+            continue
+        except (ValueError, RecursionError) as e:  # an over-long integer, nesting too deep
+            errors.append(f"Error: the tool call is not usable JSON ({type(e).__name__}).")
             continue
         fn = obj.get("function", obj) if isinstance(obj, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
@@ -117,6 +128,8 @@ class AgentLoop:
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.stops = (self.im_end, tokenizer.eos_token_id)
         self.newline = self._encode("\n")
+        extra = [t for t in getattr(tokenizer, "all_special_tokens", None) or [] if len(t) > 1]
+        self.control = sorted(set(CONTROL_TOKENS) | set(extra), key=len, reverse=True)
         self.pool = ThreadPoolExecutor(max(1, config.workers), thread_name_prefix="agent")
 
     def close(self) -> None:
@@ -167,16 +180,28 @@ class AgentLoop:
                 r.episode.close()
         return [self._record(r, version) for r in runs]
 
+    def defang(self, text: str) -> str:
+        """``text`` with every control-token string broken by a zero-width space."""
+        for t in self.control:
+            if t in text:
+                text = text.replace(t, t[0] + "\u200b" + t[1:])
+        return text
+
     def _act(self, r: _Run, c: Completion) -> None:
         r.turns += 1
-        r.extend(c.token_ids, 1, c.logprobs)
-        text = self.tok.decode(c.token_ids, skip_special_tokens=False)
+        ids, lps = list(c.token_ids), c.logprobs
+        cut = len(ids) > self.cfg.max_new_tokens  # an engine that ignored the limit
+        if cut:
+            ids, lps = ids[:self.cfg.max_new_tokens], (lps or [])[:self.cfg.max_new_tokens]
+        r.extend(ids, 1, lps if lps is not None and len(lps) == len(ids) else None)
+        text = self.tok.decode(ids, skip_special_tokens=False)
         calls, errors, prose = parse_tool_calls(text)
-        r.messages.append({"role": "assistant", "content": prose, "tool_calls": calls})
-        if c.token_ids and c.token_ids[-1] == self.tok.eos_token_id:
+        r.messages.append({"role": "assistant", "content": prose, "tool_calls": calls,
+                           **({"truncated": True} if cut or c.finish_reason == "length" else {})})
+        if ids and ids[-1] == self.tok.eos_token_id:
             r.finish = "eos"
             return
-        r.extend(([] if c.finish_reason == "stop" else [self.im_end]) + self.newline, 0)
+        r.extend(([] if c.finish_reason == "stop" and not cut else [self.im_end]) + self.newline, 0)
         observations: list[Observation] = [Observation(e, is_error=True) for e in errors]
         if not calls and not errors:
             observations.append(Observation(NO_CALL, is_error=True))
@@ -188,8 +213,9 @@ class AgentLoop:
             observations.append(obs)
             if obs.done:
                 break
-        tool_msgs = [{"role": "tool", "content": o.content} for o in observations]
-        r.messages += tool_msgs
+        tool_msgs = [{"role": "tool", "content": self.defang(o.content)} for o in observations]
+        r.messages += [{**m, **({"truncated": True} if o.truncated else {}), **({"error": True} if o.is_error else {})}
+                       for m, o in zip(tool_msgs, observations)]
         if r.episode.done:
             r.finish = "submit" if any(o.tool == "submit" and not o.is_error for o in observations) else "task_turn_limit"
         elif r.turns >= r.max_turns:
