@@ -3,7 +3,7 @@ max_tokens, measured interleaved in one process tree), then a short vLLM-engine 
 step time broken down, weight-sync seconds and delta size.
 
     .venv/bin/python benchmarks/bench_rl.py --out /tmp/bench_rl [--batch 32] [--new-tokens 64] [--reps 5] [--steps 4]
-        [--model policy|tiny] [--no-rl]
+        [--model policy|tiny|small] [--no-rl]
 
 Throughput: both engines are started first and stay up; the timed ``generate`` calls then
 alternate (hf, vllm, vllm, hf, ...) so that both see the same machine load. The model is the
@@ -160,8 +160,8 @@ def throughput(model_dir: str, scenarios: dict, new_tokens: int, reps: int, hf_t
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/bench_rl")
-    p.add_argument("--model", choices=("policy", "tiny"), default="policy",
-                   help="throughput model: the RL policy, or a fresh Llama of the 'tiny' config")
+    p.add_argument("--model", choices=("policy", "tiny", "small"), default="policy",
+                   help="throughput model: the RL policy, or a fresh Llama of the 'tiny' or 'small' config")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64, help="synthetic prompts of the 'fixed' scenario")
     p.add_argument("--new-tokens", type=int, default=64)
@@ -184,10 +184,10 @@ def main() -> None:
     phases["setup"] = round(time.perf_counter() - t0, 1)
     res = {"date": time.strftime("%Y-%m-%d"), "host_cpus": os.cpu_count(),
            "loadavg_start": [round(x, 2) for x in os.getloadavg()], "warmup": s["warmup"]}
-    if a.model == "tiny":
-        model_dir = os.path.join(a.out, "tiny")
-        info = build_base_model("tiny", s["tokenizer_dir"], model_dir, seed=0)
-        res["throughput_model"] = {"config": "tiny (fresh)", "params": info["params"]}
+    if a.model in ("tiny", "small"):
+        model_dir = os.path.join(a.out, a.model)
+        info = build_base_model(a.model, s["tokenizer_dir"], model_dir, seed=0)
+        res["throughput_model"] = {"config": f"{a.model} (fresh)", "params": info["params"]}
     else:
         from composer_dag.train.model import load_base_model, param_count
 
