@@ -13,6 +13,7 @@ from composer_dag.definitions import build_defs, materialize_all
 from composer_dag.storage import Storage
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
 from tests.conftest import FAKE_KEY, FAKE_SECRET
+from tests.leak_scan import scan_storage, scan_tree
 
 BASE = textwrap.dedent(
     '''
@@ -156,9 +157,10 @@ def test_data_half_on_s3_server(tmp_path, s3_bucket):
     assert_data_half(results, mats, cat, source="s3-local")
     assert mats["deduped_shards"]["dagster/uri"].startswith(f"s3://{bucket}/artifacts/deduped_shards/")
     storage.verify_manifest(mats["deduped_shards"]["dagster/uri"])
-    # credentials never reach metadata or the catalog
-    blob = repr(mats) + repr(cat.query("SELECT * FROM corpus_files")) + repr(cat.query("SELECT * FROM dedup_dropped"))
-    assert FAKE_SECRET not in blob and FAKE_KEY not in blob
+    # Credentials never reach logs, metadata, the catalog, the run history or the bucket.
+    secrets = [FAKE_KEY, FAKE_SECRET]
+    assert scan_tree(tmp_path, secrets) == []  # run and event storage, catalog, local files
+    assert scan_storage(Storage(f"s3://{bucket}", s3_bucket["options"]), f"s3://{bucket}", secrets) == []
 
 
 def test_new_source_sensor(tmp_path, s3_bucket):

@@ -13,6 +13,8 @@ from composer_dag.storage import Storage
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
 from assets.train import ModelSettings
 from resources.cluster import ClusterResource
+from tests.conftest import FAKE_KEY, FAKE_SECRET
+from tests.leak_scan import scan_instance, scan_tree
 from tests.test_graph_data import check_outcomes, make_source
 
 TINY_RUN_CONFIG = {
@@ -31,6 +33,11 @@ TINY_RUN_CONFIG = {
 @pytest.mark.slow
 def test_whole_graph_tiny(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("COMPOSER_HOME", str(tmp_path / "home"))
+    # Known fake credentials in the environment of every step, subprocess and sandbox: the scan
+    # at the end proves none reaches logs, metadata, rollouts, checkpoints or the catalog.
+    secrets = {"AWS_ACCESS_KEY_ID": FAKE_KEY, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET, "HF_TOKEN": "hf_fakeFAKEfake0123456789"}
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
     make_source(tmp_path / "src")
     sources = tmp_path / "sources.yaml"
     sources.write_text(
@@ -79,3 +86,5 @@ def test_whole_graph_tiny(tmp_path: Path, monkeypatch):
         assert rollouts["dagster/row_count"] == 2 * 2 * 4  # steps x tasks per step x group size
         assert cat.query("SELECT count(*) FROM rollouts WHERE reward IS NOT NULL")[0][0] == rollouts["dagster/row_count"]
         st.verify_manifest(meta("rl_checkpoint")["dagster/uri"])
+        assert scan_instance(instance, list(secrets.values())) == []
+    assert scan_tree(tmp_path, list(secrets.values())) == []
