@@ -19,7 +19,16 @@ from composer_dag.storage import Storage
 
 
 class CatalogError(RuntimeError):
-    pass
+    """A catalog operation failed; the message is one line naming the database and the cause."""
+
+
+# DuckDB reports OS errors as text; the errno name is added so "disk full" is easy to spot.
+_OS_ERRORS = (
+    ("no space left on device", "ENOSPC"),
+    ("disk quota exceeded", "EDQUOT"),
+    ("read-only file system", "EROFS"),
+    ("permission denied", "EACCES"),
+)
 
 
 def _sql_list(urls: Sequence[str]) -> str:
@@ -34,7 +43,32 @@ class Catalog:
         self.storage = storage
         self.lock_timeout_s = lock_timeout_s
         if self.path != ":memory:":
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            try:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            except OSError as exc:
+                raise self._error("creating its directory", exc) from None
+
+    def _error(self, what: str, exc: BaseException) -> CatalogError:
+        msg = " ".join(str(exc).split())
+        names = [name for text, name in _OS_ERRORS if text in msg.lower()]
+        if names:
+            msg += f" ({names[0]})"
+        return CatalogError(f"catalog {self.path}: {what} failed: {msg}")
+
+    @contextlib.contextmanager
+    def _sql(self, what: str) -> Iterator[None]:
+        """Turn a DuckDB error inside the block into one CatalogError line."""
+        try:
+            yield
+        except duckdb.Error as exc:
+            raise self._error(what, exc) from None
+
+    @staticmethod
+    def _rollback(con: duckdb.DuckDBPyConnection) -> None:
+        # After a failed COMMIT (e.g. disk full) DuckDB has already ended the transaction;
+        # the error that matters is the first one, so a failing ROLLBACK is ignored.
+        with contextlib.suppress(duckdb.Error):
+            con.execute("ROLLBACK")
 
     def _duckdb_url(self, url: str) -> str:
         """DuckDB reads local files by OS path and remote ones through the registered fs."""
@@ -49,24 +83,29 @@ class Catalog:
             try:
                 con = duckdb.connect(self.path, read_only=read_only and self.path != ":memory:")
                 break
-            except duckdb.IOException as exc:
-                if "lock" not in str(exc).lower() or time.monotonic() > deadline:
-                    raise CatalogError(f"cannot open catalog {self.path}: {exc}") from exc
+            except duckdb.Error as exc:
+                locked = isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower()
+                if not locked or time.monotonic() > deadline:
+                    raise self._error("open", exc) from None
                 time.sleep(0.2 + random.random() * 0.5)
         try:
             if self.storage.protocol != "file":
                 con.register_filesystem(self.storage.fs)
             yield con
-        finally:
+        except BaseException:
+            with contextlib.suppress(duckdb.Error):
+                con.close()
+            raise
+        with self._sql("close"):
             con.close()
 
     def query(self, sql: str, params: Sequence[Any] | None = None) -> list[tuple]:
-        with self.connect() as con:
+        with self.connect() as con, self._sql("query"):
             return con.execute(sql, params or []).fetchall()
 
     def query_df(self, sql: str, params: Sequence[Any] | None = None):
         """Run SQL and return a pyarrow Table."""
-        with self.connect() as con:
+        with self.connect() as con, self._sql("query"):
             return con.execute(sql, params or []).fetch_arrow_table()
 
     def scan(self, urls: Sequence[str], columns: str = "*") -> str:
@@ -94,7 +133,7 @@ class Catalog:
         extra = extra or {}
         if not urls:
             return 0
-        with self.connect() as con:
+        with self.connect() as con, self._sql(f"loading {table}"):
             probe = con.execute(f"DESCRIBE SELECT * FROM {self.scan(urls)}").fetchall()
             cols = [r[0] for r in probe if r[0] not in exclude]
             select = ", ".join(f'"{c}"' for c in cols)
@@ -119,7 +158,7 @@ class Catalog:
                 ).fetchone()[0]
                 con.execute("COMMIT")
             except Exception:
-                con.execute("ROLLBACK")
+                self._rollback(con)
                 raise
         return int(n)
 
@@ -130,7 +169,7 @@ class Catalog:
         if not records:
             return 0
         arrow = pa.Table.from_pylist(list(records))
-        with self.connect() as con:
+        with self.connect() as con, self._sql(f"inserting into {table}"):
             con.register("_incoming", arrow)
             con.execute("BEGIN TRANSACTION")
             try:
@@ -146,7 +185,7 @@ class Catalog:
                     con.execute(f'INSERT INTO "{table}" BY NAME SELECT * FROM _incoming')
                 con.execute("COMMIT")
             except Exception:
-                con.execute("ROLLBACK")
+                self._rollback(con)
                 raise
         return len(records)
 

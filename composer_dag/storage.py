@@ -4,11 +4,17 @@ Contract (ARCHITECTURE.md): every artifact lives at ``<root>/<asset>/<run_id>/..
 directory artifact carries a ``manifest.json`` listing each file's size and sha256, and writes
 are atomic: data goes to a temporary name first and is moved into place (local) or sent as a
 single PUT (object stores), so a crashed step never leaves a half artifact behind.
+
+Failures: transient S3 faults (5xx, SlowDown, dropped connections, timeouts) are retried by the
+client as configured in ``S3_CLIENT_CONFIG``; what still fails is raised as one
+``StorageError`` line naming the operation, the URL and what the storage said (HTTP status and
+S3 error code, or the OS error such as ENOSPC / EROFS), never the credentials.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -22,9 +28,83 @@ import fsspec
 
 MANIFEST = "manifest.json"
 
+# The one place S3 retries and timeouts are set (keys of botocore.config.Config; a
+# ``config_kwargs`` entry in storage_options overrides them key by key). botocore's "standard"
+# mode retries 500/502/503/504, throttling (SlowDown), connection errors and timeouts with
+# jittered exponential backoff (the n-th retry waits rand() * min(2**(n-1), 20) s), at most
+# ``total_max_attempts`` tries in all (a lasting fault gives up after about 7 s on average);
+# 4xx answers such as 403 AccessDenied fail at once.
+S3_CLIENT_CONFIG: dict[str, Any] = {
+    "retries": {"mode": "standard", "total_max_attempts": 5},
+    "connect_timeout": 10,  # seconds to open a connection
+    "read_timeout": 60,  # seconds without a byte from the server before the try counts as failed
+}
+# s3fs runs its own retry loop around each botocore call; it is what retries a body cut off
+# mid-download, which botocore does not see. Three rounds; s3fs repeats only SlowDown and
+# connection-level failures, so a lasting 500 or 403 costs no more than botocore's attempts.
+S3FS_RETRIES = 3
+
+# OS errors that mean the storage itself refused the write, named in the error message.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES, errno.EPERM}
+
 
 class ArtifactError(RuntimeError):
     """An artifact is missing, incomplete, or does not match its manifest."""
+
+
+class StorageError(OSError):
+    """A storage operation failed for good (after the client's retries).
+
+    The message is one line: operation, URL, and what the storage said. ``errno`` is the OS
+    error number when there is one (ENOSPC, EROFS, ...); the original exception stays
+    available as ``__context__``.
+    """
+
+
+def _remote_error_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = []
+    with contextlib.suppress(ImportError):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        types += [BotoCoreError, ClientError]
+    with contextlib.suppress(ImportError):
+        from aiohttp import ClientError as AioClientError
+
+        types.append(AioClientError)
+    return tuple(types)
+
+
+def _is_storage_failure(exc: BaseException) -> bool:
+    if isinstance(exc, (ArtifactError, StorageError, FileNotFoundError)):
+        return False
+    if isinstance(exc, OSError):
+        return True
+    return isinstance(exc, _remote_error_types())
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _reason(exc: BaseException) -> tuple[str, int | None]:
+    """What the storage said, in a few words, and the OS errno if there is one."""
+    for e in _chain(exc):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            err, meta = response.get("Error") or {}, response.get("ResponseMetadata") or {}
+            status, tries = meta.get("HTTPStatusCode"), meta.get("RetryAttempts") or 0
+            where = f"HTTP {status}" if status else "no HTTP status"
+            if tries:
+                where += ", retried"
+            return f"{err.get('Code') or type(e).__name__}: {err.get('Message') or ''} ({where})", None
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+            return f"{e.strerror or os.strerror(e.errno)} ({errno.errorcode[e.errno]})", e.errno
+    return f"{type(exc).__name__}: {exc}", getattr(exc, "errno", None)
 
 
 def _strip_protocol(url: str) -> tuple[str, str]:
@@ -55,18 +135,50 @@ class Storage:
             self.root = f"{proto}://{rest.rstrip('/')}"
         self.protocol = proto
         opts = dict(self.storage_options or {})
+        # Strings never to show in an error message.
+        self._secrets = tuple(
+            v
+            for v in (opts.get("key"), opts.get("secret"), opts.get("token"))
+            + tuple(os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"))
+            if isinstance(v, str) and len(v) >= 4
+        )
         if proto == "s3":
             endpoint = opts.pop("endpoint_url", None)
             if endpoint:
-                opts.setdefault("client_kwargs", {})["endpoint_url"] = endpoint
+                opts["client_kwargs"] = {**opts.get("client_kwargs", {}), "endpoint_url": endpoint}
+            opts["config_kwargs"] = {**S3_CLIENT_CONFIG, **opts.get("config_kwargs", {})}
             # Fresh connections per Storage keep tests against a local server independent.
             opts.setdefault("skip_instance_cache", True)
-        self.fs: fsspec.AbstractFileSystem = fsspec.filesystem(proto, **opts)
-        if proto == "file":
-            self.fs.makedirs(rest, exist_ok=True)
+        with self._guard("open storage", self.root):
+            self.fs: fsspec.AbstractFileSystem = fsspec.filesystem(proto, **opts)
+            if proto == "s3":
+                self.fs.retries = S3FS_RETRIES
+            if proto == "file":
+                self.fs.makedirs(rest, exist_ok=True)
 
     def __repr__(self) -> str:  # never show credentials
         return f"Storage(root={self.root!r})"
+
+    # ---- errors ------------------------------------------------------------------------
+    def error(self, op: str, url: str, exc: BaseException) -> StorageError:
+        """A one-line StorageError for a failed operation on ``url``, credentials removed."""
+        reason, num = _reason(exc)
+        msg = f"{op} {url} failed: {reason}"
+        for secret in self._secrets:
+            msg = msg.replace(secret, "***")
+        err = StorageError(" ".join(msg.split()))
+        err.errno = num
+        return err
+
+    @contextlib.contextmanager
+    def _guard(self, op: str, url: str) -> Iterator[None]:
+        """Turn a storage failure inside the block into one StorageError line."""
+        try:
+            yield
+        except Exception as exc:
+            if not _is_storage_failure(exc):
+                raise
+            raise self.error(op, url, exc) from None
 
     # ---- paths -------------------------------------------------------------------------
     def url(self, *parts: str) -> str:
@@ -98,11 +210,13 @@ class Storage:
 
     # ---- reading -----------------------------------------------------------------------
     def exists(self, url: str) -> bool:
-        return self.fs.exists(self._path(url))
+        with self._guard("check", url):
+            return self.fs.exists(self._path(url))
 
     def read_bytes(self, url: str) -> bytes:
         try:
-            return self.fs.cat_file(self._path(url))
+            with self._guard("read", url):
+                return self.fs.cat_file(self._path(url))
         except FileNotFoundError as exc:
             raise ArtifactError(f"missing artifact file: {url}") from exc
 
@@ -110,12 +224,14 @@ class Storage:
         return json.loads(self.read_bytes(url))
 
     def open(self, url: str, mode: str = "rb") -> IO:
-        return self.fs.open(self._path(url), mode)
+        with self._guard("open", url):
+            return self.fs.open(self._path(url), mode)
 
     def ls(self, url: str) -> list[str]:
         """URLs of the entries directly under a directory URL (sorted); [] if absent."""
         try:
-            entries = self.fs.ls(self._path(url), detail=False)
+            with self._guard("list", url):
+                entries = self.fs.ls(self._path(url), detail=False)
         except FileNotFoundError:
             return []
         return sorted(self.full_url(e) for e in entries)
@@ -123,7 +239,8 @@ class Storage:
     def find(self, url: str) -> list[str]:
         """URLs of every file under a directory URL, recursively, sorted."""
         try:
-            found = self.fs.find(self._path(url))
+            with self._guard("list", url):
+                found = self.fs.find(self._path(url))
         except FileNotFoundError:
             return []
         return sorted(self.full_url(e) for e in found)
@@ -133,13 +250,17 @@ class Storage:
     def open_atomic(self, url: str) -> Iterator[IO[bytes]]:
         """Write a file so that readers see either nothing or the whole file.
 
-        Local: write ``.<name>.tmp-<uuid>`` beside it, fsync, rename. Object stores: buffer in
-        memory and send one PUT when the block ends; nothing is sent if the block raises.
+        Local: write ``.<name>.tmp-<uuid>`` beside it, fsync, rename; the temporary file is
+        removed on any failure. Object stores: buffer in memory and send one PUT when the
+        block ends; nothing is sent if the block raises. A file already at ``url`` stays as it
+        was unless the write succeeds. The storage refusing the write (disk full, read-only,
+        S3 error after retries) raises StorageError.
         """
         path = self._path(url)
         parent = posixpath.dirname(path)
         if self.protocol == "file":
-            os.makedirs(parent, exist_ok=True)
+            with self._guard("write", url):
+                os.makedirs(parent, exist_ok=True)
             tmp = posixpath.join(parent, f".{posixpath.basename(path)}.tmp-{uuid.uuid4().hex}")
             try:
                 with open(tmp, "wb") as f:
@@ -147,14 +268,17 @@ class Storage:
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
+            except BaseException as exc:
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
+                if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+                    raise self.error("write", url, exc) from None
                 raise
         else:
             buf = io.BytesIO()
             yield buf
-            self.fs.pipe_file(path, buf.getvalue())
+            with self._guard("write", url):
+                self.fs.pipe_file(path, buf.getvalue())
 
     def write_bytes(self, url: str, data: bytes) -> None:
         with self.open_atomic(url) as f:
@@ -170,24 +294,54 @@ class Storage:
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
         else:
-            self.fs.put_file(local_path, self._path(url))
+            with self._guard("upload", url):
+                self.fs.put_file(local_path, self._path(url))
 
     def put_dir(self, local_dir: str, url: str) -> None:
-        """Upload every file under ``local_dir`` to ``url`` (same relative layout)."""
-        for dirpath, _, files in os.walk(local_dir):
-            for name in sorted(files):
-                src = os.path.join(dirpath, name)
-                rel = os.path.relpath(src, local_dir).replace(os.sep, "/")
-                self.put_file(src, posixpath.join(url, rel))
+        """Upload every file under ``local_dir`` to ``url`` (same relative layout).
+
+        A manifest already at ``url`` is removed first, so the directory reads as incomplete
+        while it is rewritten. If an upload fails, the files this call sent are removed again
+        (best effort) before the error is raised.
+        """
+        manifest = posixpath.join(url, MANIFEST)
+        if self.exists(manifest):
+            with self._guard("delete", manifest):
+                self.fs.rm_file(self._path(manifest))
+        sent: list[str] = []
+        try:
+            for dirpath, _, files in os.walk(local_dir):
+                for name in sorted(files):
+                    src = os.path.join(dirpath, name)
+                    rel = os.path.relpath(src, local_dir).replace(os.sep, "/")
+                    dst = posixpath.join(url, rel)
+                    self.put_file(src, dst)
+                    sent.append(dst)
+        except BaseException:
+            self._discard(sent, url)
+            raise
+
+    def _discard(self, urls: list[str], under: str) -> None:
+        """Best-effort removal of files written by a failed step (and, locally, of the
+        directories under ``under`` that this leaves empty)."""
+        for u in urls:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(self._path(u))
+        top = self.local_path(under)
+        if top is not None and os.path.isdir(top):
+            for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
+                with contextlib.suppress(OSError):
+                    os.rmdir(dirpath)
 
     def get_dir(self, url: str, local_dir: str) -> None:
         """Download every file under ``url`` into ``local_dir``."""
         base = self._path(url).rstrip("/")
-        for path in self.fs.find(base):
-            rel = path[len(base) + 1 :]
-            dst = os.path.join(local_dir, *rel.split("/"))
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            self.fs.get_file(path, dst)
+        with self._guard("download", url):
+            for path in self.fs.find(base):
+                rel = path[len(base) + 1 :]
+                dst = os.path.join(local_dir, *rel.split("/"))
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                self.fs.get_file(path, dst)
 
     def write_parquet(self, table, url: str, **kwargs: Any) -> None:
         """Write a pyarrow Table as Parquet (zstd by default), atomically."""
@@ -205,10 +359,24 @@ class Storage:
                 return pq.read_table(f, columns=columns)
         except FileNotFoundError as exc:
             raise ArtifactError(f"missing Parquet file: {url}") from exc
+        except StorageError:
+            raise
         except Exception as exc:  # pyarrow raises ArrowInvalid and friends
+            remote = any(isinstance(e, _remote_error_types()) for e in _chain(exc))
+            if remote or isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+                raise self.error("read", url, exc) from None
             raise ArtifactError(f"unreadable Parquet file {url}: {exc}") from exc
 
     # ---- manifests ---------------------------------------------------------------------
+    def _hash(self, url: str) -> tuple[int, str]:
+        h = hashlib.sha256()
+        size = 0
+        with self._guard("read", url), self.fs.open(self._path(url), "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+                size += len(chunk)
+        return size, h.hexdigest()
+
     def write_manifest(self, dir_url: str, extra: dict[str, Any] | None = None) -> str:
         """Hash every file under ``dir_url`` into ``manifest.json``; return its sha256 digest.
 
@@ -216,18 +384,15 @@ class Storage:
         """
         files = {}
         base = self._path(dir_url).rstrip("/")
-        for path in sorted(self.fs.find(base)):
+        with self._guard("list", dir_url):
+            found = sorted(self.fs.find(base))
+        for path in found:
             rel = path[len(base) + 1 :]
             name = posixpath.basename(rel)
             if rel == MANIFEST or name.startswith(".") and ".tmp-" in name:
                 continue
-            h = hashlib.sha256()
-            size = 0
-            with self.fs.open(path, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
-                    size += len(chunk)
-            files[rel] = {"size": size, "sha256": h.hexdigest()}
+            size, digest = self._hash(self.full_url(path))
+            files[rel] = {"size": size, "sha256": digest}
         manifest = {"files": files}
         if extra:
             manifest["meta"] = extra
@@ -249,15 +414,10 @@ class Storage:
         manifest = self.read_manifest(dir_url)
         for rel, meta in manifest["files"].items():
             data_url = posixpath.join(dir_url, rel)
-            h = hashlib.sha256()
-            size = 0
             try:
-                with self.open(data_url) as f:
-                    while chunk := f.read(1 << 20):
-                        h.update(chunk)
-                        size += len(chunk)
+                size, digest = self._hash(data_url)
             except FileNotFoundError as exc:
                 raise ArtifactError(f"{data_url} is listed in the manifest but missing") from exc
-            if size != meta["size"] or h.hexdigest() != meta["sha256"]:
+            if size != meta["size"] or digest != meta["sha256"]:
                 raise ArtifactError(f"{data_url} does not match its manifest (corrupt or changed)")
         return manifest

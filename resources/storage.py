@@ -7,6 +7,7 @@ import dagster as dg
 from pydantic import PrivateAttr
 
 from composer_dag.storage import Storage
+from resources.config import ClearConfigResource
 
 
 def composer_home() -> str:
@@ -14,7 +15,7 @@ def composer_home() -> str:
     return os.path.abspath(os.environ.get("COMPOSER_HOME", ".composer"))
 
 
-class ArtifactStorage(dg.ConfigurableResource):
+class ArtifactStorage(ClearConfigResource):
     """Where artifacts live. ``root`` empty means ``$COMPOSER_HOME/artifacts`` on local disk.
 
     For S3 (or an S3-compatible server) set ``root: s3://bucket/prefix`` and, from the
@@ -46,11 +47,17 @@ class ArtifactStorage(dg.ConfigurableResource):
         return opts
 
     def get(self) -> Storage:
+        """The storage, opened on first use. A remote root is probed once (one request), so
+        bad credentials, an unknown endpoint or a missing bucket fail here with one line."""
         if self._storage is None:
             try:
-                self._storage = Storage(self.resolved_root(), self.storage_options())
+                storage = Storage(self.resolved_root(), self.storage_options())
+                if storage.protocol != "file":
+                    storage.fs.exists(storage._path(storage.root))
             except Exception as exc:  # one clear line, credentials never included
+                why = (str(exc).strip().splitlines() or [""])[0][:300]
                 raise dg.Failure(
-                    description=f"cannot open artifact storage at {self.resolved_root()}: {type(exc).__name__}: {exc}"
+                    description=f"cannot open artifact storage at {self.resolved_root()}: {type(exc).__name__}: {why}"
                 ) from None
+            self._storage = storage
         return self._storage
