@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
@@ -62,8 +64,7 @@ def run_hidden_tests(task_dir: Path, workspace: Path, timeout: float | None = No
     timeout = timeout or task.get("limits", {}).get("test_timeout", 120)
     with tempfile.TemporaryDirectory(prefix="cdag-g-") as tmp:
         ws = Path(tmp) / project_name(task)
-        shutil.copytree(workspace, ws, symlinks=True,
-                        ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+        shutil.copytree(workspace, ws, symlinks=True, ignore=_skip_in_copy)
         report = Path(tmp) / "report"
         report.mkdir()
         binds = [Bind(task_dir / "hidden_tests", CHECKS_DIR), Bind(report, REPORT_DIR, writable=True)]
@@ -80,11 +81,24 @@ def run_hidden_tests(task_dir: Path, workspace: Path, timeout: float | None = No
     return per_test, details
 
 
+def _skip_in_copy(d: str, names: list[str]) -> set[str]:
+    """Caches, and FIFOs, sockets and devices (which cannot be copied and would block a reader)."""
+    return {n for n in names if n in ("__pycache__", ".pytest_cache")
+            or not stat.S_ISREG(m := os.lstat(os.path.join(d, n)).st_mode) and not stat.S_ISDIR(m)
+            and not stat.S_ISLNK(m)}
+
+
 def parse_junit(path: Path) -> dict[str, str]:
-    if not path.exists():
+    """Per-test outcomes from the report; none unless it is a regular file (not a link or a FIFO
+    planted by the code under test) holding valid XML."""
+    if path.is_symlink() or not path.is_file():
         return {}
     out = {}
-    for case in ET.parse(path).getroot().iter("testcase"):
+    try:
+        cases = list(ET.parse(path).getroot().iter("testcase"))
+    except ET.ParseError:
+        return {}
+    for case in cases:
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         outcome = "passed"
         for child in case:
@@ -123,7 +137,8 @@ def _snapshot(root: Path) -> dict[str, bytes]:
     out = {}
     for p in sorted(Path(root).rglob("*")):
         rel = p.relative_to(root).as_posix()
-        if rel == ".git" or rel.startswith(".git/") or "__pycache__" in rel.split("/") or not p.is_file():
+        if rel == ".git" or rel.startswith(".git/") or "__pycache__" in rel.split("/") or p.is_symlink() \
+                or not p.is_file():  # a link is never followed: it may point at any host file
             continue
         out[rel] = p.read_bytes()
     return out

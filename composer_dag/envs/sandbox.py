@@ -10,7 +10,7 @@ Layout seen from inside (``Persona`` defaults)::
                                   plus generated passwd/group/hostname/hosts
     /home/sam                     private home (.bashrc, .profile, .gitconfig), writable
     /home/sam/<project>           the workspace, read-write
-    /tmp, /var/tmp                private tmpfs
+    /tmp, /var/tmp                private tmpfs, each capped at ``Limits.max_tmp_bytes``
     /proc, /dev                   fresh, in a new pid namespace
 
 Namespaces: ipc, pid, net (loopback only), uts (hostname), cgroup. No user namespace:
@@ -19,6 +19,20 @@ bwrap runs as root on the host and the command then drops to uid/gid 1000 with
 ``sam``) and RLIMIT_NPROC is enforced (it is not for root). RLIMIT_NPROC counts every
 process of host uid 1000, so it is shared by sandboxes running at the same time; the
 default leaves room for many sandboxes and still stops a fork bomb.
+
+Disk: the writable host trees (workspace, home, writable binds) live on the host's disk,
+so their total is capped too. Before each command their usage is measured (bytes, the
+larger of allocated and apparent size, and entries, without following links); the
+command's RLIMIT_FSIZE is lowered to what is left of ``Limits.max_disk_bytes`` (to 0 once
+over: files can be deleted, not grown), and while it runs the usage is measured again
+every 0.25 s or so: growth past ``max_disk_bytes`` or ``max_disk_files`` kills the tree
+(``killed_reason`` "disk"). A command can overshoot by what it writes in one interval; a
+directory nested deeper than ``max_disk_depth`` levels (or with a path over 2,048
+characters) also kills the command, and is removed after it: the host-side tools and the
+grader walk, copy and delete these trees with recursive code and path-based calls.
+The tmpfs mounts hold memory, not disk; their size caps keep them from eating the host's.
+Memory is capped per process only (RLIMIT_AS), so the total is at most ``max_processes``
+times ``memory_bytes``; a total cap needs a cgroup, which the deployment's pod provides.
 
 The venv that runs this code is never bound: only pytest, pip and their dependencies are
 copied (once, into a cache) to a site-packages that shows as
@@ -36,6 +50,7 @@ import re
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -59,6 +74,10 @@ class Limits:
     max_file_bytes: int = 256 << 20  # RLIMIT_FSIZE
     max_open_files: int = 1024  # RLIMIT_NOFILE
     max_output_bytes: int = 64 << 10  # kept per stream; the rest is counted and dropped
+    max_tmp_bytes: int = 512 << 20  # size of each private tmpfs (/tmp, /var/tmp)
+    max_disk_bytes: int = 2 << 30  # workspace + home + writable binds, on the host's disk
+    max_disk_files: int = 200_000  # entries in the same trees
+    max_disk_depth: int = 100  # directory levels in the same trees; deeper ones are removed
 
 
 @dataclass(frozen=True)
@@ -83,7 +102,7 @@ class ExecResult:
     timed_out: bool = False
     truncated: bool = False
     seconds: float = 0.0
-    killed_reason: str | None = None  # "timeout", "cpu", "file_size", "signal:N"
+    killed_reason: str | None = None  # "timeout", "cpu", "file_size", "disk", "signal:N"
 
 
 @dataclass(frozen=True)
@@ -295,8 +314,7 @@ def _base_args(persona: Persona) -> list[str]:
           "--ro-bind", str(exe), f"/usr/local/bin/python{PYVER}",
           "--ro-bind", str(rt / "site-packages"), f"/usr/local/lib/python{PYVER}/site-packages"]
     a += _libpython_binds()
-    a += ["--proc", "/proc", "--dev", "/dev",
-          "--perms", "1777", "--tmpfs", "/tmp", "--perms", "1777", "--tmpfs", "/var/tmp"]
+    a += ["--proc", "/proc", "--dev", "/dev"]
     _BASE_ARGS[persona] = a
     return a
 
@@ -338,12 +356,15 @@ class Sandbox:
         if chown:
             chown_tree(self.workspace, persona.uid, persona.gid)
         a = list(_base_args(persona))
+        for tmp in ("/tmp", "/var/tmp"):
+            a += ["--perms", "1777", "--size", str(limits.max_tmp_bytes), "--tmpfs", tmp]
         a += ["--bind", str(self._home), persona.home, "--bind", str(self.workspace), self.root]
         for path, host in (masks or {}).items():
             a += ["--tmpfs", path] if host is None else ["--ro-bind", str(host), path]
         for b in binds:
             a += ["--bind" if b.writable else "--ro-bind", str(b.host), b.path]
         self._args = a
+        self._writable = [self._home, self.workspace] + [Path(b.host) for b in binds if b.writable]
         p = persona
         self.env = {"HOME": p.home, "USER": p.user, "LOGNAME": p.user, "SHELL": "/bin/bash",
                     "PATH": f"{p.home}/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -358,12 +379,40 @@ class Sandbox:
     def __exit__(self, *exc):
         self.close()
 
-    def _argv(self, cmd, cwd: str | None, env: dict | None, info_fd: int) -> list[str]:
+    def disk_usage(self) -> tuple[int, int]:
+        """(bytes, entries) in the writable host trees: what the disk cap counts."""
+        return _disk_usage(self._writable, self.limits.max_disk_depth)[:2]
+
+    def _prune(self) -> tuple[int, int, bool]:
+        """Measure the writable trees and remove what is nested too deep: (bytes, entries, pruned)."""
+        size, files, deep = _disk_usage(self._writable, self.limits.max_disk_depth)
+        if deep:
+            subprocess.run(["rm", "-rf", "--one-file-system", "--", *deep], check=False)
+            size, files, _ = _disk_usage(self._writable, self.limits.max_disk_depth)
+        return size, files, bool(deep)
+
+    def _disk_watch(self, start: tuple[int, int]):
+        """A check for ``_pump``: "disk" once the trees grew past a cap (measured at most every
+        0.25 s, and no more than a tenth of the time)."""
+        L, nxt = self.limits, [time.monotonic() + 0.25]
+
+        def check() -> str | None:
+            now = time.monotonic()
+            if now < nxt[0]:
+                return None
+            size, files, deep = _disk_usage(self._writable, L.max_disk_depth)
+            nxt[0] = time.monotonic() + max(0.25, 10 * (time.monotonic() - now))
+            over = (size > L.max_disk_bytes and size > start[0]) or (files > L.max_disk_files and files > start[1])
+            over = over or bool(deep)
+            return "disk" if over else None
+        return check
+
+    def _argv(self, cmd, cwd: str | None, env: dict | None, info_fd: int, fsize: int) -> list[str]:
         L = self.limits
         wd = self.root if not cwd else (cwd if cwd.startswith("/") else f"{self.root}/{cwd}")
         envd = dict(self.env, PWD=wd, **(env or {}))
         argv = [PRLIMIT, f"--cpu={L.cpu_seconds}:{L.cpu_seconds + 1}", f"--as={L.memory_bytes}",
-                f"--nproc={L.max_processes}", f"--fsize={L.max_file_bytes}",
+                f"--nproc={L.max_processes}", f"--fsize={fsize}",
                 f"--nofile={L.max_open_files}", "--core=0", "--"]
         argv += self._args + ["--info-fd", str(info_fd), "--chdir", wd, "--clearenv"]
         for k, v in envd.items():
@@ -377,25 +426,33 @@ class Sandbox:
             *, cwd: str | None = None, env: dict | None = None) -> ExecResult:
         timeout = self.limits.timeout if timeout is None else timeout
         t0 = time.monotonic()
+        used, files, _ = self._prune()
+        room = self.limits.max_disk_bytes - used if files <= self.limits.max_disk_files else 0
+        fsize = max(0, min(self.limits.max_file_bytes, room))
         r_info, w_info = os.pipe()
         try:
-            proc = subprocess.Popen(self._argv(cmd, cwd, env, w_info), pass_fds=(w_info,),
+            proc = subprocess.Popen(self._argv(cmd, cwd, env, w_info, fsize), pass_fds=(w_info,),
                                     stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         finally:
             os.close(w_info)
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        out, err, info, timed_out, dropped = _pump(proc, data, r_info, t0 + timeout, self.limits.max_output_bytes)
-        if timed_out:
+        out, err, info, stop, dropped = _pump(proc, data, r_info, t0 + timeout, self.limits.max_output_bytes,
+                                              self._disk_watch((used, files)))
+        if stop:
             _kill(proc, info)
         code = proc.wait()
         seconds = time.monotonic() - t0
-        reason = "timeout" if timed_out else None
-        if not timed_out and code > 128 and code - 128 in (9, 24, 25):
+        timed_out = stop == "timeout"
+        reason = stop
+        if not stop and code > 128 and code - 128 in (9, 24, 25):
             reason = _SIGNAL_REASON.get(signal.Signals(code - 128))
-        elif not timed_out and code < 0:
+        elif not stop and code < 0:
             reason = f"signal:{-code}"
-        return ExecResult(exit_code=124 if timed_out else code, stdout=_text(out, dropped[0]),
+        if self._prune()[2]:
+            reason = reason or "disk"
+        code = 124 if timed_out else 128 + int(signal.SIGKILL) if stop else code
+        return ExecResult(exit_code=code, stdout=_text(out, dropped[0]),
                           stderr=_text(err, dropped[1]), timed_out=timed_out, truncated=any(dropped),
                           seconds=seconds, killed_reason=reason)
 
@@ -405,8 +462,38 @@ def _text(buf: bytes, dropped: int) -> str:
     return s + f"\n[... {dropped} bytes truncated ...]" if dropped else s
 
 
-def _pump(proc, stdin: bytes | None, r_info: int, deadline: float, budget: int):
-    """Feed stdin, collect stdout/stderr up to ``budget`` bytes each, until exit or deadline."""
+def _disk_usage(roots, max_depth: int) -> tuple[int, int, list[str]]:
+    """Bytes (per file the larger of allocated and apparent size) and entries under ``roots``,
+    links not followed, and the directories nested deeper than ``max_depth`` levels or with an
+    over-long path (not descended into)."""
+    size = n = 0
+    deep = []
+    todo = [(str(r), 0) for r in roots]
+    while todo:
+        d, depth = todo.pop()
+        try:
+            it = os.scandir(d)
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                n += 1
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                size += max(st.st_blocks * 512, st.st_size if stat.S_ISREG(st.st_mode) else 0)
+                if stat.S_ISDIR(st.st_mode):
+                    if depth >= max_depth or len(e.path) > 2048:
+                        deep.append(e.path)
+                    else:
+                        todo.append((e.path, depth + 1))
+    return size, n, deep
+
+
+def _pump(proc, stdin: bytes | None, r_info: int, deadline: float, budget: int, watch=None):
+    """Feed stdin, collect stdout/stderr up to ``budget`` bytes each, until exit, deadline or
+    ``watch()`` names a reason to stop; returns the stop reason ("timeout", ...) or None."""
     sel = selectors.DefaultSelector()
     bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), r_info: bytearray()}
     dropped = {proc.stdout.fileno(): 0, proc.stderr.fileno(): 0}
@@ -418,14 +505,16 @@ def _pump(proc, stdin: bytes | None, r_info: int, deadline: float, budget: int):
     if stdin is not None:
         os.set_blocking(fin, False)
         sel.register(fin, selectors.EVENT_WRITE)
-    timed_out = False
+    stop = None
     try:
         while len(sel.get_map()) > (0 if proc.poll() is None else 1 if r_info in sel.get_map() else 0):
             left = deadline - time.monotonic()
             if left <= 0:
-                timed_out = True
+                stop = "timeout"
                 break
-            for key, _ in sel.select(min(left, 0.5)):
+            if watch and (stop := watch()):
+                break
+            for key, _ in sel.select(min(left, 0.25)):
                 fd = key.fd
                 if fd == fin:
                     try:
@@ -451,10 +540,12 @@ def _pump(proc, stdin: bytes | None, r_info: int, deadline: float, budget: int):
                 room = max(0, budget - len(buf))
                 buf += chunk[:room]
                 dropped[fd] += len(chunk) - min(room, len(chunk))
-        if not timed_out:
+        if not stop:
             while proc.poll() is None:  # pipes closed but the tree is still running
                 if time.monotonic() >= deadline:
-                    timed_out = True
+                    stop = "timeout"
+                    break
+                if watch and (stop := watch()):
                     break
                 time.sleep(0.002)
     finally:
@@ -468,7 +559,7 @@ def _pump(proc, stdin: bytes | None, r_info: int, deadline: float, budget: int):
     with contextlib.suppress(ValueError):
         info = json.loads(bytes(bufs[r_info]).decode() or "{}")
     fo, fe = list(dropped)
-    return bytes(bufs[fo]), bytes(bufs[fe]), info, timed_out, [dropped[fo], dropped[fe]]
+    return bytes(bufs[fo]), bytes(bufs[fe]), info, stop, [dropped[fo], dropped[fe]]
 
 
 def _kill(proc, info: dict) -> None:

@@ -1,7 +1,9 @@
 """The tools a policy acts through, and the ``Episode`` that runs them on one task.
 
 File tools work on the host copy of the workspace and refuse any path that resolves
-(symlinks included) outside it; terminal commands run in the task's sandbox. Every call,
+(symlinks included) outside it; ``list_dir`` shows a link's target without following it, and
+files over ``MAX_TOOL_FILE_BYTES`` are refused (the host would hold them in memory many times
+over); terminal commands run in the task's sandbox. Every call,
 valid or not, lands in ``Episode.log``; malformed calls come back as error observations.
 """
 
@@ -54,6 +56,7 @@ class Observation:
     done: bool = False
     tool: str | None = None
     seconds: float = 0.0
+    truncated: bool = False  # the content was cut to the observation budget
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,30 @@ def truncate(text: str, budget: int) -> str:
 
 class ToolError(Exception):
     pass
+
+
+def _encodable(text: str) -> bool:
+    """False for text holding lone surrogates (invalid UTF-8 bytes decoded with surrogateescape
+    or escaped in JSON), which no file name, file or command can hold."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+MAX_TOOL_FILE_BYTES = 8 << 20  # read_file / edit_file; the terminal (head, sed -n) reads larger files
+
+
+def _read_text(f: Path, path: str) -> str:
+    size = f.stat().st_size
+    if size > MAX_TOOL_FILE_BYTES:
+        raise ToolError(f"{path}: {size} bytes, over the {MAX_TOOL_FILE_BYTES} byte limit of this tool; "
+                        "use the terminal (head, sed -n, grep) for large files")
+    try:
+        return f.read_text()
+    except UnicodeDecodeError:
+        raise ToolError(f"{path}: binary file") from None
 
 
 class Episode:
@@ -138,10 +165,15 @@ class Episode:
                 raise ToolError(f"turn limit ({self.max_turns}) reached")
             content = getattr(self, f"_t_{name}")(entry, **args)
             entry["ok"] = True
-            obs = Observation(truncate(content, self.obs_chars), done=self.done, tool=name)
+            obs = Observation(truncate(content, self.obs_chars), done=self.done, tool=name,
+                              truncated=len(content) > self.obs_chars)
         except ToolError as e:
             entry["error"] = str(e)
             obs = Observation(f"Error: {e}", is_error=True, done=self.done, tool=entry["tool"])
+        except (OSError, UnicodeError) as e:  # e.g. a binary file to edit, a file where a dir must be
+            why = "the file is not UTF-8 text" if isinstance(e, UnicodeError) else (e.strerror or type(e).__name__)
+            entry["error"] = f"{entry['tool']}: {why}"  # strerror only: no host paths in observations
+            obs = Observation(f"Error: {entry['error']}", is_error=True, done=self.done, tool=entry["tool"])
         obs.seconds = entry["seconds"] = time.monotonic() - t0
         self.log.append(entry)
         return obs
@@ -180,6 +212,8 @@ class Episode:
             if want == "string" and not isinstance(v, str) or want == "integer" and (
                     not isinstance(v, int) or isinstance(v, bool) or v < schema["properties"][k].get("minimum", v)):
                 raise ToolError(f"{name}: argument {k!r} must be {'a positive integer' if want == 'integer' else 'a string'}")
+            if isinstance(v, str) and ("\0" in v or not v.isascii() and not _encodable(v)):
+                raise ToolError(f"{name}: argument {k!r} holds a NUL byte or text that is not valid UTF-8")
         return name, args
 
     def _path(self, path: str, entry: dict) -> Path:
@@ -208,10 +242,7 @@ class Episode:
         f = self._path(path, entry)
         if not f.is_file():
             raise ToolError(f"{path}: no such file" if not f.exists() else f"{path}: is a directory")
-        try:
-            lines = f.read_text().splitlines()
-        except UnicodeDecodeError:
-            raise ToolError(f"{path}: binary file") from None
+        lines = _read_text(f, path).splitlines()
         a = (start_line or 1) - 1
         b = end_line or len(lines)
         if a >= max(1, len(lines)) and lines:
@@ -224,7 +255,10 @@ class Episode:
             raise ToolError(f"{path}: not a directory")
         rows = []
         for c in sorted(d.iterdir(), key=lambda c: c.name):
-            rows.append(c.name + "/" if c.is_dir() else f"{c.name}  ({c.stat().st_size if c.exists() else 0} bytes)")
+            if c.is_symlink():  # never followed: the target may be a host path
+                rows.append(f"{c.name} -> {os.readlink(c)}")
+            else:
+                rows.append(c.name + "/" if c.is_dir() else f"{c.name}  ({c.lstat().st_size} bytes)")
         return "\n".join(rows) or "(empty directory)"
 
     def _t_search(self, entry, pattern, path=".") -> str:
@@ -263,7 +297,7 @@ class Episode:
             return f"Created {self._rel(f)} ({len(new.splitlines())} lines)."
         if not f.is_file():
             raise ToolError(f"{path}: no such file")
-        text = f.read_text()
+        text = _read_text(f, path)
         n = text.count(old)
         if n == 0:
             raise ToolError(f"{path}: `old` text not found (it must match exactly, whitespace included)")
