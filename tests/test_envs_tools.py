@@ -92,6 +92,19 @@ def test_read_list_search(ep):
     assert ep.step(call("read_file", path="nope.py")).is_error
 
 
+def test_catastrophic_search_pattern_is_stopped(ep):
+    """A pattern with exponential backtracking (`(a|a)*$` on a run of a's) is cut off by the
+    search's time budget with an error observation, instead of hanging the host worker."""
+    import time
+
+    ep.step(call("edit_file", path="evil.txt", old="", new="a" * 40 + "!\n"))
+    t0 = time.monotonic()
+    obs = ep.step(call("search", pattern=r"(a|a)*$", path="evil.txt"))
+    assert obs.is_error and "longer than" in obs.content
+    assert time.monotonic() - t0 < 10
+    assert "evil.txt:1" in ep.step(call("search", pattern=r"a{40}!", path="evil.txt")).content
+
+
 def test_edit_file_semantics(ep):
     assert ep.step(call("edit_file", path="has_close_elements.py", old="no such text", new="x")).is_error
     assert "19 times" in ep.step(call("edit_file", path="README.md", old="e", new="E")).content

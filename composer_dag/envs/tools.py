@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import regex
+
 from .grade import GradeConfig, GradeResult, grade, load_task, project_name
 from .sandbox import Limits, Sandbox
+
+SEARCH_SECONDS = 2.0  # time budget of one `search` call (the pattern is the model's)
 
 
 def _fn(name: str, description: str, props: dict, required: list[str]) -> dict:
@@ -262,10 +265,13 @@ class Episode:
         return "\n".join(rows) or "(empty directory)"
 
     def _t_search(self, entry, pattern, path=".") -> str:
+        # The model's pattern runs in the host process: the ``regex`` engine with a time budget
+        # for the whole search, so a catastrophic pattern such as (a+)+$ cannot hang a worker.
         try:
-            rx = re.compile(pattern)
-        except re.error as e:
+            rx = regex.compile(pattern)
+        except (regex.error, OverflowError, RecursionError) as e:
             raise ToolError(f"invalid regular expression: {e}") from None
+        deadline = time.monotonic() + SEARCH_SECONDS
         base = self._path(path, entry)
         files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
         hits = []
@@ -280,7 +286,12 @@ class Episode:
             except (UnicodeDecodeError, OSError):
                 continue
             for i, line in enumerate(text.splitlines(), 1):
-                if rx.search(line):
+                try:
+                    found = rx.search(line, timeout=max(0.001, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise ToolError(f"search took longer than {SEARCH_SECONDS:g} s and was stopped; "
+                                    "use a simpler pattern or a narrower path") from None
+                if found:
                     hits.append(f"{rel}:{i}: {line[:300]}")
                     if len(hits) >= 200:
                         return "\n".join(hits) + "\n(stopped after 200 matches)"
