@@ -73,6 +73,18 @@ class local_copy:
             self._tmp.cleanup()
 
 
+def copy_artifact(storage, url: str, dest: str) -> None:
+    """Copy the verified artifact at ``url`` to the local directory ``dest`` through a temporary
+    sibling renamed into place, so ``dest/manifest.json`` exists only once every file does: a
+    copy cut short is never taken for a finished one."""
+    import shutil
+
+    from composer_dag.train.model import atomic_dir
+
+    with local_copy(storage, url) as src, atomic_dir(dest) as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+
+
 def publish_dir(storage, local_dir: str, url: str, extra: dict | None = None) -> str:
     """Copy a finished local directory to ``url`` and seal it with a manifest; return its digest."""
     storage.put_dir(local_dir, url)

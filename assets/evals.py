@@ -14,7 +14,7 @@ from typing import Optional
 
 import dagster as dg
 
-from assets._common import latest_metadata, latest_uri, local_copy, plot_md, publish_dir
+from assets._common import copy_artifact, latest_metadata, latest_uri, plot_md, publish_dir
 from assets.train import work_dir
 from composer_dag.evals.contamination import contamination_report
 from composer_dag.evals.gate import compare, report_markdown
@@ -46,8 +46,7 @@ class EvalParams(dg.Config):
 def _summary_for(context, storage, key: str, wd: str, params: EvalParams, cluster: ClusterResource, tasks_dir: str, val_dir: str):
     ckpt_dir = os.path.join(wd, key)
     if not os.path.exists(os.path.join(ckpt_dir, "manifest.json")):
-        with local_copy(storage, latest_uri(context.instance, key)) as src:
-            shutil.copytree(src, ckpt_dir, dirs_exist_ok=True)
+        copy_artifact(storage, latest_uri(context.instance, key), ckpt_dir)
     out_dir = os.path.join(wd, "out", key)
     if os.path.exists(os.path.join(out_dir, "summary.json")):  # a retry resumes: finished candidates stay done
         return json.loads(Path(out_dir, "summary.json").read_text()), out_dir
@@ -87,8 +86,7 @@ def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artif
     tasks_dir, val_dir = os.path.join(wd, "eval_tasks"), os.path.join(wd, "token_shards")
     for d, key in ((tasks_dir, "eval_tasks"), (val_dir, "token_shards")):
         if not os.path.exists(os.path.join(d, "manifest.json")):
-            with local_copy(storage, latest_uri(context.instance, key)) as src:
-                shutil.copytree(src, d, dirs_exist_ok=True)
+            copy_artifact(storage, latest_uri(context.instance, key), d)
 
     summaries, outs = {}, {}
     for key in CANDIDATES:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets._common import latest_metadata, latest_uri, local_copy, plot_md, publish_dir
+from assets._common import copy_artifact, latest_metadata, latest_uri, plot_md, publish_dir
 from assets.train import midtrained_checkpoint, work_dir
 from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
@@ -81,8 +81,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
     wd = work_dir("rl", str(ckpt_meta.get("manifest_digest")), str(tasks_meta.get("manifest_digest")), json.dumps(params, sort_keys=True))
     policy_dir, tasks_dir, out_dir = (os.path.join(wd, d) for d in ("policy", "tasks", "run"))
     if not os.path.exists(os.path.join(policy_dir, "manifest.json")):
-        with local_copy(storage, latest_uri(context.instance, "midtrained_checkpoint")) as src:
-            shutil.copytree(src, policy_dir, dirs_exist_ok=True)
+        copy_artifact(storage, latest_uri(context.instance, "midtrained_checkpoint"), policy_dir)
     run_cfg = {k: params[k] for k in _RUN_FIELDS}
     if config.environment == "learnable":
         from composer_dag.rl.learnable import make_learnable_setup
@@ -94,8 +93,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
         run_cfg.update(LEARNABLE_RUN)
     elif config.environment == "tasks":
         if not os.path.exists(os.path.join(tasks_dir, "manifest.json")):
-            with local_copy(storage, latest_uri(context.instance, "rl_tasks")) as src:
-                shutil.copytree(src, tasks_dir, dirs_exist_ok=True)
+            copy_artifact(storage, latest_uri(context.instance, "rl_tasks"), tasks_dir)
     else:
         raise dg.Failure(description=f"environment must be 'tasks' or 'learnable', not {config.environment!r}", allow_retries=False)
     cfg = {**run_cfg, "policy_dir": policy_dir, "tasks_dir": tasks_dir, "out_dir": out_dir}

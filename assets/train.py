@@ -17,7 +17,7 @@ from typing import Optional
 import dagster as dg
 from pydantic import field_validator
 
-from assets._common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, plot_md, publish_dir
+from assets._common import RETRY, copy_artifact, counts_table, latest_metadata, latest_uri, local_copy, plot_md, publish_dir
 from assets.dedup import deduped_shards
 from composer_dag.train import data as data_engine
 from composer_dag.train import model as model_engine
@@ -248,8 +248,7 @@ def midtrained_checkpoint(
     data_dir, model_dir, out_dir = (os.path.join(wd, d) for d in ("data", "base", "run"))
     for d, key in ((data_dir, "token_shards"), (model_dir, "base_model")):
         if not os.path.exists(os.path.join(d, "manifest.json")):
-            with local_copy(storage, latest_uri(context.instance, key)) as src:
-                shutil.copytree(src, d, dirs_exist_ok=True)
+            copy_artifact(storage, latest_uri(context.instance, key), d)
     cfg = {**params, "model_dir": model_dir, "data_dir": data_dir, "out_dir": out_dir}
     cfg_path = os.path.join(wd, "midtrain.json")
     Path(cfg_path).write_text(json.dumps(cfg, indent=2))

@@ -8,7 +8,18 @@ Files written to ``out_dir``::
     rollouts.parquet    the full episodes (messages, token ids), the RL rollout schema
     humaneval.parquet   one row per HumanEval completion (when HumanEval runs)
     summary.json        the summary ``evaluate`` returns
-    manifest.json       size and sha256 of every file above
+    manifest.json       size and sha256 of every file above, written last: an evaluation
+                        without it is unfinished
+
+While it runs, each finished batch of tasks is kept in ``progress/<key>/batch_NNNNN.parquet``
+(written atomically; ``key`` is a digest of the checkpoint, every task's files and the
+settings that shape the episodes). An evaluation killed midway and started again with the same
+inputs reuses those batches and samples only the rest, with the same seeds, so it ends with
+the result an uninterrupted run gives; other inputs get another key and reuse nothing. The
+directory is removed once the evaluation is complete.
+
+A checkpoint directory that carries a ``manifest.json`` is verified against it before it is
+read: a half-copied or damaged checkpoint is refused with ``ArtifactError``.
 
 A sample *passes* when every hidden test ran and passed and no cheat flag was raised.
 """
@@ -19,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -97,6 +109,23 @@ def checkpoint_digest(checkpoint_dir) -> str:
     return outer.hexdigest()
 
 
+# Settings that change neither which episodes run nor how they are sampled and graded.
+_NOT_IN_KEY = ("ks", "workers", "torch_threads", "task_ids", "max_tasks", "humaneval_ids", "humaneval_samples",
+               "humaneval_temperature", "humaneval_max_tokens", "humaneval_timeout", "val_dir", "ppl_seq_len",
+               "ppl_batch_size", "ppl_max_batches")
+
+
+def progress_key(digest: str, tasks: list[tuple[Path, dict]], cfg: "EvalConfig") -> str:
+    """What the agent episodes depend on: the checkpoint digest, the id and files of every
+    selected task in order, and every setting except those in ``_NOT_IN_KEY``."""
+    h = hashlib.sha256(digest.encode())
+    for d, t in tasks:
+        h.update(f"\0{t.get('id', d.name)}\0{checkpoint_digest(d)}".encode())
+    settings = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_IN_KEY}
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:24]
+
+
 def select_tasks(tasks_dir, cfg: EvalConfig) -> list[tuple[Path, dict]]:
     """(task dir, task.json) of the tasks to evaluate, sorted by id."""
     tasks = sorted(((p.parent, json.loads(p.read_text())) for p in Path(tasks_dir).glob("*/task.json")),
@@ -141,24 +170,55 @@ def sample_passed(rollout: dict) -> bool:
     return rollout["tests_passed"] > 0 and rollout["tests_failed"] == 0 and not rollout["flags"]
 
 
-def _run_agent(engine, tok, tasks, cfg: EvalConfig, log) -> list[dict]:
-    from ..rl.agent import AgentConfig, AgentLoop
+def _load_batch(path: Path, jobs: list[tuple[str, str, int]], log) -> list[dict] | None:
+    """The rollouts a finished batch left in ``path``, or None (absent, unreadable, or not the
+    episodes ``jobs`` asks for: the batch is then sampled again)."""
+    if not path.exists():
+        return None
+    from ..storage import ArtifactError, Storage
+
+    try:
+        rows = Storage(str(path.parent)).read_parquet(str(path)).to_pylist()
+    except ArtifactError as exc:
+        log(f"eval: {exc}: the batch is sampled again")
+        return None
+    if [(r["task_id"], r["sample_index"]) for r in rows] != [(tid, j) for _, tid, j in jobs]:
+        log(f"eval: {path} holds other episodes than its batch: the batch is sampled again")
+        return None
+    return rows
+
+
+def _run_agent(engine, tok, tasks, cfg: EvalConfig, log, progress_dir: Path | None = None) -> tuple[list[dict], int]:
+    """Rollouts of every sample of every task, and how many batches came from ``progress_dir``
+    (batches finished by an earlier, interrupted run with the same inputs)."""
+    from ..rl.agent import AgentConfig, AgentLoop, rollouts_to_table
+    from ..storage import Storage
 
     agent = AgentLoop(engine, tok, AgentConfig(
         max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
         temperature=cfg.temperature, top_p=cfg.top_p, system_style=cfg.system_style, workers=cfg.workers))
     size = cfg.batch_tasks or len(tasks)
-    rollouts = []
+    store = Storage(str(progress_dir)) if progress_dir is not None else None
+    rollouts, reused = [], 0
     try:
         for b in range(0, len(tasks), size):
             chunk = tasks[b:b + size]
             jobs = [(str(d), t.get("id", d.name), j) for d, t in chunk for j in range(cfg.samples_per_task)]
-            rollouts += agent.run(jobs, version=0, seed=cfg.seed + 1_000_003 * (b // size))
-            log(f"eval: {min(b + size, len(tasks))}/{len(tasks)} tasks, "
+            path = progress_dir / f"batch_{b // size:05d}.parquet" if progress_dir is not None else None
+            done = _load_batch(path, jobs, log) if path is not None else None
+            if done is None:
+                done = agent.run(jobs, version=0, seed=cfg.seed + 1_000_003 * (b // size))
+                if store is not None:
+                    store.write_parquet(rollouts_to_table(done), store.url(path.name))
+                how = "sampled"
+            else:
+                reused, how = reused + 1, "reused from an interrupted run"
+            rollouts += done
+            log(f"eval: {min(b + size, len(tasks))}/{len(tasks)} tasks ({how}), "
                 f"{sum(map(sample_passed, rollouts))}/{len(rollouts)} samples passed")
     finally:
         agent.close()
-    return rollouts
+    return rollouts, reused
 
 
 def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | None = None, rep=None) -> dict:
@@ -180,7 +240,12 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
         torch.set_num_threads(cfg.torch_threads)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # whatever this directory held is no longer a finished evaluation until the new manifest
+    (out / "manifest.json").unlink(missing_ok=True)
     checkpoint_dir = str(checkpoint_dir)
+    if (Path(checkpoint_dir) / "manifest.json").is_file():  # never read a half-copied checkpoint
+        ckpt_store = Storage(checkpoint_dir)
+        ckpt_store.verify_manifest(ckpt_store.root)
     digest = checkpoint_digest(checkpoint_dir)
     tasks = select_tasks(tasks_dir, cfg)
     source = {t.get("id", d.name): t.get("source", "unknown") for d, t in tasks}
@@ -203,12 +268,16 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
     ekw = {"seed": cfg.seed}
     if cfg.engine == "vllm":
         ekw.update(max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_mb << 20)
+    key = progress_key(digest, tasks, cfg)
+    progress_dir = out / "progress" / key
+    if progress_dir.is_dir():
+        log(f"eval: resuming from {progress_dir}")
     engine = make_engine(cfg.engine, checkpoint_dir, **ekw)
     he_res, he_tokens = None, {}
     try:
         tok = load_tokenizer(checkpoint_dir)
         t0 = time.perf_counter()
-        rollouts = _run_agent(engine, tok, tasks, cfg, log)
+        rollouts, reused = _run_agent(engine, tok, tasks, cfg, log, progress_dir)
         agent_wall = time.perf_counter() - t0
         gen_tokens, gen_seconds = engine.stats.generated_tokens, engine.stats.seconds
         if he_ids:
@@ -260,6 +329,7 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
     summary = {
         "checkpoint": checkpoint_dir, "checkpoint_digest": digest, "tasks_dir": str(tasks_dir),
         "num_tasks": len(per_task), "samples_per_task": cfg.samples_per_task, "num_samples": len(rows),
+        "resumed_batches": reused,
         "pass@1": agg["pass@1"], "pass@1_stderr": agg["pass@1_stderr"], "pass_at": agg["pass_at"],
         "by_source": agg["by_source"], "solved_samples": solved,
         "mean_reward": sum(r["reward"] for r in rows) / len(rows),
@@ -282,6 +352,7 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
     tmp = out / ".summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2, default=str))
     os.replace(tmp, out / "summary.json")
+    shutil.rmtree(out / "progress", ignore_errors=True)  # every batch is in results.parquet now
     store = Storage(str(out))
     summary["manifest_digest"] = store.write_manifest(store.root)
     return summary

@@ -6,7 +6,8 @@ Writes under ``out_dir``::
 
     rollouts/step_0003.parquet   the rollouts the update to version 4 used (see agent.rollout_schema)
     checkpoints/step_0000004/    DeepSpeed state, hf/ (Hugging Face export), trainer_state.json
-    latest                       {"tag", "step"}: the checkpoint a restarted run resumes from
+    latest                       {"tag", "step"}: the checkpoint a restarted run resumes from (if
+                                 it matches its manifest, else the newest older one that does)
     weights/                     published versions: full every ``full_every``, deltas between
     sync/v00000004/              model.safetensors the in-process engine reloads
     metrics.jsonl                one line per update
@@ -96,7 +97,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
 
     from ..inference import make_engine
     from ..storage import Storage
-    from ..train.midtrain import _trim_metrics, read_latest, write_json_atomic
+    from ..train.midtrain import _trim_metrics, resume_checkpoint, write_json_atomic
     from ..train.tokenizer import load_tokenizer
     from .agent import AgentConfig, AgentLoop, rollouts_to_table
     from .grpo import group_advantages
@@ -123,13 +124,14 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
         zero_stage=cfg.zero_stage, seed=cfg.seed))
     counters = {"dropped_stale_rollouts": 0, "dropped_stale_batches": 0, "next_batch": 0}
     engine_dir, resumed_from = cfg.policy_dir, None
-    latest = read_latest(str(out))
-    if latest:
-        st = trainer.load_checkpoint(ckpt_root, latest["tag"])
+    resumed = resume_checkpoint(str(out), ckpt_root, rep.log)
+    if resumed:
+        st = trainer.load_checkpoint(ckpt_root, resumed)
         counters.update(st.get("counters", {}))
-        engine_dir, resumed_from = os.path.join(ckpt_root, latest["tag"], "hf"), trainer.version
-        _trim_metrics(str(metrics_path), trainer.version)
-        rep.log(f"resumed from {latest['tag']} at policy version {trainer.version}")
+        engine_dir, resumed_from = os.path.join(ckpt_root, resumed, "hf"), trainer.version
+        if _trim_metrics(str(metrics_path), trainer.version):
+            rep.log(f"dropped torn lines from {metrics_path}")
+        rep.log(f"resumed from {resumed} at policy version {trainer.version}")
 
     # The context can't exceed what the policy's position embeddings cover.
     from ..inference.engine import model_max_len
@@ -183,7 +185,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
             f"steps {trainer.version}->{cfg.steps}, async {cfg.async_generation}, max staleness {cfg.max_staleness}")
     source.start()
     publish_info: list[dict] = []
-    tag = latest["tag"] if latest else None
+    tag = resumed
     try:
         while trainer.version < cfg.steps:
             t_step = time.perf_counter()
@@ -289,7 +291,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = RLConfig.from_dict(config_from_args("GRPO on agent episodes", argv))
+    cfg = config_from_args("GRPO on agent episodes", argv, RLConfig.from_dict)
     return serve(lambda rep: run(cfg, rep))
 
 if __name__ == "__main__":

@@ -131,14 +131,21 @@ class GRPOTrainer:
 
     # -- checkpoints
     def save_checkpoint(self, ckpt_root: str, tag: str, tokenizer_dir: str, state: dict) -> str:
-        from ..train.midtrain import rng_state, write_json_atomic
+        """DeepSpeed state, ``hf/`` and ``trainer_state.json`` under ``ckpt_root/tag``, sealed
+        with a ``manifest.json`` once every file is written (a save cut short has none)."""
+        from ..train.midtrain import (clear_checkpoint, pause_before_seal, rng_state, seal_checkpoint,
+                                      write_json_atomic)
 
+        path = os.path.join(ckpt_root, tag)
+        clear_checkpoint(path)
         self.engine.save_checkpoint(ckpt_root, tag=tag, save_latest=False)
-        self.export_hf(os.path.join(ckpt_root, tag, "hf"), tokenizer_dir)
-        write_json_atomic(os.path.join(ckpt_root, tag, "trainer_state.json"), {
+        pause_before_seal()
+        self.export_hf(os.path.join(path, "hf"), tokenizer_dir)
+        write_json_atomic(os.path.join(path, "trainer_state.json"), {
             **state, "version": self.version, "nan_skipped": self.nan_skipped, "rng": rng_state(),
             "trainer_config": asdict(self.cfg)})
-        return os.path.join(ckpt_root, tag)
+        seal_checkpoint(path)
+        return path
 
     def load_checkpoint(self, ckpt_root: str, tag: str) -> dict:
         from ..train.midtrain import set_rng_state

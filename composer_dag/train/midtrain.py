@@ -12,13 +12,18 @@ Everything lands in ``out_dir``::
     checkpoints/step_0000005/   DeepSpeed engine state (model, ZeRO optimizer partitions, LR
                                 scheduler), trainer_state.json (step, samples, rng states,
                                 loss and eval history), hf/ (a Hugging Face export)
+    checkpoints/step_*/manifest.json
+                                size and sha256 of every file of the checkpoint, written once
+                                all of them are on disk (a save cut short has none)
     latest                      {"tag","step","samples"}, written last, atomically: the
                                 checkpoint to resume from
     hf/                         the final Hugging Face model directory
     result.json                 the run summary (also the last stdout line / Pipes message)
 
 Resume: a run whose ``out_dir`` has ``latest`` loads that checkpoint and continues at the
-exact global sample, so an interrupted run ends where an uninterrupted one does.
+exact global sample, so an interrupted run ends where an uninterrupted one does. The checkpoint
+is read only when it matches its manifest; one that does not (a save cut short, a damaged file)
+is skipped with a log line and the newest older checkpoint that does match is used instead.
 """
 
 from __future__ import annotations
@@ -241,15 +246,88 @@ def read_latest(out_dir: str) -> dict | None:
         return json.load(f)
 
 
-def _trim_metrics(path: str, step: int) -> None:
-    """Drop metric lines past ``step`` (written after the checkpoint a run resumes from)."""
+SAVE_PAUSE_ENV = "COMPOSER_SAVE_PAUSE_S"
+
+
+def pause_before_seal() -> None:
+    """Sleep ``$COMPOSER_SAVE_PAUSE_S`` seconds (unset: not at all) between writing a
+    checkpoint's files and sealing it, so a fault test can kill a save midway."""
+    pause = float(os.environ.get(SAVE_PAUSE_ENV) or 0)
+    if pause > 0:
+        time.sleep(pause)
+
+
+def seal_checkpoint(ckpt_dir: str) -> str:
+    """Write the checkpoint's ``manifest.json`` (size and sha256 of every file); call it once
+    every file is written. Returns the manifest digest."""
+    from ..storage import Storage
+
+    store = Storage(ckpt_dir)
+    return store.write_manifest(store.root)
+
+
+def clear_checkpoint(ckpt_dir: str) -> None:
+    """Remove what a save cut short left under ``ckpt_dir`` before saving there again."""
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def resume_checkpoint(out_dir: str, ckpt_root: str, log=lambda msg: None) -> str | None:
+    """The tag of the checkpoint to resume from: the one ``latest`` names if it matches its
+    manifest, else the newest older one that does; None when there is none.
+
+    A checkpoint newer than ``latest`` was never committed and is ignored; one without a
+    manifest (its save was cut short) or whose files differ from it is skipped with a log line.
+    """
+    from ..storage import ArtifactError, Storage
+
+    try:
+        latest = read_latest(out_dir)
+        if latest is not None and not str(latest.get("tag", "")).startswith("step_"):
+            raise ValueError(f"no checkpoint tag in {latest!r}")
+    except (OSError, ValueError, AttributeError) as exc:
+        log(f"unreadable {os.path.join(out_dir, 'latest')} ({exc}): looking for a complete checkpoint")
+        latest = None
+    tags = sorted((t for t in os.listdir(ckpt_root) if t.startswith("step_")), reverse=True) \
+        if os.path.isdir(ckpt_root) else []
+    if latest is not None:
+        tags = [t for t in tags if t <= latest["tag"]]
+    for tag in tags:
+        store = Storage(os.path.join(ckpt_root, tag))
+        try:
+            store.verify_manifest(store.root)
+        except (ArtifactError, OSError, ValueError) as exc:
+            log(f"checkpoint {tag} is not usable, skipped: {exc}")
+            continue
+        if latest is not None and tag != latest["tag"]:
+            log(f"falling back from {latest['tag']} to {tag}, the newest complete checkpoint")
+        return tag
+    if latest is not None:
+        log(f"no complete checkpoint at or before {latest['tag']}: starting from the beginning")
+    return None
+
+
+def _trim_metrics(path: str, step: int) -> int:
+    """Drop metric lines past ``step`` (written after the checkpoint a run resumes from) and
+    torn lines; returns how many torn lines were dropped."""
     if not os.path.exists(path):
-        return
+        return 0
+    keep, torn = [], 0
     with open(path) as f:
-        keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
+        for ln in f:
+            if not ln.strip():
+                continue
+            try:
+                rec = json.loads(ln) if ln.endswith("\n") else None
+            except ValueError:
+                rec = None
+            if rec is None:
+                torn += 1
+            elif rec["step"] <= step:
+                keep.append(ln)
     with open(path + ".tmp", "w") as f:
         f.writelines(keep)
     os.replace(path + ".tmp", path)
+    return torn
 
 
 # ---- the run ---------------------------------------------------------------------------
@@ -290,16 +368,18 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     os.makedirs(ckpt_root, exist_ok=True)
     step, samples, history, evals = 0, 0, [], []
-    latest = read_latest(cfg.out_dir)
-    if latest:
-        engine.load_checkpoint(ckpt_root, tag=latest["tag"])
-        with open(os.path.join(ckpt_root, latest["tag"], "trainer_state.json")) as f:
+    found = [resume_checkpoint(cfg.out_dir, ckpt_root, rep.log) if rank == 0 else None]
+    dist.broadcast_object_list(found, src=0)  # every rank loads the checkpoint rank 0 verified
+    resumed = found[0]
+    if resumed:
+        engine.load_checkpoint(ckpt_root, tag=resumed)
+        with open(os.path.join(ckpt_root, resumed, "trainer_state.json")) as f:
             st = json.load(f)
         step, samples, history, evals = st["step"], st["samples"], st["loss_history"], st["evals"]
         set_rng_state(st["rng"])
-        if rank == 0:
-            _trim_metrics(metrics_path, step)
-        rep.log(f"resumed from {latest['tag']}: step {step}, sample {samples}")
+        if rank == 0 and _trim_metrics(metrics_path, step):
+            rep.log(f"dropped torn lines from {metrics_path}")
+        rep.log(f"resumed from {resumed}: step {step}, sample {samples}")
 
     def log_metrics(rec: dict) -> None:
         if rank == 0:
@@ -317,9 +397,13 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
 
     def save() -> str:
         tag = f"step_{step:07d}"
+        if rank == 0:
+            clear_checkpoint(os.path.join(ckpt_root, tag))
+        dist.barrier()
         engine.save_checkpoint(ckpt_root, tag=tag, save_latest=False)
         full = engine._zero3_consolidated_16bit_state_dict() if cfg.zero_stage == 3 else None
         if rank == 0:
+            pause_before_seal()
             engine.module.config.dtype = "bfloat16" if bf16 else "float32"
             save_hf_dir(engine.module, os.path.join(ckpt_root, tag, "hf"),
                         tokenizer_dir=cfg.model_dir, state_dict=full)
@@ -327,8 +411,9 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
                 "step": step, "samples": samples, "tokens": samples * cfg.seq_len,
                 "world_size": world, "rng": rng_state(), "loss_history": history,
                 "evals": evals, "config": cfg.to_dict()})
-        dist.barrier()
+        dist.barrier()  # every rank's optimizer partition is on disk
         if rank == 0:
+            seal_checkpoint(os.path.join(ckpt_root, tag))
             write_json_atomic(os.path.join(cfg.out_dir, "latest"),
                               {"tag": tag, "step": step, "samples": samples})
             tags = sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))
@@ -348,7 +433,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
             f"{samples_per_step * cfg.seq_len} tokens/step")
     train_time, run_tokens, win_time, win_tokens = 0.0, 0, 0.0, 0
     loss_acc, n_acc = torch.zeros((), device=device), 0
-    tag = latest["tag"] if latest else None
+    tag = resumed
     t_start = time.perf_counter()
     while step < total_steps:
         t0 = time.perf_counter()
@@ -410,7 +495,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = MidtrainConfig.from_dict(config_from_args("Mid-training with DeepSpeed", argv))
+    cfg = config_from_args("Mid-training with DeepSpeed", argv, MidtrainConfig.from_dict)
     return serve(lambda rep: train(cfg, rep))
 
 if __name__ == "__main__":
