@@ -196,7 +196,7 @@ def test_evaluate_scripted_known_outcomes(setup, tmp_path, monkeypatch):
 
     tok = load_tokenizer(setup["base_dir"])
     monkeypatch.setattr(inference, "make_engine", lambda kind, model_dir, **kw: _Scripted(tok))
-    cfg = dict(engine="hf", samples_per_task=3, ks=(1, 2, 3, 5), max_turns=2, max_new_tokens=64, max_context=4096,
+    cfg = dict(engine="hf", samples_per_task=3, ks=(1, 2, 3, 5), max_turns=2, max_new_tokens=256, max_context=4096,
                system_style="compact", workers=2, batch_tasks=2)
     s = evaluate(setup["base_dir"], setup["tasks_dir"], tmp_path / "base", EvalConfig(**cfg))
     assert s["num_tasks"] == 3 and s["num_samples"] == 9
