@@ -85,6 +85,35 @@ def rollout_prompts(policy_dir: str, tasks_dir: str, batch: int, system_style: s
     return [prompts[i % len(prompts)] for i in range(batch)]
 
 
+def later_turn_prompts(policy_dir: str, tasks_dir: str, groups: int, group_size: int, context: int,
+                       system_style: str = "compact") -> list[list[int]]:
+    """Second-turn prompts as GRPO sees them: ``groups`` tasks, each repeated ``group_size`` times
+    (the samples of one group share their prompt), the context being the first turn, a
+    ``read_file`` call and its observation (the task's files, cut so the prompt is ``context``
+    tokens long)."""
+    from composer_dag.envs.tools import Episode
+    from composer_dag.rl.agent import system_prompt
+    from composer_dag.rl.run import find_tasks
+    from composer_dag.train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(policy_dir)
+    out = []
+    for t in find_tasks(tasks_dir)[:groups]:
+        with Episode(t) as ep:
+            files = sorted(p for p in ep.workspace.rglob("*") if p.is_file() and ".git" not in p.parts)
+            text = "\n\n".join(f"# {f.relative_to(ep.workspace)}\n{f.read_text()}" for f in files)
+            while len(text) < 40 * context:
+                text += "\n" + text
+            msgs = [{"role": "system", "content": system_prompt(system_style)}, {"role": "user", "content": ep.prompt()},
+                    {"role": "assistant", "content": "", "tool_calls": [{"name": "read_file", "arguments": {"path": files[0].name}}]}]
+            head = tok.apply_chat_template(msgs, tokenize=False)
+            ids = tok(head + "<|im_start|>tool\n<tool_response>\n", add_special_tokens=False).input_ids
+            tail = tok("\n</tool_response><|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+            body = tok(text, add_special_tokens=False).input_ids[: max(0, context - len(ids) - len(tail))]
+        out += [ids + body + tail] * group_size
+    return out
+
+
 def throughput(model_dir: str, scenarios: dict, new_tokens: int, reps: int, hf_threads: int | None) -> dict:
     """``scenarios``: name -> (prompts, stop_token_ids). Both engines stay up; every rep runs each
     scenario on both engines, the engine order alternating from rep to rep."""
@@ -170,6 +199,10 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int, default=60)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--no-rl", action="store_true", help="throughput only")
+    p.add_argument("--later-turn", type=int, default=0, metavar="TOKENS",
+                   help="add a 'later_turn' scenario: prompts of TOKENS tokens, --group-size samples each")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--scenarios", default="", help="comma-separated subset of scenarios to time")
     a = p.parse_args()
     from composer_dag.rl.learnable import make_learnable_setup
     from composer_dag.train.model import build_base_model
@@ -202,6 +235,13 @@ def main() -> None:
         "rollout": (rollout_prompts(s["policy_dir"], s["tasks_dir"], a.batch),
                     (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id)),
     }
+    if a.later_turn:  # a later turn of a GRPO group: long shared context, group_size samples each
+        scenarios["later_turn"] = (
+            later_turn_prompts(s["policy_dir"], s["tasks_dir"], groups=max(1, a.batch // a.group_size),
+                               group_size=a.group_size, context=a.later_turn),
+            (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id))
+    if a.scenarios:
+        scenarios = {k: v for k, v in scenarios.items() if k in a.scenarios.split(",")}
     t0 = time.perf_counter()
     res["throughput"] = throughput(model_dir, scenarios, a.new_tokens, a.reps, a.hf_threads)
     phases["throughput"] = round(time.perf_counter() - t0, 1)

@@ -112,8 +112,13 @@ class VLLMEngine(Engine):
         if gpu:
             kw.update(dtype=dtype or "auto", gpu_memory_utilization=gpu_memory_utilization)
         else:  # on CPU "gpu_memory_utilization" is the share of host RAM vLLM checks for
+            # No chunked prefill on CPU: a prompt split over two steps discards the token sampled
+            # after its first part, and rewinding a seeded request's generator for that is not
+            # supported by CPU generators ("CPU Generator does not use offset"), which kills the
+            # engine as soon as long seeded prompts exceed one step's token budget.
             kw.update(dtype=dtype or "float32", enforce_eager=True, gpu_memory_utilization=0.05,
-                      kv_cache_memory_bytes=kv_cache_bytes)
+                      kv_cache_memory_bytes=kv_cache_bytes, enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(max_model_len, 4096))
         kw.update(llm_kwargs)
         self.llm = LLM(**kw)
         self.tokenizer = self.llm.get_tokenizer()
