@@ -14,6 +14,7 @@ the last custom message it sent (its result summary) and forwards its logs to th
 """
 
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import time
 from typing import Any, Literal, Optional
 
 import dagster as dg
+import psutil
 from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._core.pipes.utils import open_pipes_session
 
@@ -197,21 +199,44 @@ class ClusterResource(ClearConfigResource):
 
 
 def stop_process_group(proc: subprocess.Popen, grace_seconds: float) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left after the grace period."""
+    """SIGTERM the process group, then SIGKILL whatever is left after the grace period: the
+    group and every descendant, since torchrun starts its workers in sessions of their own
+    (a group kill alone would leave a worker that ignores SIGTERM running on)."""
     try:
         pgid = os.getpgid(proc.pid)
     except ProcessLookupError:
         return
+    tree = _descendants(proc.pid)
     for sig, wait in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, 5.0)):
+        tree |= _descendants(proc.pid)
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
-            return
+            pass
+        if sig == signal.SIGKILL:
+            for p in tree:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            if proc.poll() is not None and not _group_alive(pgid):
+            if proc.poll() is not None and not _group_alive(pgid) and not _any_running(tree):
                 return
             time.sleep(0.1)
+
+
+def _descendants(pid: int) -> set:
+    try:
+        return set(psutil.Process(pid).children(recursive=True))
+    except psutil.Error:
+        return set()
+
+
+def _any_running(procs) -> bool:
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+    return False
 
 
 def _group_alive(pgid: int) -> bool:

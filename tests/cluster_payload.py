@@ -1,9 +1,11 @@
 """A tiny distributed payload for the cluster-resource tests: every rank records its pid,
 joins the process group, and rank 0 reports the world size through Pipes.
-With ``--sleep S`` every rank then sleeps (to be cancelled)."""
+With ``--sleep S`` every rank then sleeps (to be cancelled); with ``--ignore-term`` the ranks
+ignore SIGTERM, as a worker stuck in native code does."""
 
 import argparse
 import os
+import signal
 import time
 
 import torch.distributed as dist
@@ -15,7 +17,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--pid-dir", required=True)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--ignore-term", action="store_true")
     args = p.parse_args()
+    if args.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(args.pid_dir, f"rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))

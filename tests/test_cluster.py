@@ -17,10 +17,11 @@ from resources.cluster import ClusterResource
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _asset_for(pid_dir: str, sleep: float = 0.0):
+def _asset_for(pid_dir: str, sleep: float = 0.0, ignore_term: bool = False):
     @dg.asset
     def distributed(context: dg.AssetExecutionContext, cluster: ClusterResource):
-        result = cluster.run(context, "tests.cluster_payload", ["--pid-dir", pid_dir, "--sleep", str(sleep)])
+        args = ["--pid-dir", pid_dir, "--sleep", str(sleep)] + (["--ignore-term"] if ignore_term else [])
+        result = cluster.run(context, "tests.cluster_payload", args)
         return dg.MaterializeResult(metadata={"world_size": result["world_size"], "rank": result["rank"]})
 
     return distributed
@@ -48,13 +49,16 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_cancelling_the_run_stops_every_process(tmp_path):
-    """Interrupt the Dagster run while two torchrun ranks sleep: the launcher and both ranks die."""
+@pytest.mark.parametrize("ignore_term", [False, True], ids=["ranks-exit-on-sigterm", "ranks-ignore-sigterm"])
+def test_cancelling_the_run_stops_every_process(tmp_path, ignore_term):
+    """Interrupt the Dagster run while two torchrun ranks sleep: the launcher and both ranks die,
+    also when the ranks ignore SIGTERM (torchrun puts them in sessions of their own, so killing
+    the launcher's process group alone would leave them running)."""
     script = textwrap.dedent(f"""
         import dagster as dg
         from resources.cluster import ClusterResource
         from tests.test_cluster import _asset_for
-        dg.materialize([_asset_for({str(tmp_path)!r}, sleep=600)],
+        dg.materialize([_asset_for({str(tmp_path)!r}, sleep=600, ignore_term={ignore_term})],
                        resources={{"cluster": ClusterResource(nproc_per_node=2, grace_seconds=3)}},
                        raise_on_error=False)
     """)
