@@ -9,7 +9,8 @@
 - ``midtrain``, ``rl``, ``evaluate``, ``build_tasks``: one stage each, to rerun a part.
 
 A new source between two nightly runs does not wait for the night: ``new_source_sensor`` ingests
-it at once and ``deduped_shards`` (automation condition ``eager``) rebuilds after it.
+it at once and ``deduped_shards`` (automation condition ``eager``, evaluated by the
+``rebuild_shards_after_ingest`` sensor, on by default) rebuilds after it.
 """
 
 import dagster as dg
@@ -95,3 +96,12 @@ weekly_train = dg.ScheduleDefinition(
 )
 
 SCHEDULES = [nightly_data_refresh, weekly_train]
+
+shards_automation = dg.AutomationConditionSensorDefinition(
+    "rebuild_shards_after_ingest",
+    target=dg.AssetSelection.assets(dedup.deduped_shards),
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=60,
+    description="Evaluates deduped_shards' automation condition (eager): after a source is ingested "
+    "and none is still in progress, the shards are rebuilt.",
+)

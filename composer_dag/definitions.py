@@ -93,7 +93,7 @@ def build_defs(resources: dict | None = None) -> dg.Definitions:
         ],
         jobs=[sensors.ingest_source_job, *jobs_module.JOBS],
         schedules=jobs_module.SCHEDULES,
-        sensors=[sensors.new_source_sensor, sensors.record_run_failures],
+        sensors=[sensors.new_source_sensor, sensors.record_run_failures, jobs_module.shards_automation],
         resources={**make_resources(), **(resources or {})},
     )
 

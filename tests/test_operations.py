@@ -33,7 +33,7 @@ def test_jobs_schedules_and_sensors_are_declared():
     assert nightly.cron_schedule == "0 2 * * *" and nightly.job_name == "data_refresh"
     assert nightly.default_status == dg.DefaultScheduleStatus.RUNNING
     assert weekly.job_name == "train" and weekly.default_status == dg.DefaultScheduleStatus.STOPPED
-    for name in ("new_source_sensor", "record_run_failures"):
+    for name in ("new_source_sensor", "record_run_failures", "rebuild_shards_after_ingest"):
         assert defs.resolve_sensor_def(name).default_status == dg.DefaultSensorStatus.RUNNING
     train_keys = {k.to_user_string() for k in defs.resolve_job_def("train").asset_layer.executable_asset_keys}
     assert {"midtrained_checkpoint", "rl_checkpoint", "evaluated_model", "promoted_model"} <= train_keys
@@ -164,3 +164,34 @@ def test_backfill_over_sources_from_the_command_line(tmp_path, monkeypatch):
         assert uri.endswith("/" + p)
         storage.verify_manifest(uri)
     assert len(per_partition) >= 3
+
+
+def test_shards_rebuild_after_a_source_is_ingested():
+    """deduped_shards' automation condition, evaluated as its sensor does: nothing while the
+    held-out tasks are missing, a request once a source is (re)ingested, nothing again until the
+    next ingestion after the shards are rebuilt."""
+    defs = build_defs()
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("sources", ["a"])
+
+        def requested(cursor=None):
+            res = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+            return res.get_num_requested(dg.AssetKey("deduped_shards")), res.cursor
+
+        def materialize(key, partition=None):
+            @dg.op(name=f"report_{key}")
+            def report(context):
+                context.log_event(dg.AssetMaterialization(key, partition=partition))
+
+            dg.GraphDefinition(name=f"report_{key}_job", node_defs=[report]).to_job().execute_in_process(instance=instance)
+
+        materialize("code_corpus", "a")
+        got, cursor = requested()
+        assert got == 0  # eval_tasks missing: decontamination needs it
+        materialize("eval_tasks")
+        materialize("code_corpus", "a")
+        got, cursor = requested(cursor)
+        assert got == 1
+        materialize("deduped_shards")
+        got, cursor = requested(cursor)
+        assert got == 0
