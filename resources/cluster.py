@@ -14,10 +14,14 @@ the last custom message it sent (its result summary) and forwards its logs to th
 """
 
 
+import collections
 import contextlib
 import os
+import re
 import signal
 import subprocess
+import sys
+import threading
 import time
 from typing import Any, Literal, Optional
 
@@ -128,7 +132,8 @@ class ClusterResource(ClearConfigResource):
         ) as session:
             env = {**os.environ, **spec.env, **session.get_bootstrap_env_vars()}
             # A session of its own: cancelling signals the whole tree (launcher and ranks).
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+            tail = _StderrTail(proc.stderr)
             try:
                 while proc.poll() is None:
                     time.sleep(0.2)
@@ -136,8 +141,14 @@ class ClusterResource(ClearConfigResource):
                 context.log.warning("[cluster:local] run cancelled: stopping the process group")
                 stop_process_group(proc, self.grace_seconds)
                 raise
+            finally:
+                tail.join()
             if proc.returncode != 0:
-                raise ClusterError(description=f"{entry} exited with code {proc.returncode} (see the run's stderr)")
+                why = tail.error_line()
+                raise ClusterError(
+                    description=f"{entry} exited with code {proc.returncode}"
+                    + (f": {why}" if why else "") + " (the whole output is in the run's stderr)"
+                )
         return session.get_custom_messages()
 
     def _run_k8s(self, context, entry, args, extras, name, launcher) -> list[Any]:
@@ -196,6 +207,39 @@ class ClusterResource(ClearConfigResource):
             if state != "COMPLETED":
                 raise ClusterError(description=f"slurm job {job} ended {state}")
         return session.get_custom_messages()
+
+
+_ERROR_LINE = re.compile(  # "[rank0]: pkg.mod.SomeError: message" (torchrun prefixes rank output)
+    r"^(?:\[rank\d+\]:\s*)?(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Interrupt|Failure)): ?(.*)$")
+
+
+class _StderrTail:
+    """Forwards a child's stderr to ours (the step's captured logs) and keeps its last lines, so
+    a failure can be named in one line: the last exception the child printed."""
+
+    def __init__(self, stream, keep: int = 200):
+        self._lines: collections.deque[str] = collections.deque(maxlen=keep)
+        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            sys.stderr.write(line)
+            self._lines.append(line.rstrip("\n"))
+        stream.close()
+
+    def join(self, timeout: float = 10.0) -> None:
+        self._thread.join(timeout)
+
+    def error_line(self) -> str:
+        """``SomeError: message`` of the last exception printed (launcher wrappers such as
+        torchrun's ChildFailedError skipped), or ''."""
+        for line in reversed(self._lines):
+            m = _ERROR_LINE.match(line.strip())
+            if m and m.group(1) not in ("ChildFailedError", "KeyboardInterrupt"):
+                return f"{m.group(1)}: {m.group(2)}"[:300].rstrip(": ")
+        return ""
 
 
 def stop_process_group(proc: subprocess.Popen, grace_seconds: float) -> None:

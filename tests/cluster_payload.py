@@ -18,6 +18,7 @@ def main() -> None:
     p.add_argument("--pid-dir", required=True)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--ignore-term", action="store_true")
+    p.add_argument("--fail", default="", help="raise ValueError(FAIL) once the group is up")
     args = p.parse_args()
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -28,6 +29,8 @@ def main() -> None:
     world = dist.get_world_size()
     with Reporter() as rep:
         rep.log(f"rank {rank} of {world} up")
+        if args.fail:
+            raise ValueError(args.fail)
         if args.sleep:
             time.sleep(args.sleep)
         dist.barrier()

@@ -17,10 +17,11 @@ from resources.cluster import ClusterResource
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _asset_for(pid_dir: str, sleep: float = 0.0, ignore_term: bool = False):
+def _asset_for(pid_dir: str, sleep: float = 0.0, ignore_term: bool = False, fail: str = ""):
     @dg.asset
     def distributed(context: dg.AssetExecutionContext, cluster: ClusterResource):
         args = ["--pid-dir", pid_dir, "--sleep", str(sleep)] + (["--ignore-term"] if ignore_term else [])
+        args += ["--fail", fail] if fail else []
         result = cluster.run(context, "tests.cluster_payload", args)
         return dg.MaterializeResult(metadata={"world_size": result["world_size"], "rank": result["rank"]})
 
@@ -75,6 +76,18 @@ def test_cancelling_the_run_stops_every_process(tmp_path, ignore_term):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids), "a rank survived the cancellation"
+
+
+@pytest.mark.slow
+def test_a_failing_rank_is_named_in_one_line(tmp_path):
+    """A rank that raises fails the step with the rank's own exception in the first line (not
+    only an exit code), through torchrun's failure summary."""
+    res = dg.materialize([_asset_for(str(tmp_path), fail="planted failure 42")],
+                         resources={"cluster": ClusterResource(nproc_per_node=1)}, raise_on_error=False)
+    assert not res.success
+    failure = next(e for e in res.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE)
+    first = failure.event_specific_data.error.message.splitlines()[0]
+    assert "exited with code" in first and "ValueError: planted failure 42" in first, first
 
 
 def test_k8s_pod_spec_requests_gpus():
