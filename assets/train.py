@@ -12,7 +12,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import dagster as dg
 from pydantic import field_validator
@@ -22,7 +21,7 @@ from assets.dedup import deduped_shards
 from composer_dag.train import data as data_engine
 from composer_dag.train import model as model_engine
 from composer_dag.train import tokenizer as tok_engine
-from resources import ArtifactStorage, CatalogResource, composer_home
+from resources import ArtifactStorage, composer_home
 from resources.cluster import ClusterResource
 from resources.config import ClearConfigResource
 

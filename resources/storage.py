@@ -1,6 +1,5 @@
 
 import os
-from functools import cached_property
 from typing import Optional
 
 import dagster as dg

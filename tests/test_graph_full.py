@@ -1,7 +1,6 @@
 """The whole graph on a tiny configuration, through Dagster, with every asset check required to
 pass: the design card's "asset checks in CI"."""
 
-import json
 from pathlib import Path
 
 import dagster as dg

@@ -43,7 +43,7 @@ from ..storage import ArtifactError, Storage
 from .decontam import default_index
 from .features import STAGES, analyse_batch
 from .near import candidate_pairs, connected_components, optimal_bands, similarities
-from .secrets import SECRET_KINDS, redact
+from .secrets import SECRET_KINDS
 from .text import tokens
 
 REQUIRED_COLUMNS = ("id", "source", "repo", "path", "language", "content", "size_bytes", "sha256")

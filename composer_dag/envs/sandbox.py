@@ -53,10 +53,9 @@ import signal
 import stat
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 BWRAP = shutil.which("bwrap") or "/usr/bin/bwrap"

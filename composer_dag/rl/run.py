@@ -202,7 +202,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
             sd = trainer.state_dict()
             sync_dir = trainer.save_weights(str(out / "sync" / f"v{version:08d}"), sd)
             with lock:
-                old, live["version"], live["dir"] = live["dir"], version, sync_dir
+                live["version"], live["dir"] = version, sync_dir
             save_s = time.perf_counter() - t0
             pub = publisher.publish(version, sd)
             publish_info.append(pub)

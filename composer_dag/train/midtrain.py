@@ -45,7 +45,7 @@ import numpy as np
 
 from ..pipes import Reporter, config_from_args, serve
 from .data import TokenShardDataset
-from .model import atomic_dir, copy_tokenizer_files, param_count, save_hf_dir
+from .model import atomic_dir, param_count, save_hf_dir
 
 
 @dataclass
