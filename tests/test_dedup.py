@@ -18,6 +18,7 @@ from composer_dag.dedup import (
     redact,
 )
 from composer_dag.dedup.decontam import check_shards
+from composer_dag.runtime.config import ConfigError
 from composer_dag.storage import ArtifactError, Storage
 
 COLUMNS = ["id", "source", "repo", "path", "language", "content", "size_bytes", "sha256", "revision"]
@@ -281,6 +282,54 @@ def test_corrupt_parquet_input_gives_clear_error(tmp_path):
 def test_config_validation():
     with pytest.raises(ValueError):
         DedupConfig(decontam_n=5)
+    for bad, words in (
+        ({"decontam_n": 5}, ["decontam_n: must be >= 10 (got 5)"]),
+        ({"threshold": 0.0}, ["threshold: must be in (0, 1] (got 0.0)"]),
+        ({"threshold": 1.5, "num_perm": "many", "shard_mb": 64}, ["threshold:", "num_perm:", "shard_mb: unknown field"]),
+    ):
+        with pytest.raises(ConfigError) as err:
+            DedupConfig.load(bad)
+        msg = str(err.value)
+        assert "\n" not in msg and msg.startswith("invalid DedupConfig config: ")
+        assert all(w in msg for w in words), msg
+    cfg = DedupConfig()
+    assert cfg.autogen_patterns == DedupConfig().autogen_patterns and isinstance(cfg.minified_suffixes, tuple)
+    assert DedupConfig.load(None) == cfg and DedupConfig.load(cfg) is cfg
+    assert DedupConfig.load(cfg.to_dict()) == cfg  # tuples come back from JSON lists
+    assert cfg.replace(threshold=0.8).threshold == 0.8 and cfg.threshold == 0.7
+    with pytest.raises(ConfigError):
+        cfg.replace(threshold=2.0)
+
+
+def test_dedup_takes_a_mapping_config_and_refuses_a_bad_one_before_writing(tmp_path):
+    rows = [_row(f"f{i}", f"m{i}.py", _code(i % 3)) for i in range(6)]
+    res, kept, _, _, storage = _run(tmp_path, rows, {"shard_bytes": 4000, "decontam_humaneval": False})
+    assert len(res.shard_urls) > 1 and kept.num_rows == 3 and res.extra["contamination_ngrams"] == 0
+    with pytest.raises(ConfigError, match="invalid DedupConfig config: threshold"):
+        dedup([storage.url("in/part-0.parquet")], storage, storage.url("out2"), {"threshold": 7})
+    assert storage.find(storage.url("out2")) == []
+
+
+def test_stage_tallies_add_up(tmp_path):
+    rows = [_row(f"f{i}", f"m{i}.py", _code(i % 5)) for i in range(15)]
+    rows += [_row("n", "n.py", None), _row("min", "x.min.js", "var a=1;\n")]
+    msgs: list[str] = []
+    res, _, _, _, _ = _run(tmp_path, rows, progress=msgs.append)
+    stages = res.extra["stages"]
+    assert list(stages) == ["read", "analyse", "filter", "exact", "near", "decontaminate", "redact", "write"]
+    assert stages["filter"] == {"seen": 17, "kept": 15, "dropped": {"invalid_row": 1, "filter:minified": 1}}
+    assert stages["exact"]["seen"] == 15 and stages["exact"]["dropped"] == {"exact_duplicate": 10}
+    assert stages["exact"]["groups"] == 5 and stages["exact"]["kept"] == 5 == stages["near"]["seen"]
+    for a, b in (("near", "decontaminate"), ("decontaminate", "redact"), ("redact", "write")):
+        assert stages[a]["kept"] == stages[b]["seen"]
+    assert stages["write"]["kept"] == res.files_kept and stages["write"]["bytes"] == res.bytes_kept
+    assert stages["near"]["candidate_pairs"] == res.extra["candidate_pairs"]
+    total: dict[str, int] = {}
+    for st in stages.values():
+        for reason, c in st["dropped"].items():
+            total[reason] = total.get(reason, 0) + c
+    assert total == {k: v for k, v in res.dropped.items() if v}
+    assert msgs[2] == "filter: 2 dropped, 15 left" and msgs[3] == "exact: 5 groups, 10 dropped, 5 left"
 
 
 def test_worker_processes_give_the_same_output(tmp_path):

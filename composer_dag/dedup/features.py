@@ -32,7 +32,14 @@ def normalised_hash(data: bytes) -> bytes:
     return hashlib.sha256(data.rstrip().lstrip(b"\n")).digest()
 
 
+def ready() -> bool:
+    """A no-op a new worker process runs first, so that it imports this module early."""
+    return True
+
+
 def analyse_batch(docs: list[bytes | None], paths: list[str], cfg: Any, contam: np.ndarray) -> dict[str, Any]:
+    """The per-file results of one batch; ``cfg`` has ``DedupConfig``'s fields as attributes
+    (a plain namespace, so a worker imports only this module and what it uses)."""
     cpu = dict.fromkeys(STAGES, 0.0)
     t = time.process_time()
 

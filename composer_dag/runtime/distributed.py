@@ -1,0 +1,33 @@
+"""Process-group setup for training entry points (torchrun, deepspeed, or none)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed() -> tuple[int, int, "torch.device"]:
+    """Initialise torch.distributed the DeepSpeed way; works without a launcher too."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
