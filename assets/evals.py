@@ -10,57 +10,21 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import dagster as dg
 
-from assets._common import copy_artifact, latest_metadata, latest_uri, plot_md, publish_dir
-from assets.train import work_dir
+from assets._common import latest_metadata, latest_uri, plot_md, publish_dir, run_stage
 from composer_dag.evals.contamination import contamination_report
-from composer_dag.evals.gate import compare, report_markdown
+from composer_dag.evals.evaluate import EvalConfig, summary_record
+from composer_dag.evals.gate import decide
+from composer_dag.evals.run import EvalRunConfig
 from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
+from resources.dagster_config import dagster_config
 
 CANDIDATES = ("base_model", "midtrained_checkpoint", "rl_checkpoint")
 
-
-class EvalParams(dg.Config):
-    """Evaluation settings (every field of composer_dag.evals.evaluate.EvalConfig may be set in
-    ``extra``). The gate: the RL checkpoint may not be worse than the mid-trained one on pass@1
-    beyond ``noise_sigmas`` standard errors, nor raise more cheat flags."""
-
-    samples_per_task: int = 2
-    ks: list[int] = [1, 2]
-    max_tasks: Optional[int] = 6
-    max_turns: int = 2
-    max_new_tokens: int = 96
-    system_style: str = "compact"
-    engine: str = "vllm"
-    humaneval_max_tokens: int = 128
-    noise_sigmas: float = 2.0
-    max_flag_rate_increase: float = 0.0
-    required_gain: float = 0.0
-    extra: dict = {}
-
-
-def _summary_for(context, storage, key: str, wd: str, params: EvalParams, cluster: ClusterResource, tasks_dir: str, val_dir: str):
-    ckpt_dir = os.path.join(wd, key)
-    if not os.path.exists(os.path.join(ckpt_dir, "manifest.json")):
-        copy_artifact(storage, latest_uri(context.instance, key), ckpt_dir)
-    out_dir = os.path.join(wd, "out", key)
-    if os.path.exists(os.path.join(out_dir, "summary.json")):  # a retry resumes: finished candidates stay done
-        return json.loads(Path(out_dir, "summary.json").read_text()), out_dir
-    cfg = {
-        "checkpoint_dir": ckpt_dir, "tasks_dir": tasks_dir, "out_dir": out_dir, "val_dir": val_dir,
-        "samples_per_task": params.samples_per_task, "ks": params.ks, "max_tasks": params.max_tasks,
-        "max_turns": params.max_turns, "max_new_tokens": params.max_new_tokens, "system_style": params.system_style,
-        "engine": params.engine, "humaneval_max_tokens": params.humaneval_max_tokens, **params.extra,
-    }
-    path = os.path.join(wd, f"eval-{key}.json")
-    Path(path).write_text(json.dumps(cfg, indent=2))
-    context.log.info(f"evaluating {key}")
-    summary = cluster.run(context, "composer_dag.evals.run", ["--config", path], name="composer-eval", launcher="python")
-    return summary, out_dir
+EvalParams = dagster_config(EvalConfig, module=__name__)
 
 
 @dg.asset(
@@ -81,33 +45,20 @@ def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artif
     """Base, mid-trained and RL checkpoints on the held-out tasks: pass@k by source, HumanEval
     pass@1, perplexity, cost; the comparison table and the gate."""
     storage = artifacts.get()
-    digests = [str((latest_metadata(context.instance, k) or {}).get("manifest_digest")) for k in (*CANDIDATES, "eval_tasks", "token_shards")]
-    wd = work_dir("eval", *digests, json.dumps(config.model_dump(), sort_keys=True))
-    tasks_dir, val_dir = os.path.join(wd, "eval_tasks"), os.path.join(wd, "token_shards")
-    for d, key in ((tasks_dir, "eval_tasks"), (val_dir, "token_shards")):
-        if not os.path.exists(os.path.join(d, "manifest.json")):
-            copy_artifact(storage, latest_uri(context.instance, key), d)
-
-    summaries, outs = {}, {}
-    for key in CANDIDATES:
-        summaries[key], outs[key] = _summary_for(context, storage, key, wd, config, cluster, tasks_dir, val_dir)
+    # one job, one inference engine: each next checkpoint's weights load into the running engine
+    cfg, summaries, wd = run_stage(
+        context, storage, cluster, "eval", EvalRunConfig, config, [*CANDIDATES, "eval_tasks", "token_shards"],
+        lambda d, wd: {"checkpoints": {k: d[k] for k in CANDIDATES}, "tasks_dir": d["eval_tasks"],
+                       "val_dir": d["token_shards"], "out_dir": os.path.join(wd, "out")},
+        "composer_dag.evals.run", launcher="python")
+    tasks_dir, out_root = cfg.tasks_dir, cfg.out_dir
+    outs = {key: os.path.join(out_root, key) for key in CANDIDATES}
 
     promoted = latest_metadata(context.instance, "promoted_model")
     promoted_summary = json.loads(promoted["summary_json"]) if promoted and promoted.get("summary_json") else None
-    gate_kw = {"noise_sigmas": config.noise_sigmas, "max_flag_rate_increase": config.max_flag_rate_increase}
-    comparisons = [compare(summaries["rl_checkpoint"], summaries["midtrained_checkpoint"], **gate_kw,
-                           candidate_name="rl_checkpoint", baseline_name="midtrained_checkpoint (parent)")]
-    comparisons.append(compare(summaries["rl_checkpoint"], summaries["base_model"], **gate_kw,
-                               candidate_name="rl_checkpoint", baseline_name="base_model"))
-    if promoted_summary:
-        comparisons.append(compare(summaries["rl_checkpoint"], promoted_summary, **gate_kw,
-                                   candidate_name="rl_checkpoint", baseline_name="last promoted"))
-    gate = comparisons[0]
-    gain = (summaries["rl_checkpoint"].get("pass@1") or 0.0) - (summaries["midtrained_checkpoint"].get("pass@1") or 0.0)
-    gate_passed = gate["passed"] and gain >= config.required_gain
-    reasons = gate["reasons"] + ([] if gain >= config.required_gain else [f"pass@1 gain {gain:+.4f} below the required {config.required_gain:+.4f}"])
-    report = "# Evaluation report\n\n" + report_markdown(comparisons) + "\n## Gate\n\n" + (
-        "passed" if gate_passed else "failed: " + "; ".join(reasons)) + "\n"
+    gate = decide(summaries, "rl_checkpoint", "midtrained_checkpoint", cfg.gate,
+                  others={"last promoted": promoted_summary} if promoted_summary else None)
+    report = gate["report"]
 
     url = storage.url("evaluated_model", context.run.run_id)
     staging = os.path.join(wd, "publish")
@@ -122,15 +73,8 @@ def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artif
         # appended per run: history and comparisons across checkpoints are one SQL query
         catalog.get().replace_rows("eval_results", result_urls, where={"run_id": context.run.run_id}, exclude=(),
                                    extra={"run_id": context.run.run_id})
-
-    def num(x) -> float:
-        return float(x) if isinstance(x, (int, float)) else float("nan")
-
     catalog.get().insert_records("eval_summaries", [
-        {"checkpoint": k, "checkpoint_digest": str(s.get("checkpoint_digest")), "pass_at_1": num(s.get("pass@1")),
-         "flag_rate": num(s.get("flag_rate")), "humaneval_pass_at_1": num((s.get("humaneval") or {}).get("pass@1")),
-         "val_ppl": num((s.get("perplexity") or {}).get("val_ppl")), "run_id": context.run.run_id}
-        for k, s in summaries.items()])
+        {**summary_record(k, s), "run_id": context.run.run_id} for k, s in summaries.items()])
 
     # Contamination guard: the eval tasks against the training shards.
     shard_base = latest_uri(context.instance, "deduped_shards")
@@ -155,13 +99,13 @@ def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artif
                                  "0 base, 1 mid-trained, 2 RL", "pass@1", "pass@1 by checkpoint"),
             **{f"{k}.pass@1": float(summaries[k].get("pass@1") or 0.0) for k in names},
             **{f"{k}.cost": dg.MetadataValue.json(summaries[k].get("cost") or {}) for k in names},
-            "gate_passed": gate_passed,
+            "gate_passed": gate["passed"],
             "summary_json": json.dumps(summaries["rl_checkpoint"], default=str),
             "rl_checkpoint_uri": latest_uri(context.instance, "rl_checkpoint"),
         }
     )
-    yield dg.AssetCheckResult(check_name="rl_not_worse_than_midtrained", passed=gate_passed,
-                              metadata={"reasons": dg.MetadataValue.json(reasons), "pass@1_gain": gain})
+    yield dg.AssetCheckResult(check_name="rl_not_worse_than_midtrained", passed=gate["passed"],
+                              metadata={"reasons": dg.MetadataValue.json(gate["reasons"]), "pass@1_gain": gate["gain"]})
     yield dg.AssetCheckResult(check_name="eval_tasks_not_in_training_shards", passed=not leaks,
                               metadata={"leaks": len(leaks), "examples": dg.MetadataValue.json(leaks[:10])})
 

@@ -13,43 +13,17 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets._common import copy_artifact, latest_metadata, latest_uri, plot_md, publish_dir
-from assets.train import midtrained_checkpoint, work_dir
+from assets._common import plot_md, publish_dir, run_stage
+from assets.train import midtrained_checkpoint
+from composer_dag.rl.run import RLConfig
 from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
+from resources.dagster_config import dagster_config
 
-
-class RLParams(dg.Config):
-    """GRPO settings (see composer_dag.rl.run.RLConfig for every field). ``environment``:
-    ``tasks`` (the rl_tasks asset) or ``learnable`` (the small task family a tiny model can
-    learn on CPU within minutes, with a short tool-syntax warm-up: the demo of learning)."""
-
-    environment: str = "tasks"
-    steps: int = 2
-    tasks_per_step: int = 2
-    group_size: int = 4
-    max_turns: int = 2
-    max_new_tokens: int = 96
-    max_context: int = 2048
-    temperature: float = 1.0
-    lr: float = 1e-5
-    kl_coef: float = 0.0
-    max_staleness: int = 1
-    async_generation: bool = True
-    engine: str = "vllm"
-    full_every: int = 5
-    system_style: str = "compact"
-    seed: int = 0
-    max_flag_rate: float = 0.5
-
-
-LEARNABLE_RUN = {"steps": 16, "tasks_per_step": 2, "group_size": 8, "max_turns": 2, "max_new_tokens": 40,
-                 "max_context": 512, "lr": 1e-3, "micro_batch": 16, "system_style": "compact", "engine": "hf",
-                 "torch_threads": 1, "workers": 2, "async_generation": False}
-"""The settings under which the learnable family's reward rises (tests/test_rl_learn.py)."""
-
-_RUN_FIELDS = ("steps", "tasks_per_step", "group_size", "max_turns", "max_new_tokens", "max_context", "temperature",
-               "lr", "kl_coef", "max_staleness", "async_generation", "engine", "full_every", "system_style", "seed")
+RLParams = dagster_config(RLConfig, module=__name__)
+"""GRPO settings: ``trainer`` (the update), ``orchestrator`` (the agent episodes), ``inference``
+(the engine). ``environment: learnable`` runs the small task family a tiny model learns on CPU
+within minutes (see ``composer_dag.rl.run.LEARNABLE_RUN``)."""
 
 
 @dg.multi_asset(
@@ -75,32 +49,11 @@ _RUN_FIELDS = ("steps", "tasks_per_step", "group_size", "max_turns", "max_new_to
 def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: ArtifactStorage,
            catalog: CatalogResource, cluster: ClusterResource):
     storage = artifacts.get()
-    ckpt_meta = latest_metadata(context.instance, "midtrained_checkpoint") or {}
-    tasks_meta = latest_metadata(context.instance, "rl_tasks") or {}
-    params = config.model_dump()
-    wd = work_dir("rl", str(ckpt_meta.get("manifest_digest")), str(tasks_meta.get("manifest_digest")), json.dumps(params, sort_keys=True))
-    policy_dir, tasks_dir, out_dir = (os.path.join(wd, d) for d in ("policy", "tasks", "run"))
-    if not os.path.exists(os.path.join(policy_dir, "manifest.json")):
-        copy_artifact(storage, latest_uri(context.instance, "midtrained_checkpoint"), policy_dir)
-    run_cfg = {k: params[k] for k in _RUN_FIELDS}
-    if config.environment == "learnable":
-        from composer_dag.rl.learnable import make_learnable_setup
-
-        context.log.info("building the learnable environment and warming up the tool-call syntax")
-        if not os.path.exists(os.path.join(wd, "learnable", "policy", "config.json")):
-            make_learnable_setup(os.path.join(wd, "learnable"), n_tasks=8, seed=config.seed, words=("red", "blue"))
-        policy_dir, tasks_dir = os.path.join(wd, "learnable", "policy"), os.path.join(wd, "learnable", "tasks")
-        run_cfg.update(LEARNABLE_RUN)
-    elif config.environment == "tasks":
-        if not os.path.exists(os.path.join(tasks_dir, "manifest.json")):
-            copy_artifact(storage, latest_uri(context.instance, "rl_tasks"), tasks_dir)
-    else:
-        raise dg.Failure(description=f"environment must be 'tasks' or 'learnable', not {config.environment!r}", allow_retries=False)
-    cfg = {**run_cfg, "policy_dir": policy_dir, "tasks_dir": tasks_dir, "out_dir": out_dir}
-    cfg_path = os.path.join(wd, "rl.json")
-    Path(cfg_path).write_text(json.dumps(cfg, indent=2))
-    context.log.info(f"RL run in {wd} (resumes from its last policy checkpoint if interrupted)")
-    result = cluster.run(context, "composer_dag.rl.run", ["--config", cfg_path], name="composer-rl", launcher="python")
+    cfg, result, wd = run_stage(
+        context, storage, cluster, "rl", RLConfig, config, ["midtrained_checkpoint", "rl_tasks"],
+        lambda d, wd: {"policy_dir": d["midtrained_checkpoint"], "tasks_dir": d["rl_tasks"], "out_dir": os.path.join(wd, "run")},
+        "composer_dag.rl.run", launcher="python", copy_inputs=config.environment == "tasks")
+    out_dir = cfg.out_dir
 
     run_id = context.run.run_id
     rollouts_url = storage.url("rl_rollouts", run_id)
@@ -148,8 +101,8 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
             "gen_tokens_per_s": round(float(result.get("gen_tokens_per_s") or 0.0), 1),
             "step_time_split_s": dg.MetadataValue.md(split_md),
             "dropped_stale_rollouts": int(result.get("dropped_stale_rollouts") or 0),
-            "environment": config.environment,
-            "engine": config.engine,
+            "environment": cfg.environment,
+            "engine": str(result.get("engine")),
         },
     )
     yield dg.MaterializeResult(
@@ -169,12 +122,12 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
                               passed=n > 0 and all(r["reward"] is not None and math.isfinite(r["reward"]) for r in rows),
                               metadata={"rollouts": n})
     yield dg.AssetCheckResult(asset_key="rl_rollouts", check_name="cheat_flag_rate_below_threshold",
-                              passed=flag_rate <= config.max_flag_rate,
-                              metadata={"flag_rate": flag_rate, "threshold": config.max_flag_rate})
+                              passed=flag_rate <= cfg.max_flag_rate,
+                              metadata={"flag_rate": flag_rate, "threshold": cfg.max_flag_rate})
     worst = max((r["staleness"] or 0 for r in rows), default=0)
     yield dg.AssetCheckResult(asset_key="rl_rollouts", check_name="staleness_within_bound",
-                              passed=worst <= config.max_staleness,
-                              metadata={"max_staleness_seen": worst, "bound": config.max_staleness})
+                              passed=worst <= cfg.max_staleness,
+                              metadata={"max_staleness_seen": worst, "bound": cfg.max_staleness})
     losses = [h.get("loss") for h in hist]
     yield dg.AssetCheckResult(asset_key="rl_checkpoint", check_name="loss_has_no_nan",
                               passed=bool(losses) and all(x is not None and math.isfinite(x) for x in losses)

@@ -72,7 +72,7 @@ def _vllm_procs(me) -> list[dict]:
 def rollout_prompts(policy_dir: str, tasks_dir: str, batch: int, system_style: str = "compact") -> list[list[int]]:
     """First-turn prompts of the learnable tasks, tokenized as the agent loop does."""
     from composer_dag.envs.tools import Episode
-    from composer_dag.rl.agent import render_prompt
+    from composer_dag.agent import render_prompt
     from composer_dag.rl.run import find_tasks
     from composer_dag.train.tokenizer import load_tokenizer
 
@@ -92,7 +92,7 @@ def later_turn_prompts(policy_dir: str, tasks_dir: str, groups: int, group_size:
     ``read_file`` call and its observation (the task's files, cut so the prompt is ``context``
     tokens long)."""
     from composer_dag.envs.tools import Episode
-    from composer_dag.rl.agent import system_prompt
+    from composer_dag.agent import system_prompt
     from composer_dag.rl.run import find_tasks
     from composer_dag.train.tokenizer import load_tokenizer
 
@@ -254,9 +254,11 @@ def main() -> None:
         print(json.dumps(res, indent=1))
         return
     cfg = {"policy_dir": s["policy_dir"], "tasks_dir": s["tasks_dir"], "out_dir": os.path.join(a.out, "run"),
-           "steps": a.steps, "tasks_per_step": 2, "group_size": 8, "max_turns": 2, "max_new_tokens": 40,
-           "max_context": 1024, "max_model_len": 1024, "lr": 1e-3, "micro_batch": 16, "system_style": "compact",
-           "engine": "vllm", "workers": 2, "full_every": a.steps + 1, "kv_cache_mb": 256}
+           "steps": a.steps, "tasks_per_step": 2, "group_size": 8, "full_every": a.steps + 1,
+           "trainer": {"lr": 1e-3, "micro_batch": 16},
+           "orchestrator": {"max_turns": 2, "max_new_tokens": 40, "max_context": 1024, "system_style": "compact",
+                            "workers": 2},
+           "inference": {"engine": "vllm", "max_model_len": 1024, "kv_cache_mb": 256}}
     with open(os.path.join(a.out, "run.json"), "w") as f:
         json.dump(cfg, f)
     t0 = time.perf_counter()

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from composer_dag.envs.sandbox import Sandbox
-from composer_dag.envs.tasks import build_tasks, task_dirs
+from composer_dag.envs.task_format import task_dirs
+from composer_dag.envs.tasks import build_tasks
 from composer_dag.envs.tools import Episode
 
 

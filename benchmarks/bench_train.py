@@ -81,7 +81,7 @@ def trainer_run(cfg: MidtrainConfig, warmup: int, nproc: int = 1) -> list[float]
     if nproc == 1:
         cmd = [sys.executable, "-m", "composer_dag.train.midtrain", "--config", path]
     else:
-        from composer_dag.cluster import LaunchSpec, local_command
+        from composer_dag.launch import LaunchSpec, local_command
 
         cmd = local_command(LaunchSpec(entry="composer_dag.train.midtrain",
                                        args=["--config", path], nproc_per_node=nproc))
@@ -130,7 +130,7 @@ def main() -> None:
            "plain_best": round(max(plain_rates)), "trainer_best": round(max(ds_rates)),
            "ratio": round(ds / plain, 3), "steps_timed": [len(plain_rates), len(ds_rates)]}
     if args.torchrun:
-        cfg2 = MidtrainConfig(**{**cfg.to_dict(), "out_dir": os.path.join(work, "ds2")})
+        cfg2 = cfg.replace(out_dir=os.path.join(work, "ds2"))
         res["trainer_2proc_tok_s"] = round(statistics.median(trainer_run(cfg2, warmup, nproc=2)))
     print(json.dumps(res))
 

@@ -23,9 +23,13 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from ..envs.tools import TOOL_SCHEMAS, Episode, EpisodeConfig, Observation
-from ..inference.engine import Completion, Engine, Sampling
+from pydantic import Field
+
+from .envs.tools import TOOL_SCHEMAS, Episode, EpisodeConfig, Observation
+from .inference.engine import Completion, Engine, Sampling
+from .runtime.config import StageConfig
 
 SYSTEM_INTRO = ("You are a coding agent working in the user's project on their machine. Act only through "
                 "tools: write each call as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. "
@@ -37,17 +41,18 @@ NO_CALL = ("Error: no tool call found. Write a call as <tool_call>{\"name\": \".
            "</tool_call>; call submit when the work is done.")
 
 
-@dataclass(frozen=True)
-class AgentConfig:
-    max_turns: int = 8              # assistant turns per episode (also capped by the task's limit)
-    max_new_tokens: int = 256       # per assistant turn
-    max_context: int = 2048         # prompt + every turn, per episode
+class AgentConfig(StageConfig):
+    """The agent harness: how episodes are sampled and how long they may run (RL's orchestrator
+    and evaluation use the same one)."""
+
+    max_turns: int = Field(2, description="assistant turns per episode (also capped by the task's limit)")
+    max_new_tokens: int = Field(96, description="per assistant turn")
+    max_context: int = Field(2048, description="prompt + every turn, per episode")
     temperature: float = 1.0
     top_p: float = 1.0
-    system_style: str = "full"      # "full": the JSON tool schemas; "compact": one signature per line
+    system_style: Literal["full", "compact"] = Field("compact", description="full: the JSON tool schemas; compact: one signature per line")
     max_calls_per_turn: int = 4
-    workers: int = 4                # threads for tool calls and grading
-    episode: EpisodeConfig = EpisodeConfig()
+    workers: int = Field(4, description="threads for tool calls and grading")
 
 
 def system_prompt(style: str = "full") -> str:
@@ -123,8 +128,9 @@ class _Run:
 class AgentLoop:
     """Runs groups of episodes against an ``Engine``; returns rollout records (dicts)."""
 
-    def __init__(self, engine: Engine, tokenizer, config: AgentConfig = AgentConfig()):
-        self.engine, self.tok, self.cfg = engine, tokenizer, config
+    def __init__(self, engine: Engine, tokenizer, config: AgentConfig = AgentConfig(),
+                 episode: EpisodeConfig = EpisodeConfig()):
+        self.engine, self.tok, self.cfg, self.episode = engine, tokenizer, config, episode
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.stops = (self.im_end, tokenizer.eos_token_id)
         self.newline = self._encode("\n")
@@ -139,7 +145,7 @@ class AgentLoop:
         return self.tok(text, add_special_tokens=False).input_ids
 
     def _start(self, task_dir, group_id: str, sample: int) -> _Run:
-        ep = Episode(task_dir, self.cfg.episode)
+        ep = Episode(task_dir, self.episode)
         user = ep.prompt()
         msgs = [{"role": "system", "content": system_prompt(self.cfg.system_style)},
                 {"role": "user", "content": user}]

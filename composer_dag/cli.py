@@ -17,47 +17,37 @@ import os
 import sys
 from typing import Any
 
-from composer_dag.storage import Storage
+from composer_dag.runtime.errors import one_line
+from composer_dag.storage import open_storage, storage_options_from_env
 
 
 def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def s3_options_from_env() -> dict:
-    opts = {}
-    endpoint = os.environ.get("COMPOSER_S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        opts["endpoint_url"] = endpoint
-    if os.environ.get("AWS_ACCESS_KEY_ID"):
-        opts["key"] = os.environ["AWS_ACCESS_KEY_ID"]
-    if os.environ.get("AWS_SECRET_ACCESS_KEY"):
-        opts["secret"] = os.environ["AWS_SECRET_ACCESS_KEY"]
-    return opts
-
-
-def storage_for(url: str) -> Storage:
-    return Storage(url, s3_options_from_env() if url.startswith("s3://") else None)
-
-
 def cmd_corpus(args: argparse.Namespace) -> dict[str, Any]:
-    from composer_dag.corpus import CorpusConfig, ingest, parse_source
+    from composer_dag.corpus import ingest, parse_source
+    from composer_dag.corpus.sources import SourceEntry, load_sources
 
-    spec = parse_source(args.source, name=args.name)
-    if spec.kind == "s3":
-        spec.storage_options = s3_options_from_env()
-    cfg = CorpusConfig(
-        max_file_bytes=int(args.max_file_mb * 1_000_000),
-        max_total_bytes=int(args.max_total_mb * 1_000_000) if args.max_total_mb else None,
-    )
-    storage = storage_for(args.out)
-    return ingest(spec, storage, storage.root, cfg, progress=_progress).to_dict()
+    if args.sources:  # SOURCE names an entry of a sources file, as a code_corpus partition does
+        declared = {e.name: e for e in load_sources(args.sources)}
+        if args.source not in declared:
+            raise ValueError(f"no source named {args.source!r} in {args.sources} (declared: {', '.join(declared)})")
+        entry = declared[args.source]
+    else:
+        spec = parse_source(args.source, name=args.name)
+        entry = SourceEntry(name=spec.name, kind=spec.kind, uri=spec.uri, rev=spec.rev)
+    limits = {k: v for k, v in (("max_file_mb", args.max_file_mb), ("max_total_mb", args.max_total_mb)) if v is not None}
+    entry = entry.replace(**limits)
+    storage = open_storage(args.out)
+    spec = entry.spec(storage_options_from_env())
+    return ingest(spec, storage, storage.root, entry.corpus_config(), progress=_progress).to_dict()
 
 
 def cmd_dedup(args: argparse.Namespace) -> dict[str, Any]:
     from composer_dag.dedup import DedupConfig, dedup
 
-    src = storage_for(args.corpus_dir)
+    src = open_storage(args.corpus_dir)
     inputs = [u for u in src.find(src.root) if u.rsplit("/", 1)[-1].startswith("files-")]
     if not inputs:
         raise ValueError(f"{args.corpus_dir} holds no files-*.parquet: is it the output of `composer-dag corpus`?")
@@ -66,10 +56,10 @@ def cmd_dedup(args: argparse.Namespace) -> dict[str, Any]:
             src.verify_manifest(src.root)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, or not a manifest
             raise ValueError(f"{src.url('manifest.json')} is not a valid manifest: {type(exc).__name__}") from None
-    out = storage_for(args.out)
+    out = open_storage(args.out)
     if out.protocol != src.protocol:
         raise ValueError("corpus and output must be on the same storage (both local or both s3://)")
-    cfg = DedupConfig(num_perm=args.num_perm, threshold=args.threshold)
+    cfg = DedupConfig.load({"num_perm": args.num_perm, "threshold": args.threshold})
     return dedup(inputs, out, out.root, cfg, progress=_progress).to_dict()
 
 
@@ -110,9 +100,15 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"{args.checkpoint} has no config.json: not a Hugging Face checkpoint directory")
     if not os.path.isdir(args.tasks):
         raise ValueError(f"tasks directory {args.tasks} does not exist")
-    opts = {"out_dir": args.out, "engine": args.engine, "samples_per_task": args.samples, "max_tasks": args.max_tasks,
-            "baseline": args.baseline, "max_turns": args.max_turns, "system_style": args.system_style}
-    return eval_cli(args.checkpoint, args.tasks, **{k: v for k, v in opts.items() if v is not None})
+    opts = {"inference": {"engine": args.engine}, "samples_per_task": args.samples, "max_tasks": args.max_tasks,
+            "agent": {"max_turns": args.max_turns, "system_style": args.system_style}}
+    cfg = {k: ({kk: vv for kk, vv in v.items() if vv is not None} if isinstance(v, dict) else v)
+           for k, v in opts.items() if v is not None}
+    if args.samples:  # every pass@k the samples allow
+        cfg["ks"] = [k for k in (1, 2, 4, 8, 16, 32) if k <= args.samples]
+    if args.max_tasks == 0:
+        cfg["max_tasks"] = None
+    return eval_cli(args.checkpoint, args.tasks, out_dir=args.out, baseline=args.baseline, config=cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("source")
     c.add_argument("--out", required=True, help="output directory or s3:// URL")
     c.add_argument("--name", default=None, help="source name (default: derived from SOURCE)")
-    c.add_argument("--max-file-mb", type=float, default=1.0)
-    c.add_argument("--max-total-mb", type=float, default=None, help="stop ingesting after this much text")
+    c.add_argument("--sources", default=None, help="a sources file (like sources.yaml): SOURCE is the name of one of its entries")
+    c.add_argument("--max-file-mb", type=float, default=None, help="skip files larger than this (default 1)")
+    c.add_argument("--max-total-mb", type=float, default=None, help="stop ingesting after this much text (default: no cap)")
     c.set_defaults(func=cmd_corpus)
 
     d = sub.add_parser("dedup", help="filter, deduplicate, decontaminate and redact a corpus")
@@ -140,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--out", default=None, help="output directory (default ./eval-<digest>)")
     v.add_argument("--engine", choices=["vllm", "hf"], default=None)
     v.add_argument("--samples", type=int, default=None, help="samples per task (pass@k needs k <= samples)")
-    v.add_argument("--max-tasks", type=int, default=None)
+    v.add_argument("--max-tasks", type=int, default=None, help="the first N tasks (0: every task)")
     v.add_argument("--max-turns", type=int, default=None)
     v.add_argument("--system-style", choices=["full", "compact"], default=None)
     v.add_argument("--baseline", default=None, help="a summary.json to gate against")
@@ -159,12 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("cmd", nargs=argparse.REMAINDER)
     x.set_defaults(func=cmd_sandbox_exec)
     return p
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception as one line: its first non-empty line, or its type when it has no text."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return lines[0][:500] if lines else type(exc).__name__
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from assets import corpus, dedup, envs, evals, rl, sensors, train
 from assets import jobs as jobs_module
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
 from resources.cluster import ClusterResource
+from resources.model_settings import ModelSettings
 
 
 def _env(name: str):
@@ -45,7 +46,7 @@ def make_resources() -> dict:
         "artifacts": storage,
         "catalog": CatalogResource(storage=storage, path=os.environ.get("COMPOSER_CATALOG", "")),
         "sources": SourceRegistry(storage=storage, watch_s3_prefix=os.environ.get("COMPOSER_WATCH_S3_PREFIX")),
-        "model_settings": train.ModelSettings(
+        "model_settings": ModelSettings(
             base_model=os.environ.get("COMPOSER_BASE_MODEL", ""),
             config_name=os.environ.get("COMPOSER_MODEL_CONFIG", "tiny"),
         ),

@@ -9,13 +9,9 @@ This is the only engine module that may import ``dagster_pipes`` (never ``dagste
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import os
 import sys
-import types
-import typing
 from typing import Any, Callable
 
 
@@ -76,94 +72,6 @@ class Reporter:
             self.pipes.report_custom_message(summary)
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
-    """Whether ``value`` (from JSON) fits the annotation ``hint``; unknown annotations pass."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in args)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if origin in (tuple, list):
-        elem = args[0] if args and (origin is list or args[-1] is Ellipsis) else Any
-        return isinstance(value, (tuple, list)) and all(_type_ok(v, elem) for v in value)
-    if origin is dict or hint is dict:
-        return isinstance(value, dict)
-    return True
-
-
-def check_types(cfg: Any) -> None:
-    """Raise ``ValueError`` (one line) for the first field of dataclass ``cfg`` whose value
-    does not fit its annotation, e.g. ``max_steps="ten"``."""
-    hints = typing.get_type_hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            check_types(value)
-        elif f.name in hints and not _type_ok(value, hints[f.name]):
-            want = getattr(hints[f.name], "__name__", None) or str(hints[f.name])
-            raise ValueError(f"{f.name} must be {want}, not {type(value).__name__} {value!r:.80}")
-
-
-def _fail(prog: str, msg: str) -> None:
-    print(f"{prog}: error: {' '.join(msg.split())}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
-def config_from_args(description: str, argv: list[str] | None = None,
-                     parse: Callable[[dict], Any] | None = None) -> Any:
-    """The config of an engine entry point: ``--config FILE.json`` plus ``--set KEY=JSON``
-    overrides (a value that is not JSON is taken as a string).
-
-    With ``parse`` (e.g. ``SomeConfig.from_dict``) the result is ``parse(config)`` with every
-    dataclass in it type-checked (``check_types``). A missing or malformed file, a bad
-    ``--set``, an unknown field or a wrong type is one line on stderr and exit status 2."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # run as ``python -m MODULE``
-    p = argparse.ArgumentParser(prog=f"python -m {spec.name}" if spec else None, description=description)
-    p.add_argument("--config", required=True, help="the run's config as JSON")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                   help="override a config field, e.g. --set max_steps=50")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                   help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    args = p.parse_args(argv)
-    try:
-        with open(args.config) as f:
-            config = json.load(f)
-    except OSError as exc:
-        _fail(p.prog, f"cannot read config {args.config}: {exc.strerror or exc}")
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, deep nesting
-        _fail(p.prog, f"config {args.config} is not valid JSON: {str(exc)[:200]}")
-    if not isinstance(config, dict):
-        _fail(p.prog, f"config {args.config} must hold a JSON object, not {type(config).__name__}")
-    for kv in args.set:
-        key, sep, value = kv.partition("=")
-        if not sep or not key.strip():
-            _fail(p.prog, f"--set {kv!r}: expected KEY=VALUE")
-        try:
-            config[key.strip()] = json.loads(value)
-        except (ValueError, RecursionError):
-            config[key.strip()] = value
-    if parse is None:
-        return config
-    try:
-        out = parse(config)
-        for part in out if isinstance(out, tuple) else (out,):
-            if dataclasses.is_dataclass(part) and not isinstance(part, type):
-                check_types(part)
-    except (ValueError, TypeError, KeyError) as exc:
-        _fail(p.prog, f"bad config {args.config}: {exc}")
-    return out
-
-
 def serve(work: Callable[["Reporter"], dict]) -> dict:
     """Run an entry point's work under a Reporter, report its summary, and leave the process
     group (when torch.distributed was used) cleanly."""
@@ -174,3 +82,12 @@ def serve(work: Callable[["Reporter"], dict]) -> dict:
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     return result
+
+
+def entry_point(cls, description: str, work: Callable[[Any, "Reporter"], dict], argv: list[str] | None = None) -> dict:
+    """An engine entry point's ``main``: its config from ``--config``/``--set`` (one line and exit
+    status 2 when bad), then ``work(config, reporter)`` under ``serve``."""
+    from .runtime.config import config_from_args
+
+    cfg = config_from_args(cls, description, argv)
+    return serve(lambda rep: work(cfg, rep))

@@ -114,6 +114,45 @@ def _strip_protocol(url: str) -> tuple[str, str]:
     return "file", url
 
 
+def filesystem(protocol: str, storage_options: dict[str, Any] | None = None) -> "fsspec.AbstractFileSystem":
+    """The fsspec filesystem for ``protocol``: the one place an S3 client is configured
+    (``endpoint_url`` as a client argument, bounded retries and timeouts, fresh connections)."""
+    opts = dict(storage_options or {})
+    if protocol == "s3":
+        endpoint = opts.pop("endpoint_url", None)
+        if endpoint:
+            opts["client_kwargs"] = {**opts.get("client_kwargs", {}), "endpoint_url": endpoint}
+        opts["config_kwargs"] = {**S3_CLIENT_CONFIG, **opts.get("config_kwargs", {})}
+        # Fresh connections per filesystem keep tests against a local server independent.
+        opts.setdefault("skip_instance_cache", True)
+    fs = fsspec.filesystem(protocol, **opts)
+    if protocol == "s3":
+        fs.retries = S3FS_RETRIES
+    return fs
+
+
+def storage_options_from_env(url: str = "s3://") -> dict[str, Any]:
+    """S3 endpoint and keys from the environment (``COMPOSER_S3_ENDPOINT_URL`` or
+    ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``); empty for a
+    local ``url``."""
+    if not url.startswith("s3://"):
+        return {}
+    opts: dict[str, Any] = {}
+    endpoint = os.environ.get("COMPOSER_S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        opts["endpoint_url"] = endpoint
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        opts["key"] = os.environ["AWS_ACCESS_KEY_ID"]
+    if os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        opts["secret"] = os.environ["AWS_SECRET_ACCESS_KEY"]
+    return opts
+
+
+def open_storage(url: str) -> "Storage":
+    """A Storage rooted at ``url``, with S3 settings from the environment when it is ``s3://``."""
+    return Storage(url, storage_options_from_env(url) or None)
+
+
 @dataclass
 class Storage:
     """A storage root plus the fsspec filesystem that reaches it.
@@ -142,17 +181,8 @@ class Storage:
             + tuple(os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"))
             if isinstance(v, str) and len(v) >= 4
         )
-        if proto == "s3":
-            endpoint = opts.pop("endpoint_url", None)
-            if endpoint:
-                opts["client_kwargs"] = {**opts.get("client_kwargs", {}), "endpoint_url": endpoint}
-            opts["config_kwargs"] = {**S3_CLIENT_CONFIG, **opts.get("config_kwargs", {})}
-            # Fresh connections per Storage keep tests against a local server independent.
-            opts.setdefault("skip_instance_cache", True)
         with self._guard("open storage", self.root):
-            self.fs: fsspec.AbstractFileSystem = fsspec.filesystem(proto, **opts)
-            if proto == "s3":
-                self.fs.retries = S3FS_RETRIES
+            self.fs: fsspec.AbstractFileSystem = filesystem(proto, opts)
             if proto == "file":
                 self.fs.makedirs(rest, exist_ok=True)
 
@@ -332,6 +362,11 @@ class Storage:
             for dirpath, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
                 with contextlib.suppress(OSError):
                     os.rmdir(dirpath)
+
+    def get_file(self, url: str, local_path: str) -> None:
+        """Download one file to ``local_path``."""
+        with self._guard("download", url):
+            self.fs.get_file(self._path(url), local_path)
 
     def get_dir(self, url: str, local_dir: str) -> None:
         """Download every file under ``url`` into ``local_dir``."""

@@ -6,8 +6,8 @@
 - ``SourceRegistry``: the declared corpus sources (``sources.yaml``) and a watched S3 prefix.
 """
 
-from resources.catalog import CatalogResource
-from resources.sources import SourceRegistry
-from resources.storage import ArtifactStorage, composer_home
+from resources.duckdb_catalog import CatalogResource
+from resources.source_registry import SourceRegistry
+from resources.artifacts import ArtifactStorage, composer_home, work_dir
 
-__all__ = ["ArtifactStorage", "CatalogResource", "SourceRegistry", "composer_home"]
+__all__ = ["ArtifactStorage", "CatalogResource", "SourceRegistry", "composer_home", "work_dir"]

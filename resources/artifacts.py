@@ -1,4 +1,5 @@
 
+import hashlib
 import os
 from typing import Optional
 
@@ -6,12 +7,21 @@ import dagster as dg
 from pydantic import PrivateAttr
 
 from composer_dag.storage import Storage
-from resources.config import ClearConfigResource
+from resources.base import ClearConfigResource
 
 
 def composer_home() -> str:
     """The embedded default's working directory: ``$COMPOSER_HOME`` or ``./.composer``."""
     return os.path.abspath(os.environ.get("COMPOSER_HOME", ".composer"))
+
+
+def work_dir(name: str, *inputs: str) -> str:
+    """A working directory under ``$COMPOSER_HOME/work/<name>/`` keyed by the inputs: a retry or
+    re-run with the same inputs and settings resumes from its last checkpoint there."""
+    key = hashlib.sha256("\0".join(inputs).encode()).hexdigest()[:16]
+    path = os.path.join(composer_home(), "work", name, key)
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 class ArtifactStorage(ClearConfigResource):

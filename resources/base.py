@@ -6,36 +6,38 @@ the message, a help URL). ``ClearConfigResource`` turns that into a ``ResourceCo
 expected. Values of secret-looking fields are never shown.
 """
 
-from typing import Any
+from typing import Any, ClassVar, Optional
 
 import dagster as dg
 from pydantic import ValidationError
 
-_SECRET_WORDS = ("secret", "key", "token", "password")
+from composer_dag.runtime.config import ConfigError, StageConfig, describe
 
 
-class ResourceConfigError(ValueError):
+class ResourceConfigError(ConfigError):
     """A resource was given config it cannot use; the message is one line."""
 
 
-def describe(resource: str, exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ())) or "config"
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        part = f"{loc}: {msg}"
-        shown = "input" in err and err.get("type") != "missing"
-        if shown and not any(w in loc.lower() for w in _SECRET_WORDS) and "(got " not in msg:
-            part += f" (got {repr(err['input'])[:80]})"
-        parts.append(part)
-    return " ".join(f"invalid {resource} config: {'; '.join(parts)}".split())
-
-
 class ClearConfigResource(dg.ConfigurableResource):
-    """A ``ConfigurableResource`` whose config errors are one line (``ResourceConfigError``)."""
+    """A ``ConfigurableResource`` whose config errors are one line (``ResourceConfigError``).
+
+    A resource generated from an engine stage config (``resources.dagster_config``) names it in
+    ``_engine_model``; its values are then validated by the engine's rules too, at construction."""
+
+    _engine_model: ClassVar[Optional[type[StageConfig]]] = None
 
     def __init__(self, **data: Any):
         try:
             super().__init__(**data)
         except ValidationError as exc:
             raise ResourceConfigError(describe(type(self).__name__, exc)) from None
+        if self._engine_model is not None:
+            self.engine_config()
+
+    def engine_config(self) -> Any:
+        """The engine's config with this resource's values (``ResourceConfigError`` if bad)."""
+        fields = {k: v for k, v in self.__dict__.items() if k in self._engine_model.model_fields}
+        try:
+            return self._engine_model.load(fields)
+        except ConfigError as exc:
+            raise ResourceConfigError(str(exc).replace(self._engine_model.__name__, type(self).__name__, 1)) from None

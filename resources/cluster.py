@@ -30,8 +30,8 @@ import psutil
 from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._core.pipes.utils import open_pipes_session
 
-from composer_dag import cluster as launch
-from resources.config import ClearConfigResource
+from composer_dag import launch
+from resources.base import ClearConfigResource
 
 
 class ClusterError(dg.Failure):

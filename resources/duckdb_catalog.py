@@ -1,8 +1,8 @@
 import os
 
 from composer_dag.catalog import Catalog
-from resources.config import ClearConfigResource
-from resources.storage import ArtifactStorage, composer_home
+from resources.base import ClearConfigResource
+from resources.artifacts import ArtifactStorage, composer_home
 
 
 class CatalogResource(ClearConfigResource):

@@ -68,3 +68,13 @@ def composer_home(tmp_path, monkeypatch):
     home.mkdir()
     monkeypatch.setenv("COMPOSER_HOME", str(home))
     return home
+
+
+@pytest.fixture(scope="session")
+def humaneval_tasks(tmp_path_factory):
+    """Three HumanEval tasks built once per session (``out``, ``summary``): read them, copy them
+    before changing anything."""
+    from composer_dag.envs.tasks import build_tasks
+
+    out = tmp_path_factory.mktemp("humaneval-tasks")
+    return out, build_tasks(out, {"humaneval_limit": 3, "bugfix_count": 0})

@@ -23,8 +23,8 @@ import pytest
 
 from composer_dag.corpus import CorpusConfig, SourceSpec, ingest, parse_source
 from composer_dag.dedup import DedupConfig, dedup
-from composer_dag.envs.tasks import TaskLimits
-from composer_dag.rl.agent import AgentConfig, AgentLoop
+from composer_dag.envs.task_format import TaskLimits
+from composer_dag.agent import AgentConfig, AgentLoop
 from composer_dag.rl.learnable import build_learnable_tasks
 from composer_dag.storage import ArtifactError, Storage
 from tests.corpus_fixtures import git
@@ -213,12 +213,12 @@ def test_cli_and_python_m_entry_points_refuse_bad_config_in_one_line(tmp_path, c
         (midtrain.main, ["--config", str(tmp_path / "missing.json")], "cannot read config"),
         (midtrain.main, ["--config", str(tmp_path / "bad.json")], "not valid JSON"),
         (midtrain.main, ["--config", str(tmp_path / "list.json")], "must hold a JSON object"),
-        (midtrain.main, ["--config", str(cfg), "--set", "max_steps=ten"], "max_steps must be int"),
-        (midtrain.main, ["--config", str(cfg), "--set", "lr=[1]"], "lr must be float"),
-        (midtrain.main, ["--config", str(cfg), "--set", "no_such_field=1"], "unknown MidtrainConfig fields"),
-        (midtrain.main, ["--config", str(cfg), "--set", "schedule=linear"], "schedule must be"),
+        (midtrain.main, ["--config", str(cfg), "--set", "max_steps=ten"], "max_steps: Input should be a valid integer"),
+        (midtrain.main, ["--config", str(cfg), "--set", "lr=[1]"], "lr: Input should be a valid number"),
+        (midtrain.main, ["--config", str(cfg), "--set", "no_such_field=1"], "no_such_field: unknown field"),
+        (midtrain.main, ["--config", str(cfg), "--set", "schedule=linear"], "schedule: Input should be 'cosine' or 'wsd'"),
         (midtrain.main, ["--config", str(cfg), "--set", "=1"], "expected KEY=VALUE"),
-        (eval_run.main, ["--config", str(cfg)], "needs checkpoint_dir"),
+        (eval_run.main, ["--config", str(cfg)], "tasks_dir: Field required"),
     ]
     for main, argv, words in cases:
         capsys.readouterr()
@@ -231,7 +231,7 @@ def test_cli_and_python_m_entry_points_refuse_bad_config_in_one_line(tmp_path, c
     (tmp_path / "rl.json").write_text(json.dumps(rl))
     proc = subprocess.run([sys.executable, "-m", "composer_dag.rl.run", "--config", str(tmp_path / "rl.json"),
                            "--set", 'steps="ten"'], capture_output=True, text=True, timeout=300)
-    one_clear_line(proc, "python -m composer_dag.rl.run", "steps must be int")
+    one_clear_line(proc, "python -m composer_dag.rl.run", "steps: Input should be a valid integer")
     assert not (tmp_path / "rl").exists()
 
 
@@ -241,10 +241,10 @@ def test_resources_refuse_bad_config_in_one_line():
     """Protection: an unknown cluster backend, wrong types and an unknown model config are
     refused when the resource is constructed, with one line naming the resource and field
     (pydantic's multi-line block with a help URL before), and a secret's value is never shown."""
-    from assets.train import ModelSettings
+    from resources.model_settings import ModelSettings
     from resources.cluster import ClusterResource
-    from resources.config import ResourceConfigError
-    from resources.storage import ArtifactStorage
+    from resources.base import ResourceConfigError
+    from resources.artifacts import ArtifactStorage
 
     cases = [
         (lambda: ClusterResource(backend="kubernetes2"), ["ClusterResource", "backend", "'kubernetes2'", "'k8s'"]),
@@ -297,7 +297,7 @@ def test_wrong_s3_secret_is_one_clear_line_for_cli_and_resource(tmp_path, s3_aut
     resource fails on first use with a one-line dg.Failure naming the root (it used to open
     without a check and fail later, deep inside an asset); the right secret works, and the
     secret is never printed."""
-    from resources.storage import ArtifactStorage
+    from resources.artifacts import ArtifactStorage
 
     (tmp_path / "src").mkdir()
     (tmp_path / "src/a.py").write_text("A = 1\n")

@@ -68,13 +68,12 @@ def test_sandbox_exec_passes_exit_code(tmp_path: Path):
     assert lines[0] == "hi" and json.loads(lines[-1])["exit_code"] == 7
 
 
-def test_env_grade_broken_and_reference(tmp_path: Path):
+def test_env_grade_broken_and_reference(tmp_path: Path, humaneval_tasks):
     from composer_dag.envs.grade import apply_reference
-    from composer_dag.envs.tasks import build_tasks
 
-    summary = build_tasks(tmp_path / "tasks", {"humaneval_limit": 3, "bugfix_count": 0})
+    out, summary = humaneval_tasks
     assert summary["tasks"] == 3
-    task = sorted((tmp_path / "tasks").glob("*/*/task.json"))[0].parent
+    task = sorted(out.glob("*/*/task.json"))[0].parent
     broken = last_json(run("env", "grade", str(task), str(task / "repo")))
     assert broken["reward"] == 0.0 and broken["failed"] >= 1
     ws = apply_reference(task, tmp_path / "ws")

@@ -6,14 +6,13 @@ import shutil
 import pytest
 
 from composer_dag.envs.grade import GradeConfig, grade, grade_cli
-from composer_dag.envs.tasks import build_tasks, task_dirs
+from composer_dag.envs.task_format import task_dirs
 from composer_dag.envs.tools import Episode
 
 
 @pytest.fixture(scope="module")
-def tasks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tasks")
-    build_tasks(out, {"humaneval_limit": 3, "bugfix_count": 0})
+def tasks(humaneval_tasks):
+    out, _ = humaneval_tasks
     return {d.name: d for d in task_dirs(out, "rl_tasks") + task_dirs(out, "eval_tasks")}
 
 

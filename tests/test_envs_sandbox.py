@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from composer_dag.envs.sandbox import (Limits, Sandbox, fingerprint, realism_diff, sandbox_exec,
-                                       tell_tales)
+from composer_dag.envs.realism import fingerprint, realism_diff, tell_tales
+from composer_dag.envs.sandbox import Limits, Sandbox, sandbox_exec
 
 
 @pytest.fixture

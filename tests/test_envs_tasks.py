@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from composer_dag.envs.grade import false_positive_rate
-from composer_dag.envs.tasks import (apply_mutation, build_tasks, check_split, check_tasks,
-                                     mutation_sites, split_tasks, task_dirs, task_texts)
+from composer_dag.envs.task_format import task_dirs, task_texts
+from composer_dag.envs.tasks import build_tasks, check_split, check_tasks, split_tasks
+from composer_dag.envs.tasks_bugfix import apply_mutation, mutation_sites
 from composer_dag.envs.tools import Episode
 
 CFG = {"seed": 0, "humaneval_limit": 4, "bugfix_count": 2, "bugfix_modules": ["colorsys", "fnmatch"],

@@ -5,14 +5,13 @@ import os
 
 import pytest
 
-from composer_dag.envs.tasks import build_tasks, task_dirs
+from composer_dag.envs.task_format import task_dirs
 from composer_dag.envs.tools import TOOL_SCHEMAS, Episode, EpisodeConfig, truncate
 
 
 @pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tasks")
-    build_tasks(out, {"humaneval_limit": 3, "bugfix_count": 0})
+def task(humaneval_tasks):
+    out, _ = humaneval_tasks
     return next(d for d in task_dirs(out, "rl_tasks") + task_dirs(out, "eval_tasks") if d.name == "humaneval-000")
 
 

@@ -12,7 +12,8 @@ from math import comb
 import pyarrow.parquet as pq
 import pytest
 
-from composer_dag.envs.tasks import TaskLimits, humaneval_task
+from composer_dag.envs.task_format import TaskLimits
+from composer_dag.envs.tasks_humaneval import humaneval_task
 from composer_dag.evals import (EvalConfig, checkpoint_digest, compare, contamination_report, eval_cli, evaluate,
                                 pass_at_k, report_markdown, score_completions, truncate)
 from composer_dag.evals.humaneval import check_completion, load_problems
@@ -195,10 +196,10 @@ def test_evaluate_scripted_known_outcomes(setup, tmp_path, monkeypatch):
     from composer_dag.train.tokenizer import load_tokenizer
 
     tok = load_tokenizer(setup["base_dir"])
-    monkeypatch.setattr(inference, "make_engine", lambda kind, model_dir, **kw: _Scripted(tok))
-    cfg = dict(engine="hf", samples_per_task=3, ks=(1, 2, 3, 5), max_turns=2, max_new_tokens=256, max_context=4096,
-               system_style="compact", workers=2, batch_tasks=2)
-    s = evaluate(setup["base_dir"], setup["tasks_dir"], tmp_path / "base", EvalConfig(**cfg))
+    monkeypatch.setattr(inference, "engine_from_config", lambda cfg, model_dir, **kw: _Scripted(tok))
+    cfg = dict(samples_per_task=3, ks=(1, 2, 3, 5), batch_tasks=2, max_tasks=None, inference={"engine": "hf"},
+               agent={"max_turns": 2, "max_new_tokens": 256, "max_context": 4096, "system_style": "compact", "workers": 2})
+    s = evaluate(setup["base_dir"], setup["tasks_dir"], tmp_path / "base", EvalConfig.load(cfg))
     assert s["num_tasks"] == 3 and s["num_samples"] == 9
     p2 = 1 - comb(2, 2) / comb(3, 2)
     assert s["pass@1"] == pytest.approx(2 / 9) and s["pass_at"]["2"] == pytest.approx(2 * p2 / 3)
@@ -223,7 +224,7 @@ def test_evaluate_scripted_known_outcomes(setup, tmp_path, monkeypatch):
     assert pq.read_table(tmp_path / "base" / "rollouts.parquet").num_rows == 9
     # the CLI function, gated against the first run: the same policy passes its own gate
     again = eval_cli(setup["base_dir"], setup["tasks_dir"], out_dir=str(tmp_path / "again"),
-                     baseline=str(tmp_path / "base" / "summary.json"), humaneval_ids=[], **cfg)
+                     baseline=str(tmp_path / "base" / "summary.json"), config={**cfg, "humaneval_ids": []})
     assert again["gate"]["passed"] and again["humaneval"] is None and "| pass@1 (gate)" in again["gate"]["markdown"]
 
 
@@ -233,9 +234,10 @@ def test_evaluate_tiny_checkpoint_hf_entry_point(setup, tmp_path, capsys):
     from composer_dag.evals.run import main
 
     cfg = {"checkpoint_dir": setup["base_dir"], "tasks_dir": setup["tasks_dir"], "out_dir": str(tmp_path / "out"),
-           "engine": "hf", "samples_per_task": 2, "ks": [1, 2], "max_turns": 1, "max_new_tokens": 8,
-           "max_context": 1024, "system_style": "compact", "workers": 2, "humaneval_max_tokens": 16,
-           "val_dir": setup["val_dir"], "ppl_seq_len": 64, "ppl_max_batches": 2, "torch_threads": 1}
+           "samples_per_task": 2, "ks": [1, 2], "humaneval_max_tokens": 16, "max_tasks": None,
+           "val_dir": setup["val_dir"], "ppl_seq_len": 64, "ppl_max_batches": 2, "torch_threads": 1,
+           "agent": {"max_turns": 1, "max_new_tokens": 8, "max_context": 1024, "system_style": "compact", "workers": 2},
+           "inference": {"engine": "hf"}}
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     threads = torch.get_num_threads()
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from composer_dag.cluster import LaunchSpec, local_command
+from composer_dag.launch import LaunchSpec, local_command
 from composer_dag.storage import ArtifactError, Storage
 
 pytestmark = pytest.mark.slow
@@ -231,7 +231,7 @@ def test_half_written_checkpoint_is_never_read(setup, tmp_path):
 
 def _fake_checkpoint(root: Path, step: int, seal: bool = True) -> Path:
     """A checkpoint directory with real files (a weights blob and a trainer state)."""
-    from composer_dag.train.midtrain import seal_checkpoint
+    from composer_dag.runtime.checkpoint import seal_checkpoint
 
     d = root / "checkpoints" / f"step_{step:07d}"
     (d / "hf").mkdir(parents=True)
@@ -247,7 +247,7 @@ def test_resume_picks_newest_checkpoint_matching_its_manifest(tmp_path):
     damaged file in the one ``latest`` names makes it fall back to the newest older sealed
     one; an unsealed one (save cut short) is skipped; one newer than ``latest`` was never
     committed and is ignored; an unreadable ``latest`` still finds the newest sealed one."""
-    from composer_dag.train.midtrain import resume_checkpoint
+    from composer_dag.runtime.checkpoint import resume_checkpoint
 
     ckpts = tmp_path / "checkpoints"
     for step in (2, 4, 6):
@@ -284,11 +284,11 @@ def test_torn_metrics_line_is_dropped_and_counted(tmp_path):
     """Protection: a metrics line cut short by a crash (no newline, not JSON) is dropped and
     counted when a run resumes, instead of making the resume fail; lines past the resumed step
     go too."""
-    from composer_dag.train.midtrain import _trim_metrics
+    from composer_dag.runtime.checkpoint import trim_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in (1, 2, 3)) + '{"step": 4, "lo')
-    assert _trim_metrics(str(path), 2) == 1
+    assert trim_metrics(str(path), 2) == 1
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
 
 
@@ -307,10 +307,12 @@ def test_rl_killed_at_random_point_loses_no_step(setup, tmp_path):
 
     out = setup["root"] / "rl_random"
     cfg = {"policy_dir": setup["policy_dir"], "tasks_dir": setup["tasks_dir"], "out_dir": str(out),
-           "steps": 6, "tasks_per_step": 1, "group_size": 2, "max_turns": 1, "max_new_tokens": 8,
-           "max_context": 512, "lr": 1e-3, "weight_decay": 0.1, "micro_batch": 2, "system_style": "compact",
-           "engine": "hf", "torch_threads": 1, "workers": 2, "full_every": 3, "async_generation": True,
-           "max_staleness": 1}
+           "steps": 6, "tasks_per_step": 1, "group_size": 2, "torch_threads": 1, "full_every": 3,
+           "async_generation": True, "max_staleness": 1,
+           "trainer": {"lr": 1e-3, "weight_decay": 0.1, "micro_batch": 2},
+           "orchestrator": {"max_turns": 1, "max_new_tokens": 8, "max_context": 512, "system_style": "compact",
+                            "workers": 2},
+           "inference": {"engine": "hf"}}
     path = setup["root"] / "rl_random.json"
     path.write_text(json.dumps(cfg))
     cmd = [sys.executable, "-m", "composer_dag.rl.run", "--config", str(path)]
@@ -355,9 +357,11 @@ def test_rl_killed_at_random_point_loses_no_step(setup, tmp_path):
 # ---------------------------------------------------------------- evaluation
 
 def _eval_config(setup, checkpoint, out) -> dict:
-    return {"checkpoint_dir": str(checkpoint), "tasks_dir": setup["tasks_dir"], "out_dir": str(out), "engine": "hf",
-            "samples_per_task": 2, "ks": [1, 2], "max_turns": 2, "max_new_tokens": 16, "max_context": 1024,
-            "system_style": "compact", "workers": 2, "batch_tasks": 1, "humaneval_ids": [], "torch_threads": 1}
+    return {"checkpoint_dir": str(checkpoint), "tasks_dir": setup["tasks_dir"], "out_dir": str(out),
+            "samples_per_task": 2, "ks": [1, 2], "batch_tasks": 1, "humaneval_ids": [], "torch_threads": 1,
+            "max_tasks": None,
+            "agent": {"max_turns": 2, "max_new_tokens": 16, "max_context": 1024, "system_style": "compact", "workers": 2},
+            "inference": {"engine": "hf"}}
 
 
 class _Log:
@@ -378,7 +382,7 @@ def _evaluate_here(cfg: dict, log: _Log | None = None) -> dict:
     paths = [cfg.pop(k) for k in ("checkpoint_dir", "tasks_dir", "out_dir")]
     threads = torch.get_num_threads()
     try:
-        return evaluate(*paths, EvalConfig.from_dict(cfg), log)
+        return evaluate(*paths, EvalConfig.load(cfg), log)
     finally:
         torch.set_num_threads(threads)
 

@@ -17,7 +17,7 @@ import pytest
 
 from composer_dag.catalog import Catalog, CatalogError
 from composer_dag.storage import ArtifactError, Storage, StorageError
-from resources.storage import ArtifactStorage
+from resources.artifacts import ArtifactStorage
 from tests.conftest import FAKE_KEY, FAKE_SECRET
 from tests.fault_proxy import FaultProxy
 

@@ -198,3 +198,40 @@ def test_bad_sources_file_is_one_clear_line(tmp_path):
     reg = SourceRegistry(storage=ArtifactStorage(root=str(tmp_path)), sources_file=str(sources))
     with pytest.raises(ValueError, match="unknown kind 'ftp'"):
         reg.names()
+
+
+def test_no_contamination_check_uses_the_runs_ngram_size(tmp_path):
+    """A run configured with ``decontam_n: 20`` keeps a file that shares only a 14-word run with
+    HumanEval; the ``no_contamination`` check must judge the shards by the run's n-gram size (it
+    used the default n = 10 whatever the run was configured with, and failed here)."""
+    from composer_dag.dedup.decontam import default_index, humaneval_texts
+    from composer_dag.dedup.text import tokens
+
+    text = dict(humaneval_texts())["HumanEval/0"]
+    words = [w.decode() for w in tokens(text)]
+    start = words.index("enumerate")
+    snippet = " ".join(words[start - 3:start + 11])  # 14 words of the canonical solution
+    code = (
+        '"""Pairwise checks for sensor readings."""\n\n\n'
+        "def scan(readings, limit):\n"
+        f"    # {snippet}\n"
+        "    seen = []\n    for value in readings:\n        if any(abs(value - s) < limit for s in seen):\n"
+        "            return value\n        seen.append(value)\n    return None\n"
+    )
+    assert default_index(n=10).first_match(code) and not default_index(n=20).first_match(code)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "scan.py").write_text(code)
+    sources = tmp_path / "sources.yaml"
+    sources.write_text(f"sources:\n  - name: local\n    kind: local\n    uri: {src}\n")
+    resources = resources_for(str(tmp_path / "artifacts"), tmp_path, sources)
+    (tmp_path / "dagster_home").mkdir()
+    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
+        results = materialize_all(instance=instance, definitions=build_defs(resources), log=lambda m: None,
+                                  jobs=["data_refresh"],
+                                  run_config={"data_refresh": {"ops": {"deduped_shards": {"config": {"decontam_n": 20}}}}})
+        assert all(r.success for r in results)
+        checks = check_outcomes(results)
+        assert checks["deduped_shards:no_contamination"], checks
+        meta = instance.get_latest_materialization_event(dg.AssetKey("deduped_shards")).asset_materialization.metadata
+        assert meta["files_kept"].value == 1 and meta["config"].value["decontam_n"] == 20

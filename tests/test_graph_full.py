@@ -10,7 +10,7 @@ from composer_dag.catalog import Catalog
 from composer_dag.definitions import DOWNSTREAM_JOBS, build_defs, materialize_all
 from composer_dag.storage import Storage
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
-from assets.train import ModelSettings
+from resources.model_settings import ModelSettings
 from resources.cluster import ClusterResource
 from tests.conftest import FAKE_KEY, FAKE_SECRET
 from tests.leak_scan import scan_instance, scan_tree

@@ -23,9 +23,11 @@ def setup(tmp_path_factory):
 
 def _config(setup, out, **kw):
     cfg = {"policy_dir": setup["policy_dir"], "tasks_dir": setup["tasks_dir"], "out_dir": str(out),
-           "steps": 4, "tasks_per_step": 1, "group_size": 2, "max_turns": 1, "max_new_tokens": 8,
-           "max_context": 512, "lr": 1e-3, "micro_batch": 2, "system_style": "compact", "engine": "hf",
-           "torch_threads": 1, "workers": 2, "full_every": 3, "async_generation": False, **kw}
+           "steps": 4, "tasks_per_step": 1, "group_size": 2, "torch_threads": 1, "full_every": 3,
+           "async_generation": False, "trainer": {"lr": 1e-3, "micro_batch": 2},
+           "orchestrator": {"max_turns": 1, "max_new_tokens": 8, "max_context": 512, "system_style": "compact",
+                            "workers": 2},
+           "inference": {"engine": "hf"}, **kw}
     path = out.parent / f"{out.name}.json"
     path.write_text(json.dumps(cfg))
     return [sys.executable, "-m", "composer_dag.rl.run", "--config", str(path)]

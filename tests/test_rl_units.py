@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from composer_dag.envs.tasks import TaskLimits
+from composer_dag.envs.task_format import TaskLimits
 from composer_dag.inference.engine import Completion, Engine, EngineStats
-from composer_dag.rl.agent import AgentConfig, AgentLoop, parse_tool_calls, rollouts_to_table
+from composer_dag.agent import AgentConfig, AgentLoop, parse_tool_calls, rollouts_to_table
 from composer_dag.rl.grpo import group_advantages, grpo_loss, pack
 from composer_dag.rl.learnable import build_learnable_tasks
 from composer_dag.rl.loop import Batch, RolloutSource

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from composer_dag.cluster import (LaunchSpec, is_terminal, k8s_pod_spec, local_command,
+from composer_dag.launch import (LaunchSpec, is_terminal, k8s_pod_spec, local_command,
                                   normalize_state, parse_sacct, parse_sbatch_output, parse_squeue,
                                   slurm_script)
 

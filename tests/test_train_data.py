@@ -5,8 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from composer_dag.train.data import (IDX_HEADER, TokenShardDataset, load_tokens, pack_documents,
-                                     read_idx)
+from composer_dag.train.data import TokenShardDataset, load_tokens, pack_documents
 from composer_dag.train.tokenizer import load_tokenizer, train_tokenizer
 
 
@@ -35,11 +34,10 @@ def test_pack_layout_and_eos_joins(tok, tmp_path):
     assert s["tokens_by_language"]["Python"] > 0 and s["replay_tokens"] > 0
     assert json.load(open(tmp_path / "summary.json"))["tokens_train"] == s["tokens_train"]
     for split in ("train", "val"):
-        raw = open(tmp_path / f"{split}.idx", "rb").read(IDX_HEADER.size)
-        assert raw[:8] == b"CDTOKIDX"
-        dtype, offsets = read_idx(str(tmp_path / f"{split}.idx"))
-        tokens, _ = load_tokens(str(tmp_path / split))
-        assert dtype == np.uint16 and tokens.dtype == np.uint16
+        raw = open(tmp_path / f"{split}.idx", "rb").read(18)
+        assert raw[:9] == b"MMIDIDX\x00\x00" and raw[17] == 8  # Megatron header, dtype code uint16
+        tokens, offsets = load_tokens(str(tmp_path / split))
+        assert tokens.dtype == np.uint16 and offsets.dtype == np.int64
         assert os.path.getsize(tmp_path / f"{split}.bin") == 2 * len(tokens)
         assert offsets[0] == 0 and offsets[-1] == len(tokens) == s[f"tokens_{split}"]
         ends = offsets[1:] - 1
@@ -88,10 +86,14 @@ def test_mixture_keep_and_repeat(tok, tmp_path):
     assert none["tokens_train"] == 0 and none["docs_dropped"] == len(docs)
 
 
-def test_uint32_for_large_vocab(tmp_path):
+def test_dtype_is_megatrons_choice():
+    from megatron.core.datasets.indexed_dataset import DType
+
     from composer_dag.train.data import token_dtype
 
-    assert token_dtype(65535) == np.uint16 and token_dtype(65536) == np.uint32
+    assert token_dtype(65499) == np.uint16 and token_dtype(65500) == np.int32
+    for vocab in (500, 65499, 65500, 151_936):
+        assert token_dtype(vocab) == DType.optimal_dtype(vocab)
 
 
 @pytest.fixture(scope="module")

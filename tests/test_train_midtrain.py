@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from composer_dag.cluster import LaunchSpec, local_command
+from composer_dag.launch import LaunchSpec, local_command
 from composer_dag.train.data import pack_documents
 from composer_dag.train.midtrain import MidtrainConfig, ds_config, lr_factor
 from composer_dag.train.model import build_base_model
@@ -64,17 +64,17 @@ def test_config_and_schedule(tmp_path):
     f = lr_factor(cfg, 100)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(55) == pytest.approx(0.55) and f(100) == pytest.approx(0.1)
-    wsd = lr_factor(MidtrainConfig("m", "d", "o", lr=1.0, min_lr=0.1, warmup_steps=10,
+    wsd = lr_factor(MidtrainConfig(model_dir="m", data_dir="d", out_dir="o", lr=1.0, min_lr=0.1, warmup_steps=10,
                                    schedule="wsd", decay_frac=0.2), 100)
     assert wsd(50) == 1.0 and wsd(79) == 1.0 and wsd(90) == pytest.approx(0.55)
     assert wsd(100) == pytest.approx(0.1)
     p = tmp_path / "c.json"
     p.write_text(json.dumps({"model_dir": "m", "data_dir": "d", "out_dir": "o", "zero_stage": 1}))
-    c = MidtrainConfig.from_json(str(p), {"max_tokens": 256 * 8 * 3 - 5})
+    c = MidtrainConfig.load(str(p), {"max_tokens": 256 * 8 * 3 - 5})
     assert c.zero_stage == 1 and c.total_steps(world_size=1) == 3
     assert ds_config(c, bf16=False)["zero_optimization"]["stage"] == 1
-    with pytest.raises(ValueError):
-        MidtrainConfig.from_dict({"model_dir": "m", "data_dir": "d", "out_dir": "o", "lrr": 1})
+    with pytest.raises(ValueError, match="lrr: unknown field"):
+        MidtrainConfig.load({"model_dir": "m", "data_dir": "d", "out_dir": "o", "lrr": 1})
 
 
 @pytest.fixture(scope="module")
@@ -173,18 +173,7 @@ def test_validation_is_optional(setup, tmp_path):
     cfg = MidtrainConfig(model_dir="m", data_dir=str(setup / "data"), out_dir="o", seq_len=64,
                          micro_batch=4, eval_batches=2)
     assert val_samples_per_rank(cfg, world=2) == 8
-    cfg.data_dir = str(tmp_path)  # no val.idx at all
+    cfg = cfg.replace(data_dir=str(tmp_path))  # no val.idx at all
     assert val_samples_per_rank(cfg, world=1) == 0
 
 
-def test_engine_never_imports_dagster():
-    import re
-
-    pkg = os.path.join(ROOT, "composer_dag")
-    files = glob.glob(os.path.join(pkg, "train", "*.py")) + [os.path.join(pkg, "cluster.py"),
-                                                            os.path.join(pkg, "pipes.py")]
-    for path in files:
-        src = open(path).read()
-        assert not re.search(r"^\s*(import|from)\s+dagster(\.|\s|$)", src, re.M), path
-        if not path.endswith("pipes.py"):
-            assert "dagster_pipes" not in src, path

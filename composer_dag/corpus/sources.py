@@ -28,9 +28,16 @@ import subprocess
 import sysconfig
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
 
-KINDS = ("local", "git", "s3", "python")
+from pydantic import Field, model_validator
+
+from ..runtime.config import ConfigError, StageConfig
+
+if TYPE_CHECKING:
+    from .ingest import CorpusConfig
+
+KINDS = ("python", "local", "git", "s3")
 
 
 @dataclass(frozen=True)
@@ -48,9 +55,88 @@ class SourceSpec:
             raise ValueError(f"source kind must be one of {KINDS}, not {self.kind!r}")
 
 
+SOURCES_FILE_ENV = "COMPOSER_SOURCES"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+class SourceEntry(StageConfig):
+    """One entry of ``sources.yaml``: where the files are, and this source's ingest limits."""
+
+    name: str = Field(pattern=_NAME_RE.pattern)
+    kind: Literal["python", "local", "git", "s3"]
+    uri: str = Field("", description="a path, git URL or s3:// prefix (not for kind python)")
+    rev: Optional[str] = Field(None, description="git: a branch, tag or commit")
+    max_file_mb: float = 1.0
+    max_total_mb: Optional[float] = Field(None, description="stop after this much kept text; None: the whole source")
+    max_files: Optional[int] = None
+    languages: Optional[list[str]] = Field(None, description="allow-list; others are counted as language_excluded")
+
+    @model_validator(mode="after")
+    def _needs_uri(self) -> "SourceEntry":
+        if self.kind != "python" and not self.uri:
+            raise ValueError(f"source {self.name!r} of kind {self.kind} needs a 'uri'")
+        return self
+
+    def spec(self, storage_options: dict[str, Any] | None = None) -> SourceSpec:
+        return SourceSpec(name=self.name, kind=self.kind, uri=self.uri or self.kind, rev=self.rev,
+                          storage_options=storage_options if self.kind == "s3" else None)
+
+    def corpus_config(self) -> "CorpusConfig":
+        from .ingest import CorpusConfig
+
+        return CorpusConfig.load({
+            "max_file_bytes": int(self.max_file_mb * 1_000_000),
+            "max_total_bytes": int(self.max_total_mb * 1_000_000) if self.max_total_mb else None,
+            "max_files": self.max_files,
+            "languages": self.languages,
+        })
+
+
+DEFAULT_SOURCES = (SourceEntry(name="python", kind="python", max_total_mb=40),)
+"""The embedded default when no sources file exists: the running interpreter's stdlib (with its
+tests) and site-packages, capped at 40 MB to keep ``make run`` to minutes."""
+
+
+def sources_file(path: str | None = None) -> str:
+    return path or os.environ.get(SOURCES_FILE_ENV) or "sources.yaml"
+
+
+def load_sources(path: str | None = None) -> list[SourceEntry]:
+    """The sources declared in ``path`` (default ``$COMPOSER_SOURCES`` or ``sources.yaml``);
+    ``DEFAULT_SOURCES`` when the file does not exist. A bad file is one ``ValueError`` line."""
+    import yaml
+
+    path = sources_file(path)
+    if not os.path.exists(path):
+        return list(DEFAULT_SOURCES)
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(" ".join(f"{path} is not valid YAML: {exc}".split())) from None
+    entries = doc.get("sources") if isinstance(doc, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path} must hold a mapping with a 'sources' list")
+    out, seen = [], set()
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or "name" not in e or "kind" not in e:
+            raise ValueError(f"{path}: source #{i + 1} needs at least 'name' and 'kind'")
+        if e["kind"] not in KINDS:
+            raise ValueError(f"{path}: source {e['name']!r} has unknown kind {e['kind']!r} ({', '.join(KINDS)})")
+        try:
+            entry = SourceEntry.load(e)
+        except ConfigError as exc:
+            raise ValueError(f"{path}: source #{i + 1}: {exc}") from None
+        if entry.name in seen:
+            raise ValueError(f"{path}: source name {entry.name!r} is declared twice")
+        seen.add(entry.name)
+        out.append(entry)
+    return out
+
+
 def default_sources() -> list[SourceSpec]:
-    """The embedded default: the running interpreter's stdlib (with its tests) and site-packages."""
-    return [SourceSpec(name="python", kind="python", uri="python")]
+    """The embedded default's sources as specs."""
+    return [e.spec() for e in DEFAULT_SOURCES]
 
 
 def slug(text: str) -> str:
@@ -239,19 +325,10 @@ def _gitlinks(dest: str, sha: str) -> frozenset[str]:
                      if line.startswith("160000 ") and "\t" in line)
 
 
-def s3_filesystem(storage_options: dict[str, Any] | None):
-    import fsspec
-
-    opts = dict(storage_options or {})
-    endpoint = opts.pop("endpoint_url", None)
-    if endpoint:
-        opts.setdefault("client_kwargs", {})["endpoint_url"] = endpoint
-    opts.setdefault("skip_instance_cache", True)
-    return fsspec.filesystem("s3", **opts)
-
-
 def walk_s3(spec: SourceSpec, skip_dirs: tuple[str, ...]) -> Iterator[Entry]:
-    fs = s3_filesystem(spec.storage_options)
+    from ..storage import filesystem
+
+    fs = filesystem("s3", spec.storage_options)
     base = spec.uri[len("s3://"):].rstrip("/")
     repo = base
     infos = fs.find(base, detail=True)

@@ -26,68 +26,56 @@ A sample *passes* when every hidden test ran and passed and no cheat flag was ra
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
+from pydantic import Field, field_validator
+
+from ..agent import AgentConfig
+from ..inference.engine import InferenceConfig
+from ..runtime.config import StageConfig
+from .gate import GateConfig
 from .metrics import aggregate, pass_at_k
 
 
-@dataclass
-class EvalConfig:
-    samples_per_task: int = 8               # n: samples per task (pass@k needs k <= n)
-    ks: tuple[int, ...] = (1, 4, 8)
-    task_ids: list[str] | None = None       # a subset of tasks_dir (default: every task)
-    max_tasks: int | None = None            # the first N tasks (by id) after task_ids
-    engine: str = "vllm"                    # "vllm" | "hf"
-    max_model_len: int = 2048
-    kv_cache_mb: int = 512                  # vLLM on CPU
-    temperature: float = 1.0                # agent episodes sample like RL rollouts
-    top_p: float = 1.0
-    max_turns: int = 8
-    max_new_tokens: int = 256
-    max_context: int = 2048
-    system_style: str = "full"
-    workers: int = 4                        # threads for tools, grading and HumanEval checks
-    batch_tasks: int | None = 16            # tasks per agent-loop batch (all their samples together)
-    humaneval_ids: list[str] | None = None  # None: the HumanEval problems behind tasks_dir's humaneval tasks; []: skip
+class EvalConfig(StageConfig):
+    """Evaluating checkpoints on held-out tasks, and the promotion gate between them. Agent
+    episodes run through the same harness as RL (``agent``) on the same engine (``inference``).
+    Defaults fit the embedded default; a real evaluation raises ``samples_per_task`` (and
+    ``ks``) and drops ``max_tasks``."""
+
+    samples_per_task: int = Field(2, ge=1, description="n: samples per task (pass@k needs k <= n)")
+    ks: list[int] = [1, 2]
+    task_ids: Optional[list[str]] = Field(None, description="a subset of tasks_dir (default: every task)")
+    max_tasks: Optional[int] = Field(6, description="the first N tasks (by id) after task_ids")
+    batch_tasks: Optional[int] = Field(16, description="tasks per agent-loop batch (all their samples together)")
+    humaneval_ids: Optional[list[str]] = Field(None, description="None: the HumanEval problems behind tasks_dir's humaneval tasks; []: skip")
     humaneval_samples: int = 1
-    humaneval_temperature: float = 0.0      # greedy
-    humaneval_max_tokens: int = 256
+    humaneval_temperature: float = Field(0.0, description="greedy")
+    humaneval_max_tokens: int = 128
     humaneval_timeout: float = 10.0
-    val_dir: str | None = None              # token shard directory with val.bin/.idx; None: no perplexity
+    val_dir: Optional[str] = Field(None, description="token shard directory with val.bin/.idx; None: no perplexity")
     ppl_seq_len: int = 256
     ppl_batch_size: int = 8
-    ppl_max_batches: int | None = 16
-    torch_threads: int | None = None
+    ppl_max_batches: Optional[int] = 16
+    torch_threads: Optional[int] = None
     seed: int = 0
+    agent: AgentConfig = AgentConfig()
+    inference: InferenceConfig = InferenceConfig()
+    gate: GateConfig = GateConfig()
 
+    @field_validator("ks")
     @classmethod
-    def from_dict(cls, d: dict) -> "EvalConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        if set(d) - known:
-            raise ValueError(f"unknown EvalConfig fields: {sorted(set(d) - known)}")
-        cfg = cls(**{**d, **({"ks": tuple(d["ks"])} if "ks" in d else {})})
-        if cfg.engine not in ("vllm", "hf"):
-            raise ValueError(f"engine must be 'vllm' or 'hf', not {cfg.engine!r}")
-        if cfg.samples_per_task < 1 or any(k < 1 for k in cfg.ks):
-            raise ValueError("samples_per_task and every k must be >= 1")
-        return cfg
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def _config(config) -> EvalConfig:
-    if config is None:
-        return EvalConfig()
-    return EvalConfig.from_dict(config.to_dict() if isinstance(config, EvalConfig) else dict(config))
+    def _ks_positive(cls, ks: list[int]) -> list[int]:
+        if not ks or any(k < 1 for k in ks):
+            raise ValueError("every k must be >= 1")
+        return ks
 
 
 def checkpoint_digest(checkpoint_dir) -> str:
@@ -110,7 +98,7 @@ def checkpoint_digest(checkpoint_dir) -> str:
 
 
 # Settings that change neither which episodes run nor how they are sampled and graded.
-_NOT_IN_KEY = ("ks", "workers", "torch_threads", "task_ids", "max_tasks", "humaneval_ids", "humaneval_samples",
+_NOT_IN_KEY = ("ks", "gate", "torch_threads", "task_ids", "max_tasks", "humaneval_ids", "humaneval_samples",
                "humaneval_temperature", "humaneval_max_tokens", "humaneval_timeout", "val_dir", "ppl_seq_len",
                "ppl_batch_size", "ppl_max_batches")
 
@@ -122,6 +110,7 @@ def progress_key(digest: str, tasks: list[tuple[Path, dict]], cfg: "EvalConfig")
     for d, t in tasks:
         h.update(f"\0{t.get('id', d.name)}\0{checkpoint_digest(d)}".encode())
     settings = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_IN_KEY}
+    settings["agent"] = {k: v for k, v in settings["agent"].items() if k != "workers"}
     h.update(json.dumps(settings, sort_keys=True, default=str).encode())
     return h.hexdigest()[:24]
 
@@ -191,12 +180,10 @@ def _load_batch(path: Path, jobs: list[tuple[str, str, int]], log) -> list[dict]
 def _run_agent(engine, tok, tasks, cfg: EvalConfig, log, progress_dir: Path | None = None) -> tuple[list[dict], int]:
     """Rollouts of every sample of every task, and how many batches came from ``progress_dir``
     (batches finished by an earlier, interrupted run with the same inputs)."""
-    from ..rl.agent import AgentConfig, AgentLoop, rollouts_to_table
+    from ..agent import AgentLoop, rollouts_to_table
     from ..storage import Storage
 
-    agent = AgentLoop(engine, tok, AgentConfig(
-        max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
-        temperature=cfg.temperature, top_p=cfg.top_p, system_style=cfg.system_style, workers=cfg.workers))
+    agent = AgentLoop(engine, tok, cfg.agent)
     size = cfg.batch_tasks or len(tasks)
     store = Storage(str(progress_dir)) if progress_dir is not None else None
     rollouts, reused = [], 0
@@ -221,19 +208,22 @@ def _run_agent(engine, tok, tasks, cfg: EvalConfig, log, progress_dir: Path | No
     return rollouts, reused
 
 
-def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | None = None, rep=None) -> dict:
+def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | None = None, rep=None,
+             engine=None) -> dict:
     """Evaluate the Hugging Face checkpoint at ``checkpoint_dir`` on the tasks under
     ``tasks_dir``; write the files listed in the module docstring to ``out_dir`` and return
-    the summary. ``rep``: a ``pipes.Reporter`` (or anything with ``log``) for progress."""
+    the summary. ``rep``: a ``pipes.Reporter`` (or anything with ``log``) for progress.
+    ``engine``: a running engine of the same architecture to load the checkpoint's weights
+    into (see ``evaluate_many``); it stays open. Without it, one is started and closed."""
     import torch
 
-    from ..inference import make_engine
-    from ..rl.agent import rollouts_to_table
+    from ..inference import engine_from_config, fit_to_model
+    from ..agent import rollouts_to_table
     from ..storage import Storage
     from ..train.tokenizer import load_tokenizer
     from . import humaneval as he
 
-    cfg = _config(config)
+    cfg = EvalConfig.load(config)
     log = rep.log if rep is not None else (lambda msg: None)
     t_start = time.perf_counter()
     if cfg.torch_threads:
@@ -260,37 +250,39 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
         ppl = perplexity(checkpoint_dir, cfg.val_dir, cfg.ppl_seq_len, cfg.ppl_batch_size, cfg.ppl_max_batches)
         log(f"eval: val loss {ppl['val_loss']:.4f}, perplexity {ppl['val_ppl']:.2f}")
 
-    from ..inference.engine import model_max_len
-
-    cap = model_max_len(checkpoint_dir)
-    if cap and max(cfg.max_model_len, cfg.max_context) > cap:  # the checkpoint's positions bound the context
-        cfg = dataclasses.replace(cfg, max_model_len=min(cfg.max_model_len, cap), max_context=min(cfg.max_context, cap))
-    ekw = {"seed": cfg.seed}
-    if cfg.engine == "vllm":
-        ekw.update(max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_mb << 20)
+    inference = fit_to_model(cfg.inference, checkpoint_dir, log)  # the checkpoint's positions bound the context
+    if cfg.agent.max_context > inference.max_model_len or inference != cfg.inference:
+        cfg = cfg.replace(inference=inference.to_dict(),
+                          agent={"max_context": min(cfg.agent.max_context, inference.max_model_len)})
     key = progress_key(digest, tasks, cfg)
     progress_dir = out / "progress" / key
     if progress_dir.is_dir():
         log(f"eval: resuming from {progress_dir}")
-    engine = make_engine(cfg.engine, checkpoint_dir, **ekw)
+    own_engine = engine is None
+    if own_engine:
+        engine = engine_from_config(cfg.inference, checkpoint_dir, seed=cfg.seed)
+    else:
+        log(f"eval: weights of {checkpoint_dir} loaded into the running engine in {engine.load_weights(checkpoint_dir):.2f} s")
+    gen_tokens0, gen_seconds0 = engine.stats.generated_tokens, engine.stats.seconds
     he_res, he_tokens = None, {}
     try:
         tok = load_tokenizer(checkpoint_dir)
         t0 = time.perf_counter()
         rollouts, reused = _run_agent(engine, tok, tasks, cfg, log, progress_dir)
         agent_wall = time.perf_counter() - t0
-        gen_tokens, gen_seconds = engine.stats.generated_tokens, engine.stats.seconds
+        gen_tokens, gen_seconds = engine.stats.generated_tokens - gen_tokens0, engine.stats.seconds - gen_seconds0
         if he_ids:
             t1 = time.perf_counter()
             problems = he.load_problems(he_ids)
             texts, he_tokens = he.generate_completions(
                 engine, tok, problems, cfg.humaneval_samples, cfg.humaneval_temperature,
                 max_tokens=cfg.humaneval_max_tokens, seed=cfg.seed)
-            he_res = he.score_completions(problems, texts, cfg.humaneval_timeout, cfg.workers)
+            he_res = he.score_completions(problems, texts, cfg.humaneval_timeout, cfg.agent.workers)
             he_res["seconds"] = round(time.perf_counter() - t1, 3)
             log(f"eval: HumanEval function completion pass@1 {he_res['pass@1']:.4f} on {len(problems)} problems")
     finally:
-        engine.close()
+        if own_engine:
+            engine.close()
 
     # ---- rows, metrics
     rows = [{"checkpoint_digest": digest, "task_id": r["task_id"], "source": source.get(r["task_id"], "unknown"),
@@ -358,18 +350,79 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
     return summary
 
 
-def eval_cli(checkpoint, tasks_dir, **opts) -> dict:
+def _same_architecture(a: str, b: str) -> bool:
+    """Whether checkpoint ``b`` loads into an engine built for ``a``: the same model config
+    (dtype aside) and the same tokenizer."""
+    def sig(d: str):
+        cfg = json.loads((Path(d) / "config.json").read_text())
+        cfg = {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype", "transformers_version", "_name_or_path")}
+        tok = Path(d) / "tokenizer.json"
+        return cfg, hashlib.sha256(tok.read_bytes()).hexdigest() if tok.exists() else None
+
+    return sig(a) == sig(b)
+
+
+def evaluate_many(checkpoints: dict[str, str], tasks_dir, out_dir, config: EvalConfig | dict | None = None,
+                  rep=None) -> dict[str, dict]:
+    """``evaluate`` each named checkpoint into ``out_dir/<name>``, sharing one engine: a
+    checkpoint of the same architecture as the engine's model is loaded into it in place (a
+    second vLLM start costs about a minute of CPU here; a weight reload a fraction of a second).
+    A checkpoint whose ``summary.json`` and manifest are already there (a retried job) is not
+    evaluated again."""
+    from ..inference import engine_from_config, fit_to_model
+    from ..storage import ArtifactError, Storage
+
+    cfg = EvalConfig.load(config)
+    log = rep.log if rep is not None else (lambda msg: None)
+    summaries, engine, engine_dir = {}, None, None
+    try:
+        for name, ckpt in checkpoints.items():
+            out = Path(out_dir) / name
+            if (out / "summary.json").exists() and (out / "manifest.json").exists():
+                try:
+                    Storage(str(out)).verify_manifest(Storage(str(out)).root)
+                    summaries[name] = json.loads((out / "summary.json").read_text())
+                    log(f"eval: {name} was evaluated already")
+                    continue
+                except (ArtifactError, OSError, ValueError):
+                    pass
+            if engine is not None and not _same_architecture(engine_dir, ckpt):
+                engine.close()
+                engine = None
+            if engine is None:
+                inference = fit_to_model(cfg.inference, ckpt, log)
+                engine, engine_dir = engine_from_config(inference, ckpt, seed=cfg.seed), ckpt
+            log(f"eval: {name}")
+            summaries[name] = evaluate(ckpt, tasks_dir, out, cfg, rep, engine=engine)
+    finally:
+        if engine is not None:
+            engine.close()
+    return summaries
+
+
+def summary_record(checkpoint: str, summary: dict) -> dict:
+    """One row of the catalog's ``eval_summaries`` table for a checkpoint's summary."""
+    def num(x) -> float:
+        return float(x) if isinstance(x, (int, float)) else float("nan")
+
+    return {"checkpoint": checkpoint, "checkpoint_digest": str(summary.get("checkpoint_digest")),
+            "pass_at_1": num(summary.get("pass@1")), "flag_rate": num(summary.get("flag_rate")),
+            "humaneval_pass_at_1": num((summary.get("humaneval") or {}).get("pass@1")),
+            "val_ppl": num((summary.get("perplexity") or {}).get("val_ppl"))}
+
+
+def eval_cli(checkpoint, tasks_dir, out_dir: str | None = None, baseline: str | None = None,
+             config: EvalConfig | dict | None = None) -> dict:
     """``evaluate`` for the command line: ``out_dir`` (default ``./eval-<digest12>``) and
-    ``baseline`` (a summary.json to gate against) besides the ``EvalConfig`` fields."""
+    ``baseline`` (a summary.json to gate against with ``config.gate``)."""
     from .gate import compare, report_markdown
 
-    out_dir = opts.pop("out_dir", None) or f"eval-{checkpoint_digest(checkpoint)[:12]}"
-    baseline = opts.pop("baseline", None)
-    gate_opts = {k: opts.pop(k) for k in ("noise_sigmas", "max_flag_rate_increase") if k in opts}
-    summary = evaluate(checkpoint, tasks_dir, out_dir, EvalConfig.from_dict({k: v for k, v in opts.items()
-                                                                              if v is not None}))
+    cfg = EvalConfig.load(config)
+    out_dir = out_dir or f"eval-{checkpoint_digest(checkpoint)[:12]}"
+    summary = evaluate(checkpoint, tasks_dir, out_dir, cfg)
     if baseline:
         base = json.loads(Path(baseline).read_text())
-        cmp = compare(summary, base, **gate_opts, baseline_name=str(baseline))
+        cmp = compare(summary, base, noise_sigmas=cfg.gate.noise_sigmas,
+                      max_flag_rate_increase=cfg.gate.max_flag_rate_increase, baseline_name=str(baseline))
         summary["gate"] = {"passed": cmp["passed"], "reasons": cmp["reasons"], "markdown": report_markdown([cmp])}
     return summary

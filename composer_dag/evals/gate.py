@@ -10,7 +10,18 @@ from __future__ import annotations
 
 import math
 
+from ..runtime.config import StageConfig
 from .metrics import stderr
+
+
+class GateConfig(StageConfig):
+    """The promotion gate: the candidate may not be worse than its parent on pass@1 beyond
+    ``noise_sigmas`` standard errors, nor raise its cheat-flag rate by more than
+    ``max_flag_rate_increase``; ``required_gain`` (default 0) asks for a pass@1 gain on top."""
+
+    noise_sigmas: float = 2.0
+    max_flag_rate_increase: float = 0.0
+    required_gain: float = 0.0
 
 # informational rows (never gating): label, summary path
 INFO = (("HumanEval fn-completion pass@1", ("humaneval", "pass@1")),
@@ -120,3 +131,24 @@ def report_markdown(comparisons: list[dict]) -> str:
         verdict = "passes" if c["passed"] else "fails"
         lines.append(f"- vs **{c['baseline']}**: {verdict}" + "".join(f"\n  - {r}" for r in c["reasons"]))
     return "\n".join(lines) + "\n"
+
+
+def decide(summaries: dict[str, dict], candidate: str, parent: str, cfg: GateConfig,
+           others: dict[str, dict] | None = None) -> dict:
+    """The gate's verdict for ``candidate`` against ``parent`` (both keys of ``summaries``),
+    with comparisons against every other summary (``summaries`` and ``others``, e.g. the last
+    promoted model) for the report. ``{passed, reasons, gain, comparisons, report}``."""
+    kw = {"noise_sigmas": cfg.noise_sigmas, "max_flag_rate_increase": cfg.max_flag_rate_increase}
+    cand = summaries[candidate]
+    baselines = [(parent + " (parent)", summaries[parent])]
+    baselines += [(k, s) for k, s in summaries.items() if k not in (candidate, parent)]
+    baselines += list((others or {}).items())
+    comparisons = [compare(cand, s, **kw, candidate_name=candidate, baseline_name=name) for name, s in baselines]
+    gain = (cand.get("pass@1") or 0.0) - (summaries[parent].get("pass@1") or 0.0)
+    reasons = list(comparisons[0]["reasons"])
+    if gain < cfg.required_gain:
+        reasons.append(f"pass@1 gain {gain:+.4f} below the required {cfg.required_gain:+.4f}")
+    passed = not reasons
+    report = ("# Evaluation report\n\n" + report_markdown(comparisons) + "\n## Gate\n\n"
+              + ("passed" if passed else "failed: " + "; ".join(reasons)) + "\n")
+    return {"passed": passed, "reasons": reasons, "gain": gain, "comparisons": comparisons, "report": report}

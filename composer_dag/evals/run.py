@@ -1,34 +1,55 @@
-"""Evaluate a checkpoint from a JSON config, without Dagster::
+"""Evaluate checkpoints from a JSON config, without Dagster::
 
     python -m composer_dag.evals.run --config eval.json [--set key=json_value ...]
 
-The config holds ``checkpoint_dir``, ``tasks_dir``, ``out_dir`` and any ``EvalConfig``
-field. The summary goes out through ``pipes.Reporter.result`` (a Pipes message when
-launched by Dagster, else the last line of stdout). Started again after being killed, the same
-evaluation reuses the batches of tasks it had finished (see ``evaluate``).
+The config holds ``tasks_dir``, ``out_dir``, either ``checkpoint_dir`` (one checkpoint, its
+files in ``out_dir``) or ``checkpoints`` (``{name: dir}``, each into ``out_dir/<name>``, all on
+one inference engine), and any ``EvalConfig`` field (nested parts as objects:
+``{"agent": {"max_turns": 4}}``). The summary (``{name: summary}`` for several) goes out through
+``pipes.Reporter.result`` (a Pipes message when launched by Dagster, else the last line of
+stdout). Started again after being killed, an evaluation reuses the batches of tasks it had
+finished (see ``evaluate``) and the checkpoints it had finished (see ``evaluate_many``).
 """
 
 from __future__ import annotations
 
+from typing import Optional
 
-from ..pipes import config_from_args, serve
+from pydantic import model_validator
+
+from ..pipes import serve
+from ..runtime.config import config_from_args
 from ..storage import ArtifactError
-from .evaluate import EvalConfig, evaluate
+from .evaluate import EvalConfig, evaluate, evaluate_many
+
+_PATHS = {"checkpoint_dir", "checkpoints", "tasks_dir", "out_dir"}
 
 
-def _parse(d: dict) -> tuple[dict, EvalConfig]:
-    paths = ("checkpoint_dir", "tasks_dir", "out_dir")
-    if missing := [k for k in paths if not isinstance(d.get(k), str)]:
-        raise ValueError(f"config needs checkpoint_dir, tasks_dir and out_dir as strings: {missing} missing")
-    return {k: d.pop(k) for k in paths}, EvalConfig.from_dict(d)
+class EvalRunConfig(EvalConfig):
+    """An ``EvalConfig`` with the paths of one evaluation job."""
+
+    tasks_dir: str
+    out_dir: str
+    checkpoint_dir: Optional[str] = None
+    checkpoints: Optional[dict[str, str]] = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "EvalRunConfig":
+        if (self.checkpoint_dir is None) == (self.checkpoints is None):
+            raise ValueError("give either checkpoint_dir or checkpoints")
+        return self
 
 
 def main(argv: list[str] | None = None) -> dict:
-    paths, cfg = config_from_args("evaluate a checkpoint on held-out tasks", argv, _parse)
+    run = config_from_args(EvalRunConfig, "evaluate checkpoints on held-out tasks", argv)
+    cfg = EvalConfig.load(run.model_dump(exclude=_PATHS))
     try:
-        return serve(lambda rep: evaluate(paths["checkpoint_dir"], paths["tasks_dir"], paths["out_dir"], cfg, rep))
+        if run.checkpoints is not None:
+            return serve(lambda rep: evaluate_many(run.checkpoints, run.tasks_dir, run.out_dir, cfg, rep))
+        return serve(lambda rep: evaluate(run.checkpoint_dir, run.tasks_dir, run.out_dir, cfg, rep))
     except ArtifactError as exc:  # a half-copied or damaged checkpoint: one clear line, no traceback
         raise SystemExit(f"evaluation refused: {exc}") from None
+
 
 if __name__ == "__main__":
     main()

@@ -7,6 +7,8 @@ sampling logprobs out, new weights in by directory.
     engine.close()
 """
 
-from .engine import Completion, Engine, HFEngine, Sampling, VLLMEngine, make_engine
+from .engine import (Completion, Engine, HFEngine, InferenceConfig, Sampling, VLLMEngine, engine_from_config,
+                     fit_to_model, make_engine)
 
-__all__ = ["Completion", "Engine", "HFEngine", "Sampling", "VLLMEngine", "make_engine"]
+__all__ = ["Completion", "Engine", "HFEngine", "InferenceConfig", "Sampling", "VLLMEngine", "engine_from_config",
+           "fit_to_model", "make_engine"]

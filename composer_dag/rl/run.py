@@ -17,68 +17,73 @@ Writes under ``out_dir``::
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from typing import Literal, Optional
 from pathlib import Path
 
-from ..pipes import Reporter, config_from_args, serve
+from pydantic import Field
+
+from ..agent import AgentConfig
+from ..inference.engine import InferenceConfig
+from ..pipes import Reporter, entry_point
+from ..runtime.config import StageConfig
+from .trainer import TrainerConfig
 
 
-@dataclass
-class RLConfig:
+class RLConfig(StageConfig):
+    """One RL run: the orchestrator drives agent episodes on the inference engine, the trainer
+    updates the policy with GRPO, new weights go back to the engine and to ``weights_uri``.
+    Defaults fit the embedded default (a tiny model on CPU, a short run)."""
+
     policy_dir: str                 # Hugging Face checkpoint (+ tokenizer) to start from
     tasks_dir: str                  # a directory of task directories (each with task.json)
     out_dir: str
-    steps: int = 10                 # policy updates
-    tasks_per_step: int = 4
-    group_size: int = 8             # samples per task (a GRPO group)
-    max_turns: int = 8
-    max_new_tokens: int = 256       # per assistant turn
-    max_context: int = 2048         # tokens per episode
-    temperature: float = 1.0
-    top_p: float = 1.0
-    system_style: str = "full"      # "full" | "compact" tool listing in the system prompt
-    lr: float = 1e-5
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    kl_coef: float = 0.0
-    normalize_std: bool = True
-    micro_batch: int = 8
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    zero_stage: int = 2
-    max_staleness: int = 1          # versions a batch may lag the trainer
-    async_generation: bool = True   # generate the next batch while training on this one
-    queue_size: int | None = None   # batches generated ahead (default: max(1, max_staleness))
-    engine: str = "vllm"            # "vllm" | "hf"
-    max_model_len: int = 2048
-    kv_cache_mb: int = 512          # vLLM on CPU
-    full_every: int = 5             # published weights: a full checkpoint every N versions
-    weights_uri: str | None = None  # where to publish (default out_dir/weights); s3:// works
-    save_every: int = 1             # checkpoint every N updates (and at the end)
+    environment: Literal["tasks", "learnable"] = Field("tasks", description="learnable: see LEARNABLE_RUN")
+    steps: int = Field(2, description="policy updates")
+    tasks_per_step: int = 2
+    group_size: int = Field(4, description="samples per task (a GRPO group)")
+    max_staleness: int = Field(1, description="versions a batch may lag the trainer")
+    async_generation: bool = Field(True, description="generate the next batch while training on this one")
+    queue_size: Optional[int] = Field(None, description="batches generated ahead (default: max(1, max_staleness))")
+    full_every: int = Field(5, description="published weights: a full checkpoint every N versions")
+    weights_uri: Optional[str] = Field(None, description="where to publish (default out_dir/weights); s3:// works")
+    save_every: int = Field(1, description="checkpoint every N updates (and at the end)")
     keep_checkpoints: int = 2
-    workers: int = 4                # threads for tools and grading
-    torch_threads: int | None = None
+    torch_threads: Optional[int] = None
     seed: int = 0
+    max_flag_rate: float = Field(0.5, description="the cheat-flag rate the rl_rollouts check allows")
+    trainer: TrainerConfig = TrainerConfig()
+    orchestrator: AgentConfig = AgentConfig()
+    inference: InferenceConfig = InferenceConfig()
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "RLConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        if set(d) - known:
-            raise ValueError(f"unknown RLConfig fields: {sorted(set(d) - known)}")
-        cfg = cls(**d)
-        if cfg.engine not in ("vllm", "hf"):
-            raise ValueError(f"engine must be 'vllm' or 'hf', not {cfg.engine!r}")
+
+LEARNABLE_RUN = {"steps": 16, "tasks_per_step": 2, "group_size": 8, "async_generation": False, "torch_threads": 1,
+                 "trainer": {"lr": 1e-3, "micro_batch": 16},
+                 "orchestrator": {"max_turns": 2, "max_new_tokens": 40, "max_context": 512, "system_style": "compact",
+                                  "workers": 2},
+                 "inference": {"engine": "hf"}}
+"""``environment: learnable``: the small task family a tiny model learns on CPU within minutes
+(tests/test_rl_learn.py), with a freshly built policy warmed up on the tool-call syntax; these
+settings replace the run's."""
+
+
+def prepare(cfg: RLConfig, log=lambda msg: None) -> RLConfig:
+    """The config the run uses. For ``environment: learnable`` the tasks and a warmed-up policy
+    are built next to ``out_dir`` (once) and ``LEARNABLE_RUN`` applies."""
+    if cfg.environment != "learnable":
         return cfg
+    from .learnable import make_learnable_setup
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    root = Path(cfg.out_dir).parent / "learnable"
+    if not (root / "policy" / "config.json").exists():
+        log("building the learnable environment and warming up the tool-call syntax")
+        make_learnable_setup(str(root), n_tasks=8, seed=cfg.seed, words=("red", "blue"))
+    return cfg.replace(policy_dir=str(root / "policy"), tasks_dir=str(root / "tasks"), **LEARNABLE_RUN)
 
 
 def find_tasks(tasks_dir: str) -> list[Path]:
@@ -95,17 +100,18 @@ def _stats(xs: list[float]) -> dict:
 def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     import torch
 
-    from ..inference import make_engine
+    from ..inference import engine_from_config, fit_to_model
     from ..storage import Storage
-    from ..train.midtrain import _trim_metrics, resume_checkpoint, write_json_atomic
+    from ..runtime.checkpoint import resume_checkpoint, trim_metrics, write_json_atomic
     from ..train.tokenizer import load_tokenizer
-    from .agent import AgentConfig, AgentLoop, rollouts_to_table
+    from ..agent import AgentLoop, rollouts_to_table
     from .grpo import group_advantages
     from .loop import Batch, RolloutSource
-    from .trainer import GRPOTrainer, TrainerConfig
+    from .trainer import GRPOTrainer
     from .weights import WeightPublisher, reconstruct, state_digest
 
     rep = rep or Reporter()
+    cfg = prepare(cfg, rep.log)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     out = Path(cfg.out_dir)
@@ -117,11 +123,8 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     metrics_path, ckpt_root = out / "metrics.jsonl", str(out / "checkpoints")
     tasks = find_tasks(cfg.tasks_dir)
 
-    trainer = GRPOTrainer(cfg.policy_dir, TrainerConfig(
-        lr=cfg.lr, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, kl_coef=cfg.kl_coef,
-        normalize_std=cfg.normalize_std, micro_batch=cfg.micro_batch, batch_size=cfg.tasks_per_step * cfg.group_size,
-        weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
-        zero_stage=cfg.zero_stage, seed=cfg.seed))
+    trainer = GRPOTrainer(cfg.policy_dir, cfg.trainer, batch_size=cfg.tasks_per_step * cfg.group_size,
+                          temperature=cfg.orchestrator.temperature, seed=cfg.seed)
     counters = {"dropped_stale_rollouts": 0, "dropped_stale_batches": 0, "next_batch": 0}
     engine_dir, resumed_from = cfg.policy_dir, None
     resumed = resume_checkpoint(str(out), ckpt_root, rep.log)
@@ -129,27 +132,18 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
         st = trainer.load_checkpoint(ckpt_root, resumed)
         counters.update(st.get("counters", {}))
         engine_dir, resumed_from = os.path.join(ckpt_root, resumed, "hf"), trainer.version
-        if _trim_metrics(str(metrics_path), trainer.version):
+        if trim_metrics(str(metrics_path), trainer.version):
             rep.log(f"dropped torn lines from {metrics_path}")
         rep.log(f"resumed from {resumed} at policy version {trainer.version}")
 
     # The context can't exceed what the policy's position embeddings cover.
-    from ..inference.engine import model_max_len
-
-    mpe = model_max_len(cfg.policy_dir)
-    if mpe and cfg.max_model_len > mpe:
-        rep.log(f"max_model_len {cfg.max_model_len} > the policy's max_position_embeddings {mpe}: using {mpe}")
-        cfg = dataclasses.replace(cfg, max_model_len=int(mpe))
-    if cfg.max_context > cfg.max_model_len:
-        cfg = dataclasses.replace(cfg, max_context=cfg.max_model_len)
-    ekw = {"seed": cfg.seed}
-    if cfg.engine == "vllm":
-        ekw.update(max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_mb << 20)
-    engine = make_engine(cfg.engine, engine_dir, **ekw)
+    inference = fit_to_model(cfg.inference, cfg.policy_dir, rep.log)
+    orch = cfg.orchestrator
+    if orch.max_context > inference.max_model_len:
+        orch = orch.replace(max_context=inference.max_model_len)
+    engine = engine_from_config(inference, engine_dir, seed=cfg.seed)
     tok = load_tokenizer(cfg.policy_dir)
-    agent = AgentLoop(engine, tok, AgentConfig(
-        max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_context=cfg.max_context,
-        temperature=cfg.temperature, top_p=cfg.top_p, system_style=cfg.system_style, workers=cfg.workers))
+    agent = AgentLoop(engine, tok, orch)
     publisher = WeightPublisher(wstore, wprefix, cfg.full_every)
 
     lock = threading.Lock()
@@ -181,7 +175,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     source = RolloutSource(produce, sync, cfg.max_staleness, cfg.async_generation, cfg.queue_size,
                            start_index=counters["next_batch"])
     dropped0 = (counters["dropped_stale_rollouts"], counters["dropped_stale_batches"])
-    rep.log(f"rl: {len(tasks)} tasks, {cfg.tasks_per_step}x{cfg.group_size} rollouts/step, engine {cfg.engine}, "
+    rep.log(f"rl: {len(tasks)} tasks, {cfg.tasks_per_step}x{cfg.group_size} rollouts/step, engine {inference.engine}, "
             f"steps {trainer.version}->{cfg.steps}, async {cfg.async_generation}, max staleness {cfg.max_staleness}")
     source.start()
     publish_info: list[dict] = []
@@ -193,7 +187,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
             wait_s = time.perf_counter() - t_step
             rs, step = batch.rollouts, trainer.version
             for r, a in zip(rs, group_advantages([r["reward"] for r in rs], [r["group_id"] for r in rs],
-                                                 cfg.normalize_std)):
+                                                 cfg.trainer.normalize_std)):
                 r["advantage"], r["step"] = a, step
             store.write_parquet(rollouts_to_table(rs), store.url("rollouts", f"step_{step:04d}.parquet"))
             ts = trainer.train_step(rs)
@@ -264,7 +258,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     deltas = [p["fraction"] for p in publish_info if p["kind"] == "delta"]
     k = max(1, len(hist) // 4)
     result = {
-        "steps": trainer.version, "resumed_from": resumed_from, "engine": cfg.engine,
+        "steps": trainer.version, "resumed_from": resumed_from, "engine": inference.engine,
         "reward_curve": [[h["step"], h["reward_mean"]] for h in hist],
         "reward_first": sum(h["reward_mean"] for h in hist[:k]) / k if hist else None,
         "reward_last": sum(h["reward_mean"] for h in hist[-k:]) / k if hist else None,
@@ -291,8 +285,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = config_from_args("GRPO on agent episodes", argv, RLConfig.from_dict)
-    return serve(lambda rep: run(cfg, rep))
+    return entry_point(RLConfig, "GRPO on agent episodes", run, argv)
 
 if __name__ == "__main__":
     main()

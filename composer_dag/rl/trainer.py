@@ -8,48 +8,50 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 
+from pydantic import Field
+
+from ..runtime.config import StageConfig
 from . import grpo
 
 
-@dataclass(frozen=True)
-class TrainerConfig:
+class TrainerConfig(StageConfig):
+    """The GRPO trainer (DeepSpeed). The batch size, sampling temperature and seed come from
+    the run: ``tasks_per_step * group_size``, the orchestrator's temperature, the run's seed."""
+
     lr: float = 1e-5
     clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    kl_coef: float = 0.0             # > 0 loads a frozen copy of the initial policy as reference
-    normalize_std: bool = True       # divide advantages by the group's reward std
+    clip_eps_high: Optional[float] = None
+    kl_coef: float = Field(0.0, description="> 0 loads a frozen copy of the initial policy as reference")
+    normalize_std: bool = Field(True, description="divide advantages by the group's reward std")
     micro_batch: int = 8
-    batch_size: int = 32             # rollouts per update (tasks_per_step * group_size)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     beta1: float = 0.9
     beta2: float = 0.99
-    temperature: float = 1.0         # sampling temperature: logprobs are of logits / temperature
     zero_stage: int = 2
-    seed: int = 0
 
 
 class GRPOTrainer:
-    def __init__(self, model_dir: str, cfg: TrainerConfig):
+    def __init__(self, model_dir: str, cfg: TrainerConfig, batch_size: int, temperature: float = 1.0, seed: int = 0):
         from transformers import AutoModelForCausalLM
 
-        from ..train.midtrain import setup_distributed
+        from ..runtime.distributed import setup_distributed
         from ..train.tokenizer import load_tokenizer
 
-        self.cfg = cfg
+        self.cfg, self.batch_size, self.temperature, self.seed = cfg, batch_size, temperature, seed
         self.rank, self.world, self.device = setup_distributed()
         import deepspeed
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(seed)
         self.bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.pad_id = load_tokenizer(model_dir).pad_token_id
-        self.grad_accum = max(1, math.ceil(cfg.batch_size / cfg.micro_batch))
+        self.grad_accum = max(1, math.ceil(batch_size / cfg.micro_batch))
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                 weight_decay=cfg.weight_decay)
         ds = {"train_micro_batch_size_per_gpu": cfg.micro_batch, "gradient_accumulation_steps": self.grad_accum,
@@ -75,7 +77,7 @@ class GRPOTrainer:
         total = float(sum(sum(r["loss_mask"]) for r in rollouts)) or 1.0
         chunks = [rollouts[i:i + cfg.micro_batch] for i in range(0, len(rollouts), cfg.micro_batch)]
         if len(chunks) > self.grad_accum:
-            raise ValueError(f"{len(rollouts)} rollouts exceed batch_size {cfg.batch_size}")
+            raise ValueError(f"{len(rollouts)} rollouts exceed batch_size {self.batch_size}")
         chunks += [[]] * (self.grad_accum - len(chunks))
         agg = {"loss": 0.0, "clip_frac": 0.0, "ratio_sum": 0.0, "tokens": 0.0, "kl_sum": 0.0}
         nan = 0
@@ -83,11 +85,11 @@ class GRPOTrainer:
         for chunk in chunks:
             if chunk:
                 b = {k: v.to(self.device) for k, v in grpo.pack(chunk, self.pad_id).items()}
-                logp = grpo.token_logprobs(self.engine, b["input_ids"], b["attention_mask"], cfg.temperature)
+                logp = grpo.token_logprobs(self.engine, b["input_ids"], b["attention_mask"], self.temperature)
                 ref = None
                 if self.ref is not None:
                     with torch.no_grad():
-                        ref = grpo.token_logprobs(self.ref, b["input_ids"], b["attention_mask"], cfg.temperature)
+                        ref = grpo.token_logprobs(self.ref, b["input_ids"], b["attention_mask"], self.temperature)
                 loss, st = grpo.grpo_loss(logp, b["old_logprobs"], b["advantages"], b["loss_mask"], cfg.clip_eps,
                                           cfg.clip_eps_high, ref, cfg.kl_coef, denom=total)
                 if torch.isfinite(loss):
@@ -133,7 +135,7 @@ class GRPOTrainer:
     def save_checkpoint(self, ckpt_root: str, tag: str, tokenizer_dir: str, state: dict) -> str:
         """DeepSpeed state, ``hf/`` and ``trainer_state.json`` under ``ckpt_root/tag``, sealed
         with a ``manifest.json`` once every file is written (a save cut short has none)."""
-        from ..train.midtrain import (clear_checkpoint, pause_before_seal, rng_state, seal_checkpoint,
+        from ..runtime.checkpoint import (clear_checkpoint, pause_before_seal, rng_state, seal_checkpoint,
                                       write_json_atomic)
 
         path = os.path.join(ckpt_root, tag)
@@ -143,12 +145,12 @@ class GRPOTrainer:
         self.export_hf(os.path.join(path, "hf"), tokenizer_dir)
         write_json_atomic(os.path.join(path, "trainer_state.json"), {
             **state, "version": self.version, "nan_skipped": self.nan_skipped, "rng": rng_state(),
-            "trainer_config": asdict(self.cfg)})
+            "trainer_config": self.cfg.to_dict()})
         seal_checkpoint(path)
         return path
 
     def load_checkpoint(self, ckpt_root: str, tag: str) -> dict:
-        from ..train.midtrain import set_rng_state
+        from ..runtime.checkpoint import set_rng_state
 
         self.engine.load_checkpoint(ckpt_root, tag=tag)
         with open(os.path.join(ckpt_root, tag, "trainer_state.json")) as f:

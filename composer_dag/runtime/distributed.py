@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def free_port() -> int:

@@ -1,15 +1,15 @@
-"""Token shards: pack documents into Megatron-style ``.bin``/``.idx`` files and stream them.
+"""Token shards: pack documents into Megatron-Core ``.bin``/``.idx`` files and stream them.
 
 Layout of a shard directory::
 
     train.bin  train.idx  val.bin  val.idx  summary.json
 
-``<split>.bin`` is the token stream of every document of that split, each document followed
-by one EOS token, as little-endian uint16 (vocab < 65,536) or uint32. ``<split>.idx`` is::
-
-    header   struct "<8sIIQ": magic b"CDTOKIDX", version 1, dtype code (2 = uint16,
-             4 = uint32; the item size in bytes), doc count N
-    offsets  int64[N + 1]: start of each document in tokens; offsets[N] = total tokens
+Each ``<split>.bin``/``.idx`` pair is a Megatron-Core ``MMIDIDX`` indexed dataset, written with
+``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder`` and read with its
+``IndexedDataset`` (see ``megatron_shards``): one sequence and one document per packed
+document, its tokens followed by one EOS token, in the dtype Megatron-Core picks for the
+vocabulary (uint16 below 65,500 ids, else int32). Megatron's GPT datasets read the files as
+they are; ``TokenShardDataset`` reads the concatenated token stream through the same reader.
 
 Train/val membership is a deterministic hash of the document id (independent of the seed, so
 a document never moves between splits). The mixture gives each document a weight looked up by
@@ -24,18 +24,62 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 import time
 from collections import Counter
 from typing import Iterable, Iterator
 
 import numpy as np
 
-IDX_MAGIC = b"CDTOKIDX"
-IDX_VERSION = 1
-IDX_HEADER = struct.Struct("<8sIIQ")
+from pydantic import Field
+
+from ..runtime.config import StageConfig
+from .megatron_shards import check_external_shards, indexed_dataset_module, open_indexed, stream_of, token_dtype
+
 REPLAY_LANGUAGES = {"markdown", "restructuredtext", "rst", "text", "plain text", "txt",
                     "html", "asciidoc", "tex", "org"}
+
+
+class TokenShardConfig(StageConfig):
+    """How documents become token shards. ``mixture``: weights by language, source, ``replay``
+    (non-code text) or ``*``; the integer part is copies, the fraction a deterministic chance of
+    one more (default: code once, replay text at half weight). ``external_prefix``: use a
+    ``<prefix>.bin/.idx`` pair made elsewhere (a path or ``s3://`` URL, checked against the
+    tokenizer) as the train split instead of packing the deduplicated shards;
+    ``external_val_prefix`` the same for validation."""
+
+    val_fraction: float = Field(0.02, ge=0.0, le=1.0)
+    mixture: dict[str, float] = {"*": 1.0, "replay": 0.5}
+    seed: int = 0
+    external_prefix: str = ""
+    external_val_prefix: str = ""
+
+
+def import_external_shards(cfg: TokenShardConfig, tokenizer, out_dir: str) -> dict:
+    """Copy the external ``<prefix>.bin/.idx`` pairs of ``cfg`` into ``out_dir`` as ``train``
+    (and ``val``), each checked against ``tokenizer`` with Megatron-Core's reader
+    (``check_external_shards``); returns (and writes) the summary. ``ValueError`` in one line."""
+    from ..storage import open_storage
+
+    os.makedirs(out_dir, exist_ok=True)
+    summary: dict = {"external": True}
+    for split, prefix in (("train", cfg.external_prefix), ("val", cfg.external_val_prefix)):
+        if not prefix:
+            continue
+        dest = os.path.join(out_dir, split)
+        if "://" not in prefix:
+            prefix = os.path.abspath(prefix)
+        st = open_storage(prefix.rsplit("/", 1)[0])
+        for ext in (".bin", ".idx"):
+            if not st.exists(prefix + ext):
+                raise ValueError(f"{prefix}{ext}: no such file")
+            st.get_file(prefix + ext, dest + ext)
+        checked = check_external_shards(dest, tokenizer)
+        summary[f"{split}_source"] = prefix
+        summary[f"docs_{split}"], summary[f"tokens_{split}"] = checked["documents"], checked["tokens"]
+        summary.update(dtype=checked["dtype"], vocab_size=checked["vocab_size"], eos_token_id=checked["eos_token_id"])
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
 
 
 def _unit(*parts) -> float:
@@ -62,47 +106,32 @@ def copies(weight: float, doc_id: str, seed: int) -> int:
     return whole + (1 if _unit(seed, "mix", doc_id) < weight - whole else 0)
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size < 65536 else np.dtype(np.uint32)
-
-
 class _ShardWriter:
+    """One split's Megatron-Core builder, writing to temporary names until ``close``."""
+
     def __init__(self, out_dir: str, split: str, dtype: np.dtype):
+        import torch  # the builder takes tensors
+
+        self._from_numpy = torch.from_numpy
         self.path = os.path.join(out_dir, split)
-        self.dtype = dtype
-        self.f = open(self.path + ".bin.tmp", "wb")
-        self.offsets = [0]
+        self.builder = indexed_dataset_module().IndexedDatasetBuilder(
+            self.path + ".bin.tmp", dtype=dtype.type)
 
     def add(self, tokens: np.ndarray) -> None:
-        self.f.write(tokens.astype(self.dtype, copy=False).tobytes())
-        self.offsets.append(self.offsets[-1] + len(tokens))
+        """One document: its tokens (EOS included) as one sequence."""
+        self.builder.add_item(self._from_numpy(tokens))
+        self.builder.end_document()
 
     def close(self) -> None:
-        self.f.close()
-        with open(self.path + ".idx.tmp", "wb") as f:
-            f.write(IDX_HEADER.pack(IDX_MAGIC, IDX_VERSION, self.dtype.itemsize,
-                                    len(self.offsets) - 1))
-            f.write(np.asarray(self.offsets, dtype=np.int64).tobytes())
+        self.builder.finalize(self.path + ".idx.tmp")
         os.replace(self.path + ".bin.tmp", self.path + ".bin")
         os.replace(self.path + ".idx.tmp", self.path + ".idx")
 
 
-def read_idx(path: str) -> tuple[np.dtype, np.ndarray]:
-    """(token dtype, int64 document offsets) of an ``.idx`` file."""
-    with open(path, "rb") as f:
-        magic, version, code, n = IDX_HEADER.unpack(f.read(IDX_HEADER.size))
-        if magic != IDX_MAGIC or version != IDX_VERSION:
-            raise ValueError(f"{path}: not a token index (magic {magic!r}, version {version})")
-        offsets = np.frombuffer(f.read(8 * (n + 1)), dtype=np.int64)
-    return np.dtype({2: np.uint16, 4: np.uint32}[code]), offsets
-
-
 def load_tokens(prefix: str) -> tuple[np.ndarray, np.ndarray]:
-    """(memory-mapped token stream, document offsets) of a ``<prefix>.bin``/``.idx`` pair."""
-    dtype, offsets = read_idx(prefix + ".idx")
-    if offsets[-1] == 0:
-        return np.zeros(0, dtype=dtype), offsets
-    return np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(int(offsets[-1]),)), offsets
+    """(memory-mapped token stream, int64 document offsets in tokens, length documents + 1) of
+    a ``<prefix>.bin``/``.idx`` pair, read with Megatron-Core's ``IndexedDataset``."""
+    return stream_of(open_indexed(prefix))
 
 
 def pack_documents(docs: Iterable[tuple[str, str, str, str]], tokenizer, out_dir: str,
@@ -130,7 +159,7 @@ def pack_documents(docs: Iterable[tuple[str, str, str, str]], tokenizer, out_dir
     def flush(batch):
         encs = backend.encode_batch([b[1] for b in batch], add_special_tokens=False)
         for (doc_id, _, source, language, n, split), enc in zip(batch, encs):
-            toks = np.empty(len(enc.ids) + 1, dtype=np.int64)
+            toks = np.empty(len(enc.ids) + 1, dtype=dtype)  # already the shard dtype
             toks[:-1] = enc.ids
             toks[-1] = eos
             for _ in range(n):
@@ -188,7 +217,8 @@ class TokenShardDataset:
     or a permutation seeded by ``(shuffle_seed, e)``); rank ``r`` of ``world_size`` gets the
     global samples ``g >= start_sample`` with ``g % world_size == r``. ``start_sample`` is the
     number of global samples already consumed, so a run resumes at the exact sample.
-    Iteration cycles through epochs forever unless ``epochs`` is given.
+    Iteration cycles through epochs forever unless ``epochs`` is given. The stream is read
+    through Megatron-Core's memory-mapped ``IndexedDataset`` (``load_tokens``).
     """
 
     def __init__(self, prefix: str, seq_len: int, rank: int = 0, world_size: int = 1,

@@ -28,73 +28,59 @@ is skipped with a log line and the newest older checkpoint that does match is us
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import json
 import logging
 import math
 import os
-import pickle
 import random
 import shutil
-import socket
 import time
-from dataclasses import dataclass
+from typing import Literal, Optional
 
 import numpy as np
 
-from ..pipes import Reporter, config_from_args, serve
+from pydantic import Field
+
+from ..pipes import Reporter, entry_point
+from ..runtime.config import StageConfig
 from .data import TokenShardDataset
-from .model import atomic_dir, param_count, save_hf_dir
+from ..runtime.checkpoint import (atomic_dir, clear_checkpoint, pause_before_seal, resume_checkpoint, rng_state,
+                                  seal_checkpoint, set_rng_state, trim_metrics, write_json_atomic)
+from ..runtime.distributed import setup_distributed
+from .model import param_count, save_hf_dir
 
 
-@dataclass
-class MidtrainConfig:
+class MidtrainConfig(StageConfig):
+    """Continued pre-training. Defaults fit the embedded default (the ``tiny`` model on CPU);
+    a GPU run raises ``seq_len``, ``micro_batch`` and ``max_steps`` and lowers ``lr``."""
+
     model_dir: str                  # Hugging Face directory of the base model (+ tokenizer)
     data_dir: str                   # shard directory: train.bin/.idx, val.bin/.idx
     out_dir: str
     seq_len: int = 256
-    micro_batch: int = 8            # samples per rank per forward
+    micro_batch: int = Field(8, description="samples per rank per forward")
     grad_accum: int = 1
-    lr: float = 3e-4
-    min_lr: float = 3e-5
+    lr: float = 1e-3
+    min_lr: float = 1e-4
     warmup_steps: int = 20
-    schedule: str = "cosine"        # "cosine" | "wsd" (warmup, stable, linear decay)
-    decay_frac: float = 0.2         # wsd: the last fraction of steps that decays
-    max_steps: int = 200            # optimizer steps
-    max_tokens: int | None = None   # if set, also stop after this many tokens
+    schedule: Literal["cosine", "wsd"] = Field("cosine", description="wsd: warmup, stable, linear decay")
+    decay_frac: float = Field(0.2, description="wsd: the last fraction of steps that decays")
+    max_steps: int = Field(200, description="optimizer steps")
+    max_tokens: Optional[int] = Field(None, description="if set, also stop after this many tokens")
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
     zero_stage: int = 2
-    bf16: bool | None = None        # None: bf16 on a GPU with bf16, fp32 otherwise
-    eval_every: int = 50            # steps; validation also runs at step 0 and at the end
-    eval_batches: int = 8           # micro-batches per rank per validation
-    save_every: int = 100           # steps; a checkpoint is also written at the end
+    bf16: Optional[bool] = Field(None, description="None: bf16 on a GPU with bf16, fp32 otherwise")
+    eval_every: int = Field(50, description="steps; validation also runs at step 0 and at the end")
+    eval_batches: int = Field(8, description="micro-batches per rank per validation")
+    save_every: int = Field(50, description="steps; a checkpoint is also written at the end")
     keep_checkpoints: int = 2
     log_every: int = 10
-    shuffle: bool = True            # shuffle sample order per epoch (seeded)
+    shuffle: bool = Field(True, description="shuffle sample order per epoch (seeded)")
+    sample_tokens: int = Field(48, description="> 0: the final checkpoint samples this many tokens (a check)")
     seed: int = 0
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "MidtrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown MidtrainConfig fields: {sorted(unknown)}")
-        cfg = cls(**d)
-        if cfg.schedule not in ("cosine", "wsd"):
-            raise ValueError(f"schedule must be 'cosine' or 'wsd', not {cfg.schedule!r}")
-        return cfg
-
-    @classmethod
-    def from_json(cls, path: str, overrides: dict | None = None) -> "MidtrainConfig":
-        with open(path) as f:
-            return cls.from_dict({**json.load(f), **(overrides or {})})
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
     def total_steps(self, world_size: int) -> int:
         if self.max_tokens is None:
@@ -134,33 +120,6 @@ def ds_config(cfg: MidtrainConfig, bf16: bool, gpu: bool = False) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def setup_distributed() -> tuple[int, int, "torch.device"]:
-    """Initialise torch.distributed the DeepSpeed way; works without a launcher too."""
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                 "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
 
 
 def lm_loss(model, x):
@@ -203,131 +162,6 @@ def evaluate(engine, cfg: MidtrainConfig, rank: int, world: int, device) -> floa
     engine.train()
     dist.all_reduce(total)
     return (total[0] / total[1]).item()
-
-
-# ---- trainer state ---------------------------------------------------------------------
-def _pack(obj) -> str:
-    return base64.b64encode(pickle.dumps(obj)).decode()
-
-
-def _unpack(s: str):
-    return pickle.loads(base64.b64decode(s))
-
-
-def rng_state() -> dict:
-    import torch
-
-    return {"python": _pack(random.getstate()), "numpy": _pack(np.random.get_state()),
-            "torch": _pack(torch.get_rng_state())}
-
-
-def set_rng_state(state: dict) -> None:
-    import torch
-
-    random.setstate(_unpack(state["python"]))
-    np.random.set_state(_unpack(state["numpy"]))
-    torch.set_rng_state(_unpack(state["torch"]))
-
-
-def write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def read_latest(out_dir: str) -> dict | None:
-    path = os.path.join(out_dir, "latest")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-SAVE_PAUSE_ENV = "COMPOSER_SAVE_PAUSE_S"
-
-
-def pause_before_seal() -> None:
-    """Sleep ``$COMPOSER_SAVE_PAUSE_S`` seconds (unset: not at all) between writing a
-    checkpoint's files and sealing it, so a fault test can kill a save midway."""
-    pause = float(os.environ.get(SAVE_PAUSE_ENV) or 0)
-    if pause > 0:
-        time.sleep(pause)
-
-
-def seal_checkpoint(ckpt_dir: str) -> str:
-    """Write the checkpoint's ``manifest.json`` (size and sha256 of every file); call it once
-    every file is written. Returns the manifest digest."""
-    from ..storage import Storage
-
-    store = Storage(ckpt_dir)
-    return store.write_manifest(store.root)
-
-
-def clear_checkpoint(ckpt_dir: str) -> None:
-    """Remove what a save cut short left under ``ckpt_dir`` before saving there again."""
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
-
-
-def resume_checkpoint(out_dir: str, ckpt_root: str, log=lambda msg: None) -> str | None:
-    """The tag of the checkpoint to resume from: the one ``latest`` names if it matches its
-    manifest, else the newest older one that does; None when there is none.
-
-    A checkpoint newer than ``latest`` was never committed and is ignored; one without a
-    manifest (its save was cut short) or whose files differ from it is skipped with a log line.
-    """
-    from ..storage import ArtifactError, Storage
-
-    try:
-        latest = read_latest(out_dir)
-        if latest is not None and not str(latest.get("tag", "")).startswith("step_"):
-            raise ValueError(f"no checkpoint tag in {latest!r}")
-    except (OSError, ValueError, AttributeError) as exc:
-        log(f"unreadable {os.path.join(out_dir, 'latest')} ({exc}): looking for a complete checkpoint")
-        latest = None
-    tags = sorted((t for t in os.listdir(ckpt_root) if t.startswith("step_")), reverse=True) \
-        if os.path.isdir(ckpt_root) else []
-    if latest is not None:
-        tags = [t for t in tags if t <= latest["tag"]]
-    for tag in tags:
-        store = Storage(os.path.join(ckpt_root, tag))
-        try:
-            store.verify_manifest(store.root)
-        except (ArtifactError, OSError, ValueError) as exc:
-            log(f"checkpoint {tag} is not usable, skipped: {exc}")
-            continue
-        if latest is not None and tag != latest["tag"]:
-            log(f"falling back from {latest['tag']} to {tag}, the newest complete checkpoint")
-        return tag
-    if latest is not None:
-        log(f"no complete checkpoint at or before {latest['tag']}: starting from the beginning")
-    return None
-
-
-def _trim_metrics(path: str, step: int) -> int:
-    """Drop metric lines past ``step`` (written after the checkpoint a run resumes from) and
-    torn lines; returns how many torn lines were dropped."""
-    if not os.path.exists(path):
-        return 0
-    keep, torn = [], 0
-    with open(path) as f:
-        for ln in f:
-            if not ln.strip():
-                continue
-            try:
-                rec = json.loads(ln) if ln.endswith("\n") else None
-            except ValueError:
-                rec = None
-            if rec is None:
-                torn += 1
-            elif rec["step"] <= step:
-                keep.append(ln)
-    with open(path + ".tmp", "w") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
-    return torn
 
 
 # ---- the run ---------------------------------------------------------------------------
@@ -377,7 +211,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
             st = json.load(f)
         step, samples, history, evals = st["step"], st["samples"], st["loss_history"], st["evals"]
         set_rng_state(st["rng"])
-        if rank == 0 and _trim_metrics(metrics_path, step):
+        if rank == 0 and trim_metrics(metrics_path, step):
             rep.log(f"dropped torn lines from {metrics_path}")
         rep.log(f"resumed from {resumed}: step {step}, sample {samples}")
 
@@ -489,14 +323,17 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
             src = os.path.join(ckpt_root, tag, "hf")
             for name in os.listdir(src):
                 shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
+        if cfg.sample_tokens:  # the exported checkpoint loads in transformers and generates
+            from ..inference.smoke import smoke
+
+            result["sample"] = smoke(hf_dir, "hf", max_tokens=cfg.sample_tokens)
         write_json_atomic(os.path.join(cfg.out_dir, "result.json"), result)
     dist.barrier()
     return result
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = config_from_args("Mid-training with DeepSpeed", argv, MidtrainConfig.from_dict)
-    return serve(lambda rep: train(cfg, rep))
+    return entry_point(MidtrainConfig, "Mid-training with DeepSpeed", train, argv)
 
 if __name__ == "__main__":
     main()

@@ -7,12 +7,14 @@ untied embeddings).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import uuid
-from typing import Iterator
+
+from pydantic import field_validator
+
+from ..runtime.checkpoint import atomic_dir
+from ..runtime.config import StageConfig
 
 CONFIGS: dict[str, dict] = {
     # ~7.4M parameters at vocab 8192 (embeddings 4.2M, 4 blocks of 0.79M)
@@ -29,6 +31,56 @@ CONFIGS: dict[str, dict] = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt",
                    "added_tokens.json")
+
+
+class BaseModelConfig(StageConfig):
+    """Where the base model and its tokenizer come from.
+
+    ``base_model``: a Hugging Face directory (local path or ``s3://`` URL) of an open-weights
+    model; its own tokenizer is used. Empty: a small Llama is built from ``config_name``
+    (``tiny`` ~7M parameters, ``small`` ~34M, ``gpu-1b``) with a byte-level BPE tokenizer of
+    ``vocab_size`` trained on the first ``tokenizer_train_mb`` of the deduplicated shards.
+    """
+
+    base_model: str = ""
+    config_name: str = "tiny"
+    vocab_size: int = 8192
+    tokenizer_train_mb: float = 8.0
+
+    @field_validator("config_name")
+    @classmethod
+    def _known_config(cls, name: str) -> str:
+        if name not in CONFIGS:
+            raise ValueError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}")
+        return name
+
+
+def fetch_base_model(src: str, dest: str) -> None:
+    """Copy a Hugging Face model directory (local path or ``s3://`` URL) into ``dest``;
+    ``ValueError`` in one line when it is not one."""
+    from ..storage import open_storage
+
+    if src.startswith("s3://"):
+        st = open_storage(src)
+        st.get_dir(st.root, dest)
+    elif os.path.isdir(src):
+        shutil.copytree(src, dest, dirs_exist_ok=True)
+    else:
+        raise ValueError(f"base model {src!r} is neither a directory nor an s3:// URL")
+    if not os.path.exists(os.path.join(dest, "config.json")):
+        raise ValueError(f"base model {src!r} has no config.json: not a Hugging Face model directory")
+
+
+def copy_tokenizer(model_dir: str, dest: str) -> bool:
+    """Copy a model directory's own tokenizer files into ``dest``; False when it has none."""
+    names = [n for n in os.listdir(model_dir) if n.startswith(("tokenizer", "special_tokens", "vocab", "merges",
+                                                                  "chat_template"))]
+    if not any(n in ("tokenizer.json", "tokenizer_config.json") for n in names):
+        return False
+    os.makedirs(dest, exist_ok=True)
+    for name in names:
+        shutil.copy2(os.path.join(model_dir, name), dest)
+    return True
 
 
 def default_dtype() -> str:
@@ -54,28 +106,6 @@ def llama_config(config_name: str, tokenizer, dtype: str | None = None, **overri
 
 def param_count(model) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-@contextlib.contextmanager
-def atomic_dir(out_dir: str) -> Iterator[str]:
-    """Yield a temporary sibling directory; on success it replaces ``out_dir`` in one rename."""
-    out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{uuid.uuid4().hex[:8]}")
-    os.makedirs(tmp)
-    try:
-        yield tmp
-        if os.path.isdir(out_dir):
-            old = tmp + ".old"
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def copy_tokenizer_files(src_dir: str, dst_dir: str) -> None:

@@ -1,0 +1,120 @@
+"""The task directory format, and the config tasks are built with.
+
+A task is a directory::
+
+    task.json       id, source, source_file, project, instructions, limits, reference, sandbox
+    repo/           a git repository as the user has it (no trace of the solution)
+    hidden_tests/   bound read-only for grading only, never inside an episode's sandbox
+    reference/      files/<path> of the solved state (checks only)
+    masks/          files bound over system paths during an episode (stdlib tasks)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+from pydantic import Field
+
+from ..runtime.config import StageConfig
+from .rootfs import Persona
+
+# pure-Python stdlib modules whose unittest module passes quickly against a local copy
+DEFAULT_MODULES = ("colorsys", "textwrap", "fnmatch", "shlex", "difflib", "fractions", "graphlib",
+                   "quopri", "netrc", "getopt", "glob", "plistlib", "string", "base64", "configparser",
+                   "calendar", "ipaddress", "sched", "filecmp", "fileinput", "timeit", "copy")
+
+
+class TaskLimits(StageConfig):
+    """An episode's limits, written into each task's ``task.json``."""
+
+    max_turns: int = Field(50, description="tool calls an episode may make")
+    command_timeout: float = Field(60.0, description="seconds per shell command in the sandbox")
+    test_timeout: float = Field(120.0, description="seconds for a run of the hidden tests when grading")
+    observation_chars: int = Field(12_000, description="characters of a tool's output shown to the policy")
+
+
+class TaskBuildConfig(StageConfig):
+    """What ``build_tasks`` builds: how many tasks of each kind, from what, and the split."""
+
+    seed: int = Field(0, description="picks the mutations and salts the split")
+    humaneval_limit: int | None = Field(None, description="the first N HumanEval problems; None: all 164, 0: none")
+    bugfix_count: int = Field(30, description="stdlib bug-fix tasks in all")
+    bugfix_modules: tuple[str, ...] = Field(DEFAULT_MODULES, description="stdlib modules to mutate, tried in order")
+    max_per_module: int = Field(3, description="bug-fix tasks kept from one module")
+    attempts_per_module: int = Field(8, description="mutants run against a module's tests before giving up on it")
+    eval_fraction: float = Field(0.2, description="share of source files whose tasks go to eval_tasks")
+    workers: int = Field(2, description="modules probed in parallel")
+    limits: TaskLimits = TaskLimits()
+
+
+# ---------------------------------------------------------------- writing a task
+
+_EPOCH = 1_714_000_000  # commit dates are deterministic, spaced like a few working days
+
+
+def make_repo(repo: Path, commits: list[tuple[str, dict[str, str]]], seed: str, persona: Persona = Persona()) -> None:
+    """Create a fresh repository with the given commits (message, {path: content})."""
+    repo.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    t = _EPOCH + rng.randrange(0, 90 * 86400)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(repo), "GIT_CONFIG_NOSYSTEM": "1",
+           "GIT_AUTHOR_NAME": persona.full_name, "GIT_AUTHOR_EMAIL": persona.email,
+           "GIT_COMMITTER_NAME": persona.full_name, "GIT_COMMITTER_EMAIL": persona.email}
+    git = lambda *a: subprocess.run(["git", "-c", "safe.directory=*", *a], cwd=repo, env=env, check=True,
+                                    capture_output=True)
+    git("init", "-q", "-b", "main")
+    for msg, files in commits:
+        for rel, text in files.items():
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            (repo / rel).write_text(text)
+        t += rng.randrange(1800, 3 * 86400)
+        env["GIT_AUTHOR_DATE"] = env["GIT_COMMITTER_DATE"] = f"{t} +0100"
+        git("add", "-A")
+        git("commit", "-q", "-m", msg)
+
+
+def write_task(task_dir: Path, task: dict, repo_commits, hidden: dict[str, str], reference: dict[str, str],
+               masks: dict[str, str] | None = None) -> Path:
+    """Write a task directory (replacing any there): ``repo/`` from ``repo_commits``, the hidden
+    tests, the reference files and the masks, each ``{path: content}``, and ``task.json``."""
+    if task_dir.exists():
+        shutil.rmtree(task_dir)
+    make_repo(task_dir / "repo", repo_commits, seed=task["id"])
+    for base, files in (("hidden_tests", hidden), ("reference/files", reference), ("masks", masks or {})):
+        for rel, text in files.items():
+            p = task_dir / base / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+    (task_dir / "hidden_tests").mkdir(exist_ok=True)
+    (task_dir / "task.json").write_text(json.dumps(task, indent=2, sort_keys=True))
+    return task_dir
+
+
+_GITIGNORE = "__pycache__/\n*.py[cod]\n.pytest_cache/\n.venv/\n.env\n"
+
+
+# ---------------------------------------------------------------- reading task sets
+
+def task_dirs(out_dir, side: str) -> list[Path]:
+    """The task directories of one side (``rl_tasks`` or ``eval_tasks``) of a built set, by id."""
+    return sorted(p for p in (Path(out_dir) / side).iterdir() if (p / "task.json").exists())
+
+
+def task_texts(task_dir) -> list[str]:
+    """Every text of a task (instructions, repo files, hidden tests, reference), for decontamination."""
+    d = Path(task_dir)
+    task = json.loads((d / "task.json").read_text())
+    texts = [task["instructions"]]
+    for base in ("repo", "hidden_tests", "reference"):
+        for p in sorted((d / base).rglob("*")):
+            if p.is_file() and ".git" not in p.relative_to(d / base).parts:
+                try:
+                    texts.append(p.read_text())
+                except UnicodeDecodeError:
+                    continue
+    return texts
