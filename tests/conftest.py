@@ -78,3 +78,21 @@ def humaneval_tasks(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("humaneval-tasks")
     return out, build_tasks(out, {"humaneval_limit": 3, "bugfix_count": 0})
+
+
+@pytest.fixture(scope="session")
+def learnable_base(tmp_path_factory):
+    """Six learnable tasks, the tokenizer trained for them and an untrained tiny policy, built
+    once per session (``make_learnable_setup`` without warm-up): read them, copy them before
+    changing anything."""
+    import torch
+
+    from composer_dag.rl.learnable import make_learnable_setup
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return make_learnable_setup(tmp_path_factory.mktemp("learnable") / "setup", n_tasks=6, seed=0,
+                                    words=("red", "blue"), warmup_steps=0)
+    finally:
+        torch.set_num_threads(threads)

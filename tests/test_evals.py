@@ -8,6 +8,7 @@ import math
 import re
 import time
 from math import comb
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -139,24 +140,21 @@ def test_contamination_guard(he_tasks):
 # ---------------------------------------------------------------- end to end
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    import torch
+def setup(tmp_path_factory, learnable_base):
+    import shutil
 
-    from composer_dag.rl.learnable import make_learnable_setup
     from composer_dag.train.data import pack_documents
 
     out = tmp_path_factory.mktemp("eval")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        s = make_learnable_setup(out / "setup", n_tasks=2, seed=0, words=("red", "blue"), warmup_steps=0)
-    finally:
-        torch.set_num_threads(threads)
-    humaneval_task(load_problems(["HumanEval/0"])["HumanEval/0"], out / "setup" / "tasks", LIMITS)
+    s = learnable_base
+    tasks = out / "tasks"  # two of the shared learnable tasks and one HumanEval task
+    for tid in ("answer-0-000", "answer-0-001"):
+        shutil.copytree(Path(s["tasks_dir"]) / tid, tasks / tid, symlinks=True)
+    humaneval_task(load_problems(["HumanEval/0"])["HumanEval/0"], tasks, LIMITS)
     import colorsys, fnmatch, textwrap
     docs = [(m.__name__, open(m.__file__).read(), "stdlib", "python") for m in (colorsys, fnmatch, textwrap)]
     pack_documents(docs, s["tokenizer_dir"], str(out / "shards"), val_fraction=1.0)
-    return {**s, "val_dir": str(out / "shards")}
+    return {**s, "tasks_dir": str(tasks), "val_dir": str(out / "shards")}
 
 
 class _Scripted(Engine):

@@ -131,20 +131,12 @@ def _sha256(path) -> str:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """Learnable tasks, a tiny policy and its tokenizer, and token shards for mid-training."""
-    import torch
-
-    from composer_dag.rl.learnable import make_learnable_setup
+def setup(tmp_path_factory, learnable_base):
+    """Learnable tasks, a tiny policy and its tokenizer (shared), and token shards for mid-training."""
     from composer_dag.train.data import pack_documents
 
     out = tmp_path_factory.mktemp("faults")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        s = make_learnable_setup(out / "setup", n_tasks=6, seed=0, words=("red", "blue"), warmup_steps=0)
-    finally:
-        torch.set_num_threads(threads)
+    s = learnable_base
     src = os.path.dirname(json.__file__)
     docs = [(f, open(f, encoding="utf-8").read(), "stdlib", "Python") for f in sorted(glob.glob(src + "/*.py"))]
     pack_documents(docs, s["tokenizer_dir"], str(out / "shards"), val_fraction=0.15, seed=0)

@@ -10,15 +10,13 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from composer_dag.rl.learnable import make_learnable_setup
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return make_learnable_setup(tmp_path_factory.mktemp("rl"), n_tasks=4, seed=0, words=("red", "blue"),
-                                warmup_steps=0)
+def setup(learnable_base):
+    return learnable_base
 
 
 def _config(setup, out, **kw):
