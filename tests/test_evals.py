@@ -279,3 +279,51 @@ def test_eval_command_line(setup, tmp_path):
                            capture_output=True, text=True, timeout=600, env=env)
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["gate"]["passed"] is True
+
+
+def test_evaluate_many_shares_one_engine_and_matches_separate_runs(setup, tmp_path):
+    """Several checkpoints of one architecture on one engine (weights loaded in place) give the
+    same results as a fresh engine each; a finished checkpoint is not evaluated again."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import composer_dag.inference as inference
+    from composer_dag.evals.evaluate import evaluate_many
+
+    other = tmp_path / "other"
+    shutil.copytree(setup["base_dir"], other)
+    sd = load_file(str(other / "model.safetensors"))
+    save_file({k: v * 1.5 if v.ndim == 2 else v for k, v in sd.items()}, str(other / "model.safetensors"))
+    ckpts = {"a": setup["base_dir"], "b": str(other)}
+    cfg = {"samples_per_task": 2, "ks": [1, 2], "humaneval_ids": [], "torch_threads": 1, "max_tasks": None,
+           "agent": {"max_turns": 1, "max_new_tokens": 8, "max_context": 1024, "system_style": "compact", "workers": 2},
+           "inference": {"engine": "hf"}}
+    starts = []
+    real = inference.engine_from_config
+
+    def counting(*a, **kw):
+        starts.append(a[1])
+        return real(*a, **kw)
+
+    threads = torch.get_num_threads()
+    try:
+        inference.engine_from_config = counting
+        shared = evaluate_many(ckpts, setup["tasks_dir"], tmp_path / "shared", cfg)
+        assert starts == [setup["base_dir"]]  # one engine for both
+        again = evaluate_many(ckpts, setup["tasks_dir"], tmp_path / "shared", cfg)
+        assert len(starts) == 1 and again == shared  # both were finished: nothing sampled again
+        alone = {k: evaluate(d, setup["tasks_dir"], tmp_path / "alone" / k, cfg) for k, d in ckpts.items()}
+    finally:
+        inference.engine_from_config = real
+        torch.set_num_threads(threads)
+
+    def rows(path):  # every sampled token of every episode
+        return [(r["task_id"], r["sample_index"], r["completion_ids"])
+                for r in pq.read_table(path / "rollouts.parquet", columns=["task_id", "sample_index", "completion_ids"]).to_pylist()]
+
+    for k in ckpts:
+        assert rows(tmp_path / "shared" / k) == rows(tmp_path / "alone" / k)
+        assert shared[k]["checkpoint_digest"] == alone[k]["checkpoint_digest"]
+    assert rows(tmp_path / "shared" / "a") != rows(tmp_path / "shared" / "b")  # the weights really changed

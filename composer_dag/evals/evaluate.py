@@ -380,8 +380,10 @@ def evaluate_many(checkpoints: dict[str, str], tasks_dir, out_dir, config: EvalC
             out = Path(out_dir) / name
             if (out / "summary.json").exists() and (out / "manifest.json").exists():
                 try:
-                    Storage(str(out)).verify_manifest(Storage(str(out)).root)
+                    done = Storage(str(out))
+                    done.verify_manifest(done.root)
                     summaries[name] = json.loads((out / "summary.json").read_text())
+                    summaries[name]["manifest_digest"] = done.manifest_digest(done.root)
                     log(f"eval: {name} was evaluated already")
                     continue
                 except (ArtifactError, OSError, ValueError):
