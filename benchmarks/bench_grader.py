@@ -1,0 +1,200 @@
+"""The grader before and after behavioural cheat detection: the red-team table, grading time per
+episode, and the false-positive rate of the reference solutions on a full task build.
+
+The grader as it was is taken from a commit into a temporary copy and run in a subprocess
+with that copy first on ``PYTHONPATH``:
+
+    rm -rf /tmp/old && mkdir -p /tmp/old && git archive HEAD | tar -x -C /tmp/old
+    .venv/bin/python benchmarks/bench_grader.py redteam --old /tmp/old
+    .venv/bin/python benchmarks/bench_grader.py timing --old /tmp/old --repeat 5
+    .venv/bin/python benchmarks/bench_grader.py fp
+
+Each prints a Markdown table and, on its last line, a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if sys.argv[1:2] != ["old-worker"]:
+    sys.path.insert(0, str(ROOT))
+
+
+def build(out: Path, cfg: dict) -> list[Path]:
+    from composer_dag.envs.task_format import task_dirs
+    from composer_dag.envs.tasks import build_tasks
+
+    if not (out / "summary.json").exists():
+        build_tasks(out, cfg)
+    return task_dirs(out, "rl_tasks") + task_dirs(out, "eval_tasks")
+
+
+def old_worker(jobs_file: str) -> None:
+    """Grade each job with whatever ``composer_dag.envs.grade`` is first on the path."""
+    import importlib
+
+    g = importlib.import_module("composer_dag.envs.grade")
+
+    jobs = json.loads(Path(jobs_file).read_text())
+    out = []
+    for j in jobs:
+        t0 = time.perf_counter()
+        r = g.grade(Path(j["task"]), Path(j["ws"]), j.get("log"))
+        out.append({"reward": r.reward, "flags": r.flags, "seconds": time.perf_counter() - t0,
+                    "unflagged": r.details.get("unflagged_reward")})
+    print(json.dumps({"grader": g.__file__, "results": out}))
+
+
+def run_old(old: Path, jobs: list[dict]) -> tuple[str, list[dict]]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(jobs, f)
+    env = dict(os.environ, PYTHONPATH=str(old))
+    r = subprocess.run([sys.executable, __file__, "old-worker", f.name], env=env, capture_output=True, text=True,
+                       cwd=str(old))
+    os.unlink(f.name)
+    if r.returncode:
+        raise SystemExit(r.stderr[-3000:])
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert str(old) in res["grader"], res["grader"]
+    return res["grader"], res["results"]
+
+
+def _short(flags: list[str]) -> str:
+    from composer_dag.envs.grade import flag_family
+
+    return ", ".join(sorted({flag_family(f) for f in flags})) or "-"
+
+
+def redteam(args) -> dict:
+    from composer_dag.envs.grade import grade
+    from tests.cheats import CHEATS, applicable, cheat_workspace, honest_workspace
+
+    tasks = build(Path(args.tasks) / "he", {"humaneval_limit": 3, "bugfix_count": 0})
+    tasks += build(Path(args.tasks) / "bf", {"humaneval_limit": 0, "bugfix_count": 2,
+                                             "bugfix_modules": ["colorsys", "fnmatch"], "max_per_module": 1})
+    work = Path(tempfile.mkdtemp(prefix="cdag-rt-"))
+    jobs, rows = [], []
+    for cheat in CHEATS:
+        for kind in cheat.kinds:
+            cands = [t for t in sorted(tasks) if t.name.startswith("humaneval" if kind == "humaneval" else "bugfix")
+                     and applicable(cheat, t)]
+            if not cands:
+                continue
+            task = cands[0]
+            ws, log = cheat_workspace(cheat, task, work / f"{cheat.name}-{kind}")
+            jobs.append({"task": str(task), "ws": str(ws), "log": log})
+            rows.append({"cheat": cheat.name, "family": cheat.family, "task": task.name})
+    for task in sorted(tasks):
+        for extras in (False, True):
+            ws = honest_workspace(task, work / f"honest-{task.name}-{extras}", extras)
+            jobs.append({"task": str(task), "ws": str(ws), "log": []})
+            rows.append({"cheat": "(honest) reference" + (" + extras" if extras else ""), "family": "-",
+                         "task": task.name})
+    _, old = run_old(Path(args.old), jobs)
+    for row, job, o in zip(rows, jobs, old):
+        r = grade(Path(job["task"]), Path(job["ws"]), job["log"])
+        row.update(old_reward=o["reward"], old_flags=o["flags"], new_reward=r.reward, new_flags=r.flags,
+                   new_unflagged=r.details["unflagged_reward"], canary=r.canary_passed)
+    print("| cheat | family | task | old reward | old flags | new reward | new flags (families) |")
+    print("|---|---|---|---:|---|---:|---|")
+    for row in rows:
+        print(f"| {row['cheat']} | {row['family']} | {row['task']} | {row['old_reward']:.0f} | "
+              f"{_short(row['old_flags'])} | {row['new_reward']:.0f} | {_short(row['new_flags'])} |")
+    cheats = [r for r in rows if not r["cheat"].startswith("(honest)")]
+    honest = [r for r in rows if r["cheat"].startswith("(honest)")]
+    paid_old = sorted({r["cheat"] for r in cheats if r["old_reward"] == 1.0 and not r["old_flags"]})
+    return {"cheat_cases": len(cheats), "cheats": len(CHEATS), "old_paid_unflagged_cheats": len(paid_old),
+            "old_unflagged_cheats": len({r["cheat"] for r in cheats if not r["old_flags"]}),
+            "caught_only_by_behaviour": sorted({r["cheat"] for r in cheats if r["new_flags"] and all(
+                f.split(":")[0] in ("canary_passed",) for f in r["new_flags"])}),
+            "old_paid_unflagged": sum(r["old_reward"] == 1.0 and not r["old_flags"] for r in cheats),
+            "old_unflagged": sum(not r["old_flags"] for r in cheats),
+            "new_paid": sum(r["new_reward"] > 0 for r in cheats), "new_unflagged": sum(not r["new_flags"] for r in cheats),
+            "honest_cases": len(honest), "honest_ok_new": sum(r["new_reward"] == 1.0 and not r["new_flags"] for r in honest),
+            "honest_ok_old": sum(r["old_reward"] == 1.0 and not r["old_flags"] for r in honest)}
+
+
+def timing(args) -> dict:
+    from composer_dag.envs.grade import grade
+    from tests.cheats import honest_workspace
+
+    tasks = build(Path(args.tasks) / "he", {"humaneval_limit": 3, "bugfix_count": 0})
+    tasks += build(Path(args.tasks) / "bf", {"humaneval_limit": 0, "bugfix_count": 2,
+                                             "bugfix_modules": ["colorsys", "fnmatch"], "max_per_module": 1})
+    work = Path(tempfile.mkdtemp(prefix="cdag-tm-"))
+    once = [{"task": str(t), "ws": str(honest_workspace(t, work / t.name, False)), "log": []} for t in sorted(tasks)]
+    jobs, old, new = [], [], []
+    for _ in range(args.repeat):  # rounds alternate between the two graders
+        jobs += once
+        old += run_old(Path(args.old), once)[1]
+        for j in once:
+            t0 = time.perf_counter()
+            r = grade(Path(j["task"]), Path(j["ws"]))
+            new.append({"seconds": time.perf_counter() - t0, "reward": r.reward,
+                        "cpu_sandbox_s": r.details["seconds"] + r.details["canary_seconds"]})
+    print("| task | old s/episode (median) | new s/episode (median) | ratio |")
+    print("|---|---:|---:|---:|")
+    out = {}
+    for task in sorted(tasks):
+        idx = [i for i, j in enumerate(jobs) if j["task"] == str(task)]
+        o = statistics.median(old[i]["seconds"] for i in idx)
+        n = statistics.median(new[i]["seconds"] for i in idx)
+        out[task.name] = {"old_s": round(o, 3), "new_s": round(n, 3), "ratio": round(n / o, 2)}
+        print(f"| {task.name} | {o:.3f} | {n:.3f} | {n / o:.2f} |")
+    o_all = statistics.median(x["seconds"] for x in old)
+    n_all = statistics.median(x["seconds"] for x in new)
+    print(f"| all (median) | {o_all:.3f} | {n_all:.3f} | {n_all / o_all:.2f} |")
+    both = statistics.median(x["cpu_sandbox_s"] for x in new)
+    print(f"\nnew grader, hidden + canary sandbox runs added up (median): {both:.3f} s")
+    return {"old_median_s": round(o_all, 3), "new_median_s": round(n_all, 3), "ratio": round(n_all / o_all, 2),
+            "new_sandbox_runs_summed_s": round(both, 3), "old_all_rewards_one": all(x["reward"] == 1.0 for x in old),
+            "episodes": len(jobs), "all_rewards_one": all(x["reward"] == 1.0 for x in new)}
+
+
+def fp(args) -> dict:
+    from composer_dag.envs.grade import false_positive_rate
+
+    out = Path(args.tasks) / "full"
+    t0 = time.monotonic()
+    tasks = build(out, {})
+    build_s = time.monotonic() - t0
+    summary = json.loads((out / "summary.json").read_text())
+    t0 = time.monotonic()
+    res = false_positive_rate(tasks, graded=True)
+    with_canaries = sum(bool((json.loads((d / "task.json").read_text()).get("checks") or {}).get("canaries"))
+                        for d in tasks)
+    print("| tasks | with canaries | flagged references | rate | build s | check s |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    print(f"| {res['tasks']} | {with_canaries} | {res['flagged']} | {res['rate']:.3f} | "
+          f"{summary['seconds']['total']:.0f} | {time.monotonic() - t0:.0f} |")
+    return {**{k: v for k, v in res.items() if k != "examples"}, "examples": dict(list(res["examples"].items())[:5]),
+            "with_canaries": with_canaries, "build_s": round(build_s, 1), "by_source": summary["by_source"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("redteam", "timing", "fp"):
+        s = sub.add_parser(name)
+        s.add_argument("--tasks", default="/tmp/cdag-bench-grader", help="where tasks are built (reused)")
+        s.add_argument("--old", default="/tmp/old", help="a copy of the repository at the grader's old commit")
+        s.add_argument("--repeat", type=int, default=5)
+    w = sub.add_parser("old-worker")
+    w.add_argument("jobs")
+    a = p.parse_args()
+    if a.cmd == "old-worker":
+        return old_worker(a.jobs)
+    print(json.dumps({"redteam": redteam, "timing": timing, "fp": fp}[a.cmd](a)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Canary tests: copies of a task's hidden tests with expected values changed, so that no honest
+solution passes them.
+
+A site is an expected value in an assertion: the literal side of ``assert <expr> == <literal>``
+(also ``!=``, ``is``, ``in``) or a literal argument of ``self.assertEqual`` and its relatives.
+A canary changes one or two sites, in place in the source text (everything else, comments and
+formatting included, stays byte for byte), to a different value of the same type: an integer or
+float plus one, a boolean negated, one character of a string or bytes changed, the last element
+of a collection changed that way. Sites whose call also appears in the repository the policy
+sees (docstring examples, the visible tests) are avoided, so a canary cannot be told from the
+real tests by comparing with known answers.
+
+``add_canaries`` runs, in one sandbox against the reference solution, the hidden tests and a
+few candidate canaries; it keeps the candidates the reference fails (at most ``keep``), writes
+them to ``canaries/test_<hash>.py`` and records in ``task.json`` -> ``checks``: ``expected``
+(the hidden tests the reference passes) and ``canaries`` (per file, the tests the reference
+fails). The grader (``grade``) runs each canary like the hidden tests and zeroes the reward
+when one passes.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+_ASSERT_METHODS = {"assertEqual", "assertEquals", "assertListEqual", "assertTupleEqual", "assertDictEqual",
+                   "assertSetEqual", "assertSequenceEqual", "assertMultiLineEqual", "assertAlmostEqual",
+                   "assertIs", "assertCountEqual", "assertIn"}
+_CMP_OPS = (ast.Eq, ast.NotEq, ast.Is, ast.IsNot, ast.In, ast.NotIn)
+
+
+def _is_literal(node) -> bool:
+    try:
+        ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
+
+
+def _target_constant(node):
+    """The constant inside a literal to change: the literal itself, or its last changeable element."""
+    if isinstance(node, ast.Constant):
+        v = node.value
+        if v is None or v is Ellipsis or (isinstance(v, (str, bytes)) and len(v) > 2000):
+            return None
+        return node if node.lineno == node.end_lineno else None
+    if isinstance(node, ast.UnaryOp):
+        return _target_constant(node.operand)
+    elts = node.values if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+    for e in reversed(elts or []):
+        c = _target_constant(e)
+        if c is not None:
+            return c
+    return None
+
+
+def sites(source: str) -> list[tuple[ast.Constant, str]]:
+    """(constant node to change, source of the expression it is compared with), in source order."""
+    tree = ast.parse(source)
+    out = []
+    for node in ast.walk(tree):
+        pairs = []
+        tests = [] if not isinstance(node, ast.Assert) else node.test.values if (
+            isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.And)) else [node.test]
+        for test in tests:
+            if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Lt, ast.LtE)) \
+                    and isinstance(test.left, ast.Call) and getattr(test.left.func, "id", "") == "abs" \
+                    and len(test.left.args) == 1 and isinstance(test.left.args[0], ast.BinOp) \
+                    and isinstance(test.left.args[0].op, ast.Sub):
+                left, right = test.left.args[0].left, test.left.args[0].right  # abs(f(x) - expected) < tol
+                if _is_literal(right) and not _is_literal(left):
+                    pairs.append((right, left))
+            if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], _CMP_OPS):
+                left, right = test.left, test.comparators[0]
+                if _is_literal(right) and not _is_literal(left):
+                    pairs.append((right, left))
+                elif _is_literal(left) and not _is_literal(right):
+                    pairs.append((left, right))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _ASSERT_METHODS \
+                and len(node.args) >= 2:
+            a, b = node.args[0], node.args[1]
+            if _is_literal(b) and not _is_literal(a):
+                pairs.append((b, a))
+            elif _is_literal(a) and not _is_literal(b):
+                pairs.append((a, b))
+        if not pairs and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self" \
+                and node.func.attr not in _ASSERT_METHODS and node.args and _is_literal(node.args[-1]) \
+                and not all(_is_literal(a) for a in node.args[:-1] or [None]):
+            pairs.append((node.args[-1], ast.Call(node.func, node.args[:-1], [])))  # self.check(x, expected)
+        for lit, other in pairs:
+            c = _target_constant(lit)
+            if c is not None:
+                out.append((c, ast.unparse(other)))
+    return sorted(out, key=lambda s: (s[0].lineno, s[0].col_offset))
+
+
+def truth_sites(source: str) -> list[tuple[ast.AST, str, str]]:
+    """``assert f(x)`` and ``assert not f(x)`` (one line): (node, new text, call source)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Assert) or node.test.lineno != node.test.end_lineno:
+            continue
+        t = node.test
+        if isinstance(t, ast.Call) and not _is_literal(t):
+            out.append((t, "not " + ast.get_source_segment(source, t), ast.unparse(t)))
+        elif isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not) and isinstance(t.operand, ast.Call):
+            out.append((t, ast.get_source_segment(source, t.operand), ast.unparse(t.operand)))
+    return out
+
+
+def _changed_text(segment: str, value) -> str | None:
+    """New source text for a constant, of the same type and a different value."""
+    if isinstance(value, bool):
+        return repr(not value)
+    if isinstance(value, int):
+        return repr(value + 1)
+    if isinstance(value, float):
+        return repr(value + 1.0)
+    if isinstance(value, complex):
+        return repr(value + 1)
+    if isinstance(value, (str, bytes)):
+        m = re.match(r"^([rRbBuU]{0,2})('''|\"\"\"|'|\")(.*)(\2)$", segment, re.S)
+        if not m:
+            return None
+        prefix, q, body, _ = m.groups()
+        if not body:
+            new = prefix + q + "x" + q
+        else:
+            i = len(body) - 1
+            while i >= 0 and (not body[i].isalnum() or (i > 0 and body[i - 1] == "\\")):
+                i -= 1
+            if i < 0:
+                new = prefix + q + body + "x" + q
+            else:
+                ch = body[i]
+                repl = ("b" if ch == "a" else "a") if ch.isalpha() else ("1" if ch == "0" else "0")
+                if ch.isupper():
+                    repl = repl.upper()
+                new = prefix + q + body[:i] + repl + body[i + 1:] + q
+        try:
+            v2 = ast.literal_eval(new)
+        except (ValueError, SyntaxError):
+            return None
+        return new if type(v2) is type(value) and v2 != value else None
+    return None
+
+
+def _replace(lines: list[str], node: ast.AST, text: str) -> None:
+    i = node.lineno - 1
+    line = lines[i]
+    raw = line.encode()
+    b = len(raw[:node.col_offset].decode(errors="ignore"))
+    e = len(raw[:node.end_col_offset].decode(errors="ignore"))
+    lines[i] = line[:b] + text + line[e:]
+
+
+def make_canaries(source: str, seed: str, visible: str = "", n: int = 2, per_canary: int = 2) -> list[str]:
+    """Up to ``n`` canary sources of ``source``, each changing ``per_canary`` sites (different
+    sites in different canaries, sites not on one line)."""
+    try:
+        found = sites(source)
+    except SyntaxError:
+        return []
+    seen_vis = re.sub(r"\s+", "", visible)
+    cands = []
+    for node, other in found:
+        seg = ast.get_source_segment(source, node)
+        text = _changed_text(seg or "", node.value) if seg is not None else None
+        if text is not None:
+            hidden = re.sub(r"\s+", "", other) not in seen_vis if visible else True
+            cands.append((node, text, hidden))
+    if not cands:
+        try:
+            for node, text, other in truth_sites(source):
+                cands.append((node, text, re.sub(r"\s+", "", other) not in seen_vis if visible else True))
+        except SyntaxError:
+            pass
+    pool = [c for c in cands if c[2]] or cands
+    rng = random.Random(seed)
+    rng.shuffle(pool)
+    out = []
+    used_lines: set[int] = set()
+    for _ in range(n):
+        chosen = []
+        for c in pool:
+            if c[0].lineno not in used_lines and c[0].lineno not in {x[0].lineno for x in chosen}:
+                chosen.append(c)
+                if len(chosen) >= per_canary:
+                    break
+        if not chosen:
+            break
+        used_lines |= {c[0].lineno for c in chosen}
+        lines = source.splitlines(keepends=True)
+        for node, text, _ in sorted(chosen, key=lambda c: (c[0].lineno, c[0].col_offset), reverse=True):
+            _replace(lines, node, text)
+        new = "".join(lines)
+        try:
+            ast.parse(new)
+        except SyntaxError:
+            continue
+        if new != source:
+            out.append(new)
+    return out
+
+
+def _visible_text(repo: Path) -> str:
+    parts = []
+    for p in sorted(repo.rglob("*.py")):
+        if ".git" not in p.relative_to(repo).parts and p.is_file():
+            try:
+                parts.append(p.read_text())
+            except (UnicodeDecodeError, OSError):
+                continue
+    return "\n".join(parts)
+
+
+def add_canaries(task_dir: Path, candidates: int = 2, keep: int = 1) -> dict:
+    """Generate, verify (one sandbox run against the reference) and record the task's canaries;
+    returns the ``checks`` entry written to ``task.json`` (empty when none could be verified)."""
+    from .grade import apply_reference, check_name, hidden_files, outcomes, run_checks
+
+    task_dir = Path(task_dir)
+    task = json.loads((task_dir / "task.json").read_text())
+    hidden = hidden_files(task_dir)
+    visible = _visible_text(task_dir / "repo")
+    with tempfile.TemporaryDirectory(prefix="cdag-k-") as tmp:
+        stage = Path(tmp) / "canaries"
+        stage.mkdir()
+        cands = []
+        for h in hidden:
+            text = h.read_text()
+            for src in make_canaries(text, seed=f"{task.get('id', task_dir.name)}:{h.name}", visible=visible,
+                                     n=candidates if len(text) < 20_000 else 1):
+                p = stage / (check_name(src.encode()) + ".py")
+                p.write_text(src)
+                cands.append(p)
+        ref_ws = apply_reference(task_dir, Path(tmp) / "ws")
+        per_test, details = run_checks(task_dir, ref_ws, hidden + cands)
+        res = outcomes(per_test)
+        checks: dict = {}
+        if details["valid"] and not details["tamper"]:
+            stems = {h.stem for h in hidden}
+            checks["expected"] = sorted(k for k, v in res.items() if _stem(k) in stems and v == "passed")
+            kept = {}
+            for c in cands:
+                failing = sorted(k for k, v in res.items() if _stem(k) == c.stem and v in ("failed", "error"))
+                if failing and checks["expected"] and len(kept) < keep:
+                    kept[c.name] = {"failing": failing}
+            if not checks["expected"]:
+                checks = {}
+            elif kept:
+                (task_dir / "canaries").mkdir(exist_ok=True)
+                for name in kept:
+                    shutil.copy(stage / name, task_dir / "canaries" / name)
+                checks["canaries"] = kept
+    if checks:
+        task["checks"] = checks
+        (task_dir / "task.json").write_text(json.dumps(task, indent=2, sort_keys=True))
+    return checks
+
+
+def _stem(test_id: str) -> str:
+    return test_id.split("::", 1)[0].split(".", 1)[0]

@@ -1,0 +1,227 @@
+"""The test runner the grader starts inside the sandbox (standard library only; run as a script).
+
+``python3 -I -B check_runner.py ROOT REPORT_DIR FILE...``: the first line of standard input is
+a per-run secret key, read and consumed before anything else is imported, then standard input
+is replaced by ``/dev/null``. The runner then records the framework objects the verdict depends
+on (builtins, ``os``/``sys`` exits and writes, every method of ``unittest``'s case, result,
+suite and loader classes, its own functions), puts ``ROOT`` first on ``sys.path``, imports each
+test file as a module and runs its ``unittest`` cases and its module-level ``test*`` functions,
+each outcome caught by the runner itself (``passed``, ``failed``, ``error``, ``skipped``,
+``xfailed``, ``xpassed``). After every test it checks that the recorded objects are still the
+originals and that no trace or profile hook is set. At the end it runs the exit handlers the
+code under test registered, checks once more, and writes one ``results.json`` into
+``REPORT_DIR`` (created exclusively, links not followed): an HMAC-SHA256 of the payload with
+the key, then the payload. It then leaves with ``os._exit`` (no further code of the solution
+runs). The grader trusts the file only if the MAC verifies and it is the only entry of
+``REPORT_DIR``.
+"""
+
+import os
+import sys
+
+
+def _main():  # noqa: C901 - one closure on purpose: the key lives only in its cells
+    key = b""
+    while not key.endswith(b"\n") and len(key) < 1024:
+        chunk = os.read(0, 1024)
+        if not chunk:
+            break
+        key += chunk
+    key = key.strip()
+    nul = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(nul, 0)
+    os.close(nul)
+
+    import atexit
+    import builtins
+    import hashlib
+    import hmac
+    import importlib.util
+    import inspect
+    import json
+    import traceback
+    import unittest
+    import unittest.case
+    import unittest.suite
+
+    root, report_dir, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+    _exit, _open, _write, _close = os._exit, os.open, os.write, os.close
+    _dumps, _hmac_new, _sha256 = json.dumps, hmac.new, hashlib.sha256
+    _gettrace, _getprofile = sys.gettrace, sys.getprofile
+    results, messages, tamper, events = {}, {}, [], []
+
+    watched = []
+
+    def watch(owner, names, label):
+        d = vars(owner)
+        for n in names:
+            if n in d:
+                v = d[n]
+                fn = getattr(v, "__func__", v)
+                watched.append((d, n, v, getattr(fn, "__code__", None), f"{label}.{n}"))
+
+    watch(builtins, ["__import__", "isinstance", "issubclass", "getattr", "setattr", "hasattr", "len",
+                     "repr", "str", "int", "float", "bool", "list", "tuple", "dict", "set", "type", "object",
+                     "print", "open", "exec", "eval", "compile", "all", "any", "sorted", "abs", "round",
+                     "callable", "iter", "next", "range", "zip", "map", "filter", "sum", "min", "max",
+                     "AssertionError", "Exception", "BaseException", "SystemExit", "KeyboardInterrupt",
+                     "__build_class__", "id", "hash", "vars", "exit", "quit"], "builtins")
+    watch(os, ["_exit", "write", "open", "close", "replace", "rename", "unlink", "remove", "kill", "abort"], "os")
+    watch(sys, ["exit", "settrace", "setprofile", "excepthook", "gettrace", "getprofile"], "sys")
+    watch(unittest, ["TestCase", "TestResult", "TestSuite", "TestLoader", "SkipTest", "FunctionTestCase",
+                     "defaultTestLoader"], "unittest")
+    frameworks = [unittest.TestCase, unittest.TestResult, unittest.TestSuite, unittest.suite.BaseTestSuite,
+                  unittest.TestLoader, unittest.case._Outcome, unittest.FunctionTestCase, unittest.SkipTest]
+    for cls in frameworks:
+        watch(cls, [n for n, v in vars(cls).items() if callable(v) or isinstance(v, (staticmethod, classmethod))],
+              cls.__qualname__)
+    class_keys = [(cls, frozenset(vars(cls))) for cls in frameworks]
+    watch(unittest.case, [n for n, v in vars(unittest.case).items() if inspect.isfunction(v)], "unittest.case")
+    watch(hmac, ["new", "compare_digest", "HMAC"], "hmac")
+    watch(hashlib, ["sha256"], "hashlib")
+    watch(json, ["dumps"], "json")
+    meta_path = list(sys.meta_path)
+
+    def check(where):
+        bad = []
+        for d, n, v, code, label in watched:
+            cur = d.get(n, None)
+            if cur is not v or (code is not None and getattr(getattr(cur, "__func__", cur), "__code__", None) is not code):
+                bad.append(label)
+        for cls, keys in class_keys:
+            if frozenset(vars(cls)) != keys:
+                bad.append(f"{cls.__qualname__}.<attributes>")
+        if _gettrace() is not None or _getprofile() is not None:
+            bad.append("sys.settrace/setprofile")
+        if [id(m) for m in sys.meta_path[:len(meta_path)]] != [id(m) for m in meta_path]:
+            bad.append("sys.meta_path")
+        for b in bad:
+            entry = f"{b} changed ({where})"
+            if entry not in tamper and len(tamper) < 20:
+                tamper.append(entry)
+
+    def text(exc):
+        try:
+            return "".join(traceback.format_exception_only(type(exc), exc))[-500:]
+        except BaseException:
+            return type(exc).__name__
+
+    def record(key_, outcome, exc=None):
+        if results.get(key_) in ("failed", "error") and outcome == "passed":
+            return
+        results[key_] = outcome
+        if exc is not None and outcome in ("failed", "error"):
+            messages[key_] = text(exc)
+        if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            events.append(f"{type(exc).__name__} raised in {key_}")
+
+    def case_id(mod, test):
+        tid = test.id()
+        name = mod.__name__
+        if isinstance(test, unittest.TestCase) and tid.startswith(name + "."):
+            rest = tid[len(name) + 1:]
+            cls, _, meth = rest.rpartition(".")
+            return f"{name}.{cls}::{meth}" if cls else f"{name}::{meth}"
+        return f"{name}::{tid}"
+
+    class Result(unittest.TestResult):
+        def __init__(self, mod):
+            super().__init__()
+            self.mod = mod
+
+        def _k(self, test):
+            return case_id(self.mod, test)
+
+        def addSuccess(self, test):
+            record(self._k(test), "passed")
+
+        def addFailure(self, test, err):
+            record(self._k(test), "failed", err[1])
+
+        def addError(self, test, err):
+            record(self._k(test), "error", err[1])
+
+        def addSkip(self, test, reason):
+            record(self._k(test), "skipped")
+
+        def addExpectedFailure(self, test, err):
+            record(self._k(test), "xfailed")
+
+        def addUnexpectedSuccess(self, test):
+            record(self._k(test), "xpassed")
+
+        def addSubTest(self, test, subtest, err):
+            if err is not None:
+                record(self._k(test), "failed" if issubclass(err[0], AssertionError) else "error", err[1])
+
+        def stopTest(self, test):
+            check(self._k(test))
+
+    for cls in (Result,):
+        watch(cls, [n for n, v in vars(cls).items() if callable(v)], "runner.Result")
+    for fn in (check, text, record, case_id):
+        watched.append(({"f": fn}, "f", fn, fn.__code__, f"runner.{fn.__name__}"))
+
+    def seal():
+        check("end")
+        payload = _dumps({"results": results, "messages": messages, "tamper": tamper, "events": events,
+                          "files": files}, sort_keys=True).encode()
+        mac = _hmac_new(key, payload, _sha256).hexdigest().encode()
+        fd = _open(os.path.join(report_dir, "results.json"),
+                   os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        data = mac + b"\n" + payload
+        while data:
+            data = data[_write(fd, data):]
+        _close(fd)
+
+    sys.path.insert(0, root)
+    check("start")
+    for path in files:
+        name = os.path.basename(path)[:-3]
+        try:
+            spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+        except BaseException as e:  # noqa: BLE001 - the import of code under test may raise anything
+            record(f"{name}::<module>", "error", e)
+            continue
+        check(f"{name} imported")
+        try:
+            suite = unittest.TestLoader().loadTestsFromModule(mod)
+            suite.run(Result(mod))
+        except BaseException as e:  # noqa: BLE001
+            record(f"{name}::<suite>", "error", e)
+        for fname, f in list(vars(mod).items()):
+            if not (fname.startswith("test") and inspect.isfunction(f) and f.__module__ == name):
+                continue
+            k = f"{name}::{fname}"
+            try:
+                f()
+                record(k, "passed")
+            except unittest.SkipTest:
+                record(k, "skipped")
+            except AssertionError as e:
+                record(k, "failed", e)
+            except BaseException as e:  # noqa: BLE001
+                record(k, "error", e)
+            check(k)
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        pass
+    try:
+        for s in (sys.__stdout__, sys.__stderr__):
+            s.flush()
+    except BaseException:  # noqa: BLE001
+        pass
+    try:
+        seal()
+        code = 0
+    except BaseException:  # noqa: BLE001
+        code = 3
+    _exit(code)
+
+
+if __name__ == "__main__":
+    _main()
