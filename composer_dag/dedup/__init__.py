@@ -19,7 +19,8 @@ _EXPORTS = {
     "DedupConfig": "pipeline",
     "DedupResult": "pipeline",
     "dedup": "pipeline",
-    "read_inputs": "pipeline",
+    "inspect_inputs": "pipeline",
+    "work_url": "pipeline",
     "PLACEHOLDERS": "secrets",
     "SECRET_KINDS": "secrets",
     "SECRET_PATTERNS": "secrets",
@@ -32,7 +33,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from .decontam import ContaminationIndex, check_shards, default_index, humaneval_texts
-    from .pipeline import DROP_REASONS, DedupConfig, DedupResult, dedup, read_inputs
+    from .pipeline import DROP_REASONS, DedupConfig, DedupResult, dedup, inspect_inputs, work_url
     from .secrets import PLACEHOLDERS, SECRET_KINDS, SECRET_PATTERNS, find_secrets, redact
     from .text import ngram_hashes, tokens
 

@@ -72,15 +72,27 @@ def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
     return best[1], best[2]
 
 
-def candidate_pairs(sig: np.ndarray, bands: int, rows: int) -> np.ndarray:
-    """Unique (i, j), i < j, row pairs of ``sig`` that share at least one band."""
-    edges = []
+def band_keys(sig: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """The LSH bucket of each signature in each band (docs x bands u64): the band's ``rows``
+    values folded with a multiply-xor step."""
+    keys = np.empty((len(sig), bands), dtype=np.uint64)
     for b in range(bands):
         block = sig[:, b * rows : (b + 1) * rows].astype(np.uint64)
         key = block[:, 0].copy()
         for c in range(1, rows):
             key *= _MIX
             key ^= block[:, c]
+        keys[:, b] = key
+    return keys
+
+
+def candidate_pairs(sig: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """Unique (i, j), i < j, row pairs of ``sig`` that share at least one band (in memory; the
+    pipeline does the same grouping out of core in DuckDB, ``reduce.py``)."""
+    edges = []
+    all_keys = band_keys(sig, bands, rows)
+    for b in range(bands):
+        key = all_keys[:, b]
         order = np.argsort(key, kind="stable")
         ks = key[order]
         same = np.flatnonzero(ks[1:] == ks[:-1]) + 1  # positions continuing a bucket

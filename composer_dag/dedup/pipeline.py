@@ -1,59 +1,77 @@
-"""The dedup pipeline: corpus Parquet in, filtered, deduplicated, redacted shards out.
+"""The dedup pipeline: corpus Parquet in, filtered, deduplicated, redacted shards out, in memory
+bounded by a setting whatever the corpus size.
 
-The per-file work of all stages (filter verdicts, exact hashes, signatures, n-gram lookups,
-redaction) is computed in one pass over batches of files in worker processes
-(``features.analyse_batch``), so each file is read and tokenised once and both cores are busy;
-work for a file stops at the first filter it fails. The decisions are then taken in this order,
-each stage seeing only the files the previous ones kept:
+**Map** (``shards.py``): the inputs' row groups are cut into tasks of about ``task_bytes``; each
+task streams its rows in batches through every stage's per-file work (``features.analyse_batch``:
+filter verdict, exact hash, MinHash signature and LSH band hashes, first contaminated n-gram,
+redacted text) and writes them as Parquet in the run's work directory. Tasks share nothing but
+storage: they run in a local process pool, one after another in this process for small inputs,
+or through a ``run_tasks`` callable on a cluster (a Slurm job array, a k8s indexed Job).
 
-1. ``filter``: null content (``invalid_row``) and the quality filters (``filters.py``). Cheap
-   per-file checks go first so later stages never spend time on junk.
+**Reduce** (here, in DuckDB over the map's Parquet, with ``memory_limit`` and a spill directory):
+the decisions, in this order, each stage seeing only the files the previous ones kept:
+
+1. ``filter``: null content (``invalid_row``) and the quality filters (``filters.py``).
 2. ``exact``: SHA-256 of the normalised content (CRLF/CR -> LF, trailing whitespace stripped
-   per line, leading and trailing blank lines dropped); one file kept per group.
-3. ``near``: MinHash (rensa, 5-gram word shingles, 256 permutations) + LSH + verification +
-   union-find (``near.py``); one file kept per cluster. Exact dedup first makes this cheaper
-   and keeps identical files from forming large LSH buckets.
+   per line, leading and trailing blank lines dropped); one file kept per group (a GROUP BY).
+3. ``near``: MinHash (rensa, 5-gram word shingles, 256 permutations) + LSH: candidate pairs come
+   from grouping the band hashes (each bucket links its members to its first and to the previous
+   member, in row order), are verified on the signatures of the candidates only, and joined by a
+   union-find over the candidates (``near.py``); one file kept per cluster.
 4. ``decontaminate``: files sharing a word n-gram with HumanEval or the extra texts
-   (``decontam.py``). After dedup, so drops are attributed to duplicates first and the
-   contamination report lists only files that would otherwise have been kept.
+   (``decontam.py``), after dedup so drops are attributed to duplicates first.
 5. ``redact``: secrets and e-mail addresses in the kept files become placeholders
-   (``secrets.py``). Last, because it changes content: dedup and decontamination see the
-   original text, and only files that are written get rewritten.
-6. ``write``: shards, ``clusters.parquet``, ``dropped.parquet``, then ``manifest.json``.
+   (``secrets.py``); dedup and decontamination saw the original text.
+6. ``write``: a second streaming pass over the inputs writes the kept rows into shards of about
+   ``shard_bytes``, then ``clusters.parquet``, ``dropped.parquet``, and ``manifest.json`` last.
 
-``_run`` is that sequence: one function per stage, each keeping a ``StageCounts`` tally (files
-seen, kept, dropped by reason, and counters of its own such as groups or candidate pairs).
-The tallies are the progress lines and ``DedupResult.extra["stages"]``, and add up to the
-result's ``dropped`` counts: every input row ends kept or dropped for exactly one reason.
+Each stage keeps a ``StageCounts`` tally (files seen, kept, dropped by reason, counters of its
+own); the tallies are the progress lines and ``DedupResult.extra["stages"]``, and every input row
+ends kept or dropped for exactly one reason.
 
-Keep rule for exact groups and near clusters: the longest content (bytes) wins, ties go to
-the lexicographically smallest ``(source, path)``, then ``id``. Kept files stay in input
-order. Signatures use a fixed seed and every grouping is ordered by row index, so the same
-input gives the same output, byte for byte.
+Keep rule for exact groups and near clusters: the longest content (bytes) wins, ties go to the
+lexicographically smallest ``(source, path)``, then ``id``. Kept files stay in input order.
+Signatures use a fixed seed and every grouping is ordered by row, so the same input gives the
+same output, byte for byte, whatever the number of tasks or processes.
+
+**Incremental** (``incremental=True``): the run also leaves an index of its kept files
+(signatures, band and exact hashes) in its work directory. A later run given ``previous=`` that
+output deduplicates only its own inputs (a new source) against the index, without recomputing
+the older signatures; a file already kept always wins over a new one, and the output holds the
+new kept files only.
+
+Memory: the process tree (this process, the map workers, DuckDB) stays under ``memory_bytes``:
+DuckDB gets a quarter of it and spills beyond; workers hold one batch each, and their number is
+cut to what the rest allows (``WORKER_BYTES`` each); the write pass holds one shard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import posixpath
+import shutil
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
-from types import SimpleNamespace
 from typing import Callable, Mapping, NamedTuple
 
+import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from pydantic import Field, field_validator
 
 from ..runtime.config import StageConfig
-from ..runtime.errors import one_line
 from ..storage import ArtifactError, Storage
 from .decontam import ContaminationIndex, default_index
-from .features import STAGES, analyse_batch, ready
-from .near import candidate_pairs, connected_components, optimal_bands, similarities
+from .features import STAGES, ready
+from .near import connected_components, similarities
 from .secrets import SECRET_KINDS
-from .text import tokens
+from .shards import RunTasks, batch_rows, lsh_shape, open_parquet, plan, run_task
 
 REQUIRED_COLUMNS = ("id", "source", "repo", "path", "language", "content", "size_bytes", "sha256")
 FILTER_REASONS = (
@@ -65,6 +83,10 @@ FILTER_REASONS = (
     "filter:alnum_fraction",
 )
 DROP_REASONS = ("invalid_row", *FILTER_REASONS, "exact_duplicate", "near_duplicate", "contaminated")
+MAIN_BYTES = 350_000_000  # this process without DuckDB's share: interpreter, libraries, one shard
+WORKER_BYTES = 250_000_000  # one map worker at the default batch size
+# Settings an index of kept files depends on: a later incremental run must use the same.
+INDEX_SETTINGS = ("num_perm", "seed", "shingle_size", "threshold", "bands")
 
 
 class DedupConfig(StageConfig):
@@ -115,6 +137,13 @@ class DedupConfig(StageConfig):
     parallel_min_input_bytes: int = Field(4_000_000, description="smaller Parquet inputs are analysed in-process")
     batch_bytes: int = Field(4_000_000, description="content per batch of files handed to a process")
 
+    task_bytes: int = Field(32_000_000, description="input (uncompressed Parquet) per map task")
+    memory_bytes: int = Field(
+        2_000_000_000, description="peak RSS of the whole process tree (workers and DuckDB included)")
+    incremental: bool = Field(
+        False, description="leave an index of the kept files, so a later run deduplicates new sources "
+                           "against them (given previous=this output); already-kept files win")
+
     @field_validator("decontam_n")
     @classmethod
     def _decontam_n_at_least_10(cls, v: int) -> int:
@@ -127,6 +156,13 @@ class DedupConfig(StageConfig):
     def _threshold_in_unit_interval(cls, v: float) -> float:
         if not 0.0 < v <= 1.0:
             raise ValueError("must be in (0, 1]")
+        return v
+
+    @field_validator("memory_bytes")
+    @classmethod
+    def _memory_for_one_worker(cls, v: int) -> int:
+        if v < MAIN_BYTES + WORKER_BYTES // 2:
+            raise ValueError(f"must be >= {MAIN_BYTES + WORKER_BYTES // 2}")
         return v
 
 
@@ -150,47 +186,43 @@ class DedupResult:
         return asdict(self)
 
 
-def read_inputs(input_urls: list[str], storage: Storage) -> pa.Table:
-    """All input tables, concatenated; a corrupt, truncated or incomplete file raises one line."""
-    tables = []
+def work_url(out_url: str) -> str:
+    """The run's work directory (map output, job spec, incremental index): beside ``out_url``."""
+    return out_url.rstrip("/") + ".work"
+
+
+class _Input(NamedTuple):
+    url: str
+    meta: pq.FileMetaData
+    schema: pa.Schema
+
+
+def inspect_inputs(input_urls: list[str], storage: Storage) -> list[_Input]:
+    """Every input's footer, checked for the required columns and types (nothing else is read);
+    a corrupt, truncated or incomplete file raises one line naming it."""
+    if not input_urls:
+        raise ValueError("dedup needs at least one input Parquet file")
+    inputs = []
     for url in input_urls:
-        try:
-            t = storage.read_parquet(url)
-        except ArtifactError as exc:
-            why = one_line(exc.__cause__ or exc)
-            raise ArtifactError(f"corrupt or unreadable Parquet input {url}: {why}") from None
-        missing = [c for c in REQUIRED_COLUMNS if c not in t.column_names]
+        pf = open_parquet(storage, url)
+        schema = pf.schema_arrow
+        missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
         if missing:
             raise ValueError(f"Parquet input {url} lacks columns {missing}")
         for col in REQUIRED_COLUMNS:
-            typ = t.schema.field(col).type
+            typ = schema.field(col).type
             ok = pa.types.is_integer(typ) if col == "size_bytes" else (
                 pa.types.is_string(typ) or pa.types.is_large_string(typ)
                 or (col == "content" and (pa.types.is_binary(typ) or pa.types.is_large_binary(typ))))
             if not ok and not pa.types.is_null(typ):
                 raise ValueError(f"Parquet input {url}: column {col!r} has type {typ}, "
                                  f"expected {'an integer' if col == 'size_bytes' else 'string'}")
-        tables.append(t)
-    if not tables:
-        raise ValueError("dedup needs at least one input Parquet file")
-    return pa.concat_tables(tables, promote_options="permissive")
+        inputs.append(_Input(url, pf.metadata, schema))
+    return inputs
 
 
 def _fmt(d: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.2f}" for k, v in d.items())
-
-
-def _batches(idx: list[int], sizes: list[int], batch_bytes: int) -> list[list[int]]:
-    out, cur, size = [], [], 0
-    for i in idx:
-        cur.append(i)
-        size += sizes[i]
-        if size >= batch_bytes:
-            out.append(cur)
-            cur, size = [], 0
-    if cur:
-        out.append(cur)
-    return out
 
 
 def dedup(
@@ -200,29 +232,49 @@ def dedup(
     config: DedupConfig | Mapping | None = None,
     contamination: list[tuple[str, str]] | None = None,
     progress: Callable[[str], None] | None = None,
+    run_tasks: RunTasks | None = None,
+    previous: str | None = None,
 ) -> DedupResult:
     """Filter, deduplicate, decontaminate and redact ``input_urls`` into ``out_url``.
 
     ``config`` is a ``DedupConfig``, a mapping of its fields, or None for the defaults; a bad
-    one raises ``ConfigError`` (one line) before anything is read."""
+    one raises ``ConfigError`` (one line) before anything is read. ``run_tasks`` runs the map's
+    tasks elsewhere (see ``shards.RunTasks``); by default a local process pool. ``previous`` is
+    the output of an earlier ``incremental`` run to deduplicate against."""
     cfg = DedupConfig.load(config)
     say = progress or (lambda _msg: None)
+    if previous is not None and not cfg.incremental:
+        raise ValueError("previous= needs incremental=True")
     pool = None
     input_bytes = sum(storage.fs.size(storage._path(u)) for u in input_urls if storage.exists(u))
-    if cfg.workers > 1 and input_bytes >= cfg.parallel_min_input_bytes:
-        # start the workers now: they import while the inputs are read
-        pool = ProcessPoolExecutor(cfg.workers, mp_context=get_context("spawn"))
-        warm = [pool.submit(ready) for _ in range(cfg.workers)]
+    workers = workers_for(cfg)
+    if run_tasks is None and workers > 1 and input_bytes >= cfg.parallel_min_input_bytes:
+        # start the workers now: they import while the inputs are inspected
+        pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
+        warm = [pool.submit(ready) for _ in range(workers)]
+    spill = tempfile.mkdtemp(prefix="dedup-duckdb-")
     try:
-        return _run(input_urls, storage, out_url, cfg, contamination, say, pool)
+        return _run(input_urls, storage, out_url, cfg, contamination, say, pool, run_tasks, previous, spill)
     finally:
+        shutil.rmtree(spill, ignore_errors=True)
         if pool is not None:
             for f in warm:
                 f.cancel()
             pool.shutdown(cancel_futures=True)
 
 
-# ---- the run's state and tallies -----------------------------------------------------------
+def workers_for(cfg: DedupConfig) -> int:
+    """Map processes: ``workers``, fewer if ``memory_bytes`` cannot hold them beside this
+    process and DuckDB's share."""
+    room = cfg.memory_bytes - MAIN_BYTES - _duckdb_bytes(cfg)
+    return max(1, min(cfg.workers, room // WORKER_BYTES))
+
+
+def _duckdb_bytes(cfg: DedupConfig) -> int:
+    return cfg.memory_bytes // 4
+
+
+# ---- the run's tallies ---------------------------------------------------------------------
 
 
 @dataclass
@@ -243,120 +295,328 @@ class StageCounts:
         return {"seen": self.seen, "kept": self.kept, "dropped": dict(self.dropped), **self.stats}
 
 
-@dataclass
-class _Rows:
-    """The input rows as Python lists, which rows are still alive, and every drop so far."""
-
-    table: pa.Table
-    n: int
-    docs: list[bytes | None]  # emptied once the shards are written
-    ids: list[str | None]
-    sources: list[str | None]
-    paths: list[str | None]
-    sizes: list[int]
-    alive: list[bool]
-    left: int  # rows alive
-    drops: list[tuple[int, str, str, str]] = field(default_factory=list)  # (row, stage, reason, detail)
-
-    def drop(self, i: int, counts: StageCounts, reason: str, detail: str) -> None:
-        if self.alive[i]:
-            self.left -= 1
-        self.alive[i] = False
-        self.drops.append((i, counts.name, reason, detail))
-        counts.dropped[reason] = counts.dropped.get(reason, 0) + 1
-
-    def keep_key(self, i: int) -> tuple:
-        """Keep rule of exact groups and near clusters: longest content, then smallest
-        ``(source, path)``, then ``id``."""
-        return (-self.sizes[i], self.sources[i] or "", self.paths[i] or "", self.ids[i] or "")
-
-    def name(self, i: int) -> str:
-        return f"{self.ids[i]} ({self.sources[i]}:{self.paths[i]})"
+# ---- map ------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Features:
-    """The per-file pass's results. ``live`` holds the rows that pass the filters, in order;
-    ``exact_keys``, ``sig`` and ``has_shingles`` are indexed like it."""
-
-    batches: int
-    verdicts: list | None
-    live: list[int]
-    exact_keys: list[bytes] | None
-    sig: np.ndarray | None
-    has_shingles: np.ndarray
-    hits: list[tuple[int, int, int]]  # (row, n-gram position, n-gram hash)
-    redacted: dict[int, tuple[bytes, dict[str, int]]] | None  # row -> (new content, count by kind)
-    cpu: dict[str, float]
-
-
-# ---- the stages, in order ------------------------------------------------------------------
+def _map(inputs: list[_Input], storage: Storage, work: str, cfg: DedupConfig, contam: np.ndarray,
+         pool: ProcessPoolExecutor | None, run_tasks: RunTasks | None) -> tuple[list[dict], list[dict]]:
+    """The map's tasks and each one's stats: run by ``run_tasks``, the pool, or here."""
+    tasks = plan([(i.url, i.meta) for i in inputs], cfg.task_bytes, work)
+    spec = {"root": storage.root, "config": cfg.model_dump(), "contam": contam.tolist(), "tasks": tasks}
+    if run_tasks is not None:
+        spec_url = posixpath.join(work, "spec.json")
+        storage.write_json(spec_url, spec)
+        run_tasks(spec_url, len(tasks))
+        return tasks, [storage.read_json(t["stats"]) for t in tasks]
+    if pool is not None and len(tasks) > 1:
+        futures = [pool.submit(run_task, storage, spec, k) for k in range(len(tasks))]
+        return tasks, [f.result() for f in futures]
+    return tasks, [run_task(storage, spec, k) for k in range(len(tasks))]
 
 
-def _run(
-    input_urls: list[str],
-    storage: Storage,
-    out_url: str,
-    cfg: DedupConfig,
-    contamination: list[tuple[str, str]] | None,
-    say: Callable[[str], None],
-    pool: ProcessPoolExecutor | None,
-) -> DedupResult:
-    """The stages in order; each one's wall seconds and tally are recorded as it ends."""
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-    stages: list[StageCounts] = []
-
-    def done(counts: StageCounts, message: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[counts.name] = round(now - clock, 4)
-        clock = now
-        stages.append(counts)
-        say(f"{counts.name}: {message}")
-
-    rows, counts = _read(input_urls, storage)
-    done(counts, f"{rows.n} files, {sum(rows.sizes)} bytes from {len(input_urls)} input file(s)")
-    index = _contamination_index(cfg, contamination)
-    feats, counts = _analyse(rows, cfg, index.hashes, pool)
-    done(counts, f"{feats.batches} batches, {cfg.workers if pool else 1} process(es), cpu seconds {_fmt(feats.cpu)}")
-    counts = _filter(rows, feats)
-    done(counts, f"{sum(counts.dropped.values())} dropped, {rows.left} left")
-    clusters: list[tuple[int, int, bool, str, int, float]] = []  # cluster, row, kept, reason, kept row, sim
-    counts = _exact(rows, feats, clusters)
-    done(counts, f"{counts.stats['groups']} groups, {counts.stats['duplicates']} dropped, {rows.left} left")
-    counts = _near(rows, feats, clusters, cfg)
-    c = counts.stats
-    done(counts, f"{c['lsh_bands']}x{c['lsh_rows']} LSH, {c['candidate_pairs']} candidate pairs, "
-                 f"{c['verified_pairs']} verified, {c['clusters']} clusters, {c['duplicates']} dropped, {rows.left} left")
-    counts = _decontaminate(rows, feats, index, cfg.decontam_n)
-    done(counts, f"{len(index)} benchmark n-grams (n={cfg.decontam_n}), {counts.stats['contaminated']} dropped, "
-                 f"{rows.left} left")
-    kept = [i for i in range(rows.n) if rows.alive[i]]
-    changed, redactions, counts = _redact(feats, kept)
-    done(counts, f"{sum(redactions.values())} secrets in {len(changed)} files")
-    out, counts = _write(rows, kept, changed, clusters, storage, out_url, cfg.shard_bytes)
-    done(counts, f"{counts.stats['shards']} shards, {counts.kept} files, {counts.stats['bytes']} bytes kept")
-    return _result(rows, kept, redactions, clusters, out, seconds, stages, index, feats.cpu)
+# ---- reduce ---------------------------------------------------------------------------------
 
 
-def _read(input_urls: list[str], storage: Storage) -> tuple[_Rows, StageCounts]:
-    """The inputs (validated by ``read_inputs``) as Python lists; null content is not alive."""
-    table = read_inputs(input_urls, storage)
-    docs: list[bytes | None] = table.column("content").cast(pa.binary()).to_pylist()
-    alive = [d is not None for d in docs]
-    rows = _Rows(
-        table=table,
-        n=len(docs),
-        docs=docs,
-        ids=table.column("id").to_pylist(),
-        sources=table.column("source").to_pylist(),
-        paths=table.column("path").to_pylist(),
-        sizes=[len(d) if d is not None else 0 for d in docs],
-        alive=alive,
-        left=sum(alive),
-    )
-    return rows, StageCounts("read", seen=rows.n, stats={"inputs": len(input_urls), "bytes": sum(rows.sizes)})
+class _Reduce:
+    """A DuckDB connection over the map's output (``f``: features without signatures or
+    redacted text, as a table; ``bands``: the band rows), plus the ``drops`` and ``clusters``
+    tables the stages fill. Rows of an earlier run's index (``previous``) have negative numbers
+    and are never dropped."""
+
+    def __init__(self, storage: Storage, features: list[str], bands: list[str], cfg: DedupConfig, spill: str):
+        self.storage = storage
+        con = self.con = duckdb.connect()
+        con.execute(f"SET memory_limit = '{_duckdb_bytes(cfg) // 1_000_000}MB'")
+        con.execute(f"SET temp_directory = '{spill}'")
+        con.execute("SET preserve_insertion_order = false")
+        if storage.protocol != "file":
+            con.register_filesystem(storage.fs)
+        self.features = self.scan(features)
+        slim = ", ".join(c for c in _FEATURE_COLUMNS if c not in ("sig", "redacted"))
+        con.execute(f"CREATE TEMP TABLE f AS SELECT {slim} FROM {self.features}")
+        con.execute(f"CREATE TEMP VIEW bands AS SELECT * FROM {self.scan(bands)}")
+        con.execute("CREATE TEMP TABLE drops (row BIGINT, stage VARCHAR, reason VARCHAR, detail VARCHAR)")
+        con.execute("CREATE TEMP TABLE clusters (cluster BIGINT, row BIGINT, kept BOOLEAN, reason VARCHAR, "
+                    "kept_row BIGINT, similarity DOUBLE)")
+
+    def scan(self, urls: list[str]) -> str:
+        paths = [self.storage.local_path(u) or u for u in urls]
+        return "read_parquet([" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "])"
+
+    def sql(self, query: str, *params) -> list[tuple]:
+        return self.con.execute(query, list(params)).fetchall()
+
+    def one(self, query: str, *params):
+        return self.sql(query, *params)[0][0]
+
+    def insert(self, table: str, data: pa.Table) -> None:
+        self.con.register("_rows", data)
+        self.con.execute(f"INSERT INTO {table} SELECT * FROM _rows")
+        self.con.unregister("_rows")
+
+    def left(self) -> int:
+        """New rows not dropped yet."""
+        return self.one("SELECT count(*) FROM f ANTI JOIN drops USING (row) WHERE row >= 0")
+
+    def dropped(self, stage: str) -> dict[str, int]:
+        return dict(self.sql("SELECT reason, count(*) FROM drops WHERE stage = ? GROUP BY reason "
+                             "ORDER BY min(row)", stage))
+
+    def write(self, query: str, url: str) -> None:
+        """The result of ``query`` streamed into the Parquet file ``url``."""
+        reader = self.con.sql(query).to_arrow_reader(65536)
+        with self.storage.open_atomic(url) as out, pq.ParquetWriter(out, reader.schema, compression="zstd") as w:
+            for batch in reader:
+                w.write_batch(batch)
+
+
+_FEATURE_COLUMNS = ("row", "id", "source", "path", "size", "reason", "detail", "exact", "has_shingles", "sig",
+                    "hit_hash", "hit_ngram", *(f"n_{kind}" for kind in SECRET_KINDS), "redacted")
+# keep rule: files already kept by an earlier run first, then longest, then (source, path), id
+_KEEP_ORDER = "row >= 0, size DESC, coalesce(source, ''), coalesce(path, ''), coalesce(id, ''), row"
+
+
+def _name(alias: str) -> str:
+    """SQL for ``id (source:path)`` of a row, as Python formats it (None for a null)."""
+    parts = [f"coalesce({alias}.{c}, 'None')" for c in ("id", "source", "path")]
+    return f"{parts[0]} || ' (' || {parts[1]} || ':' || {parts[2]} || ')'"
+
+
+def _py_name(r: dict) -> str:
+    return f"{r['id']} ({r['source']}:{r['path']})"
+
+
+def _filter(db: _Reduce) -> StageCounts:
+    """1. Null content (``invalid_row``) and the first quality filter each file fails."""
+    seen = db.one("SELECT count(*) FROM f WHERE row >= 0")
+    db.con.execute("INSERT INTO drops SELECT row, 'filter', reason, detail FROM f "
+                   "WHERE row >= 0 AND reason IS NOT NULL")
+    return StageCounts("filter", seen=seen, dropped=db.dropped("filter"))
+
+
+def _exact(db: _Reduce, seen: int) -> StageCounts:
+    """2. Groups of equal normalised content; the keep rule's file stays, the others drop.
+    Groups are numbered in order of their first row."""
+    db.con.execute(f"""
+        CREATE TEMP TABLE exact AS
+        WITH live AS (SELECT row, exact, size, id, source, path FROM f WHERE reason IS NULL),
+        dup AS (SELECT exact FROM live GROUP BY exact HAVING count(*) > 1),
+        m AS (SELECT row, first_value(row) OVER (PARTITION BY exact ORDER BY {_KEEP_ORDER}) AS keep,
+                     min(row) OVER (PARTITION BY exact) AS first
+              FROM live SEMI JOIN dup USING (exact))
+        SELECT dense_rank() OVER (ORDER BY first) - 1 AS cluster, row, keep FROM m""")
+    db.con.execute("INSERT INTO clusters SELECT cluster, row, row = keep OR row < 0, 'exact_duplicate', keep, 1.0 "
+                   "FROM exact")
+    db.con.execute(f"INSERT INTO drops SELECT e.row, 'exact', 'exact_duplicate', 'duplicate of ' || {_name('k')} "
+                   "FROM exact e JOIN f k ON k.row = e.keep WHERE e.row <> e.keep AND e.row >= 0")
+    groups = db.one("SELECT count(DISTINCT cluster) FROM exact")
+    counts = StageCounts("exact", seen=seen, dropped=db.dropped("exact"))
+    counts.stats = {"groups": groups, "duplicates": sum(counts.dropped.values())}
+    return counts
+
+
+def _near(db: _Reduce, cfg: DedupConfig, seen: int) -> StageCounts:
+    """3. MinHash LSH over the rows still alive that have shingles: files sharing a band
+    bucket become candidate pairs (grouped in DuckDB, out of core), which are verified on their
+    signatures and joined into clusters; the keep rule's file of each cluster stays."""
+    bands, band_rows = lsh_shape(cfg)
+    db.con.execute("""
+        CREATE TEMP TABLE pairs AS
+        WITH usable AS (SELECT row FROM f ANTI JOIN drops USING (row) WHERE reason IS NULL AND has_shingles),
+        b AS (SELECT band, key, row FROM bands SEMI JOIN usable USING (row)),
+        multi AS (SELECT band, key FROM b GROUP BY band, key HAVING count(*) > 1),
+        e AS (SELECT row, first_value(row) OVER w AS first, lag(row) OVER w AS prev
+              FROM b SEMI JOIN multi USING (band, key) WINDOW w AS (PARTITION BY band, key ORDER BY row))
+        SELECT DISTINCT a, b FROM (SELECT first AS a, row AS b FROM e WHERE first <> row
+                                   UNION ALL SELECT prev, row FROM e WHERE prev IS NOT NULL)""")
+    pairs = np.array(db.sql("SELECT a, b FROM pairs ORDER BY a, b"), dtype=np.int64).reshape(-1, 2)
+    cand = db.con.sql(
+        f"SELECT row, sig, size, id, source, path FROM {db.features} "
+        "WHERE row IN (SELECT a FROM pairs UNION SELECT b FROM pairs) ORDER BY row").to_arrow_table()
+    rows = cand.column("row").to_numpy()
+    sig = np.frombuffer(b"".join(cand.column("sig").to_pylist()), dtype="<u4").reshape(len(rows), cfg.num_perm)
+    meta = cand.select(["row", "size", "id", "source", "path"]).to_pylist()
+    local = np.searchsorted(rows, pairs)
+    verified = local[similarities(sig, local) >= cfg.threshold]
+    first = db.one("SELECT count(DISTINCT cluster) FROM clusters")
+    found = []
+    for c, comp in enumerate(connected_components(len(rows), verified)):
+        k = min(comp, key=lambda x: (meta[x]["row"] >= 0, -meta[x]["size"], meta[x]["source"] or "",
+                                     meta[x]["path"] or "", meta[x]["id"] or "", meta[x]["row"]))
+        for x in comp:
+            sim = float((sig[x] == sig[k]).mean())
+            found.append((first + c, meta[x]["row"], x == k or meta[x]["row"] < 0, meta[k]["row"], sim,
+                          f"similar to {_py_name(meta[k])}, jaccard~{sim:.2f}"))
+    table = pa.table({name: pa.array([t[i] for t in found], typ) for i, (name, typ) in enumerate(
+        [("cluster", pa.int64()), ("row", pa.int64()), ("kept", pa.bool_()), ("kept_row", pa.int64()),
+         ("similarity", pa.float64()), ("detail", pa.string())])})
+    db.con.register("_near", table)
+    db.con.execute("INSERT INTO clusters SELECT cluster, row, kept, 'near_duplicate', kept_row, similarity FROM _near")
+    db.con.execute("INSERT INTO drops SELECT row, 'near', 'near_duplicate', detail FROM _near WHERE NOT kept")
+    db.con.unregister("_near")
+    counts = StageCounts("near", seen=seen, dropped=db.dropped("near"))
+    counts.stats = {
+        "lsh_bands": bands,
+        "lsh_rows": band_rows,
+        "candidate_pairs": len(pairs),
+        "verified_pairs": len(verified),
+        "clusters": len({t[0] for t in found}),
+        "duplicates": sum(counts.dropped.values()),
+    }
+    return counts
+
+
+def _decontaminate(db: _Reduce, index: ContaminationIndex, seen: int) -> StageCounts:
+    """4. Files still alive that share a word n-gram with an evaluation text; the detail names
+    the text and the first such n-gram."""
+    hits = db.sql("SELECT row, hit_hash, hit_ngram FROM f ANTI JOIN drops USING (row) "
+                  "WHERE row >= 0 AND hit_hash IS NOT NULL ORDER BY row")
+    db.insert("drops", pa.table({"row": pa.array([h[0] for h in hits], pa.int64()),
+                                 "stage": pa.array(["decontaminate"] * len(hits), pa.string()),
+                                 "reason": pa.array(["contaminated"] * len(hits), pa.string()),
+                                 "detail": pa.array([f"{index.owner(h[1])}: {h[2]}" for h in hits], pa.string())}))
+    return StageCounts("decontaminate", seen=seen, dropped=db.dropped("decontaminate"),
+                       stats={"ngrams": len(index), "contaminated": len(hits)})
+
+
+def _redact(db: _Reduce, seen: int) -> tuple[dict[str, int], StageCounts]:
+    """5. The number of secrets by kind in the kept files (found and replaced in the map)."""
+    cols = [f"n_{kind}" for kind in SECRET_KINDS]
+    sums = db.sql(f"SELECT count(*) FILTER (WHERE {' OR '.join(c + ' IS NOT NULL' for c in cols)}), "
+                  f"{', '.join(f'coalesce(sum({c}), 0)' for c in cols)} FROM f ANTI JOIN drops USING (row) "
+                  "WHERE row >= 0")[0]
+    redactions = dict(zip(SECRET_KINDS, map(int, sums[1:])))
+    counts = StageCounts("redact", seen=seen, stats={"files_changed": int(sums[0]), "secrets": sum(redactions.values())})
+    return redactions, counts
+
+
+class _Outputs(NamedTuple):
+    shard_urls: list[str]
+    clusters_url: str
+    dropped_url: str
+    manifest_digest: str
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` with the columns and types of the inputs' unified schema (nulls where absent)."""
+    cols = [table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(len(table), f.type)
+            for f in schema]
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def _redacted(part: pa.Table, redacted: pa.ChunkedArray) -> pa.Table:
+    """``part`` with the redacted content, size and SHA-256 of the rows that have one."""
+    changed = redacted.is_valid().to_pylist()
+    if not any(changed):
+        return part
+    schema = part.schema
+    content = part.column("content").cast(pa.binary()).to_pylist()
+    sizes = part.column("size_bytes").to_pylist()
+    sha = part.column("sha256").to_pylist()
+    for j, new in enumerate(redacted.to_pylist()):
+        if changed[j]:
+            content[j], sizes[j], sha[j] = new, len(new), hashlib.sha256(new).hexdigest()
+    for name, values in (("content", pa.array(content, pa.binary())), ("size_bytes", pa.array(sizes)),
+                         ("sha256", pa.array(sha, pa.string()))):
+        i = schema.get_field_index(name)
+        part = part.set_column(i, schema.field(name), values.cast(schema.field(name).type))
+    return part
+
+
+def _write(db: _Reduce, inputs: list[_Input], tasks: list[dict], storage: Storage, out_url: str,
+           cfg: DedupConfig) -> tuple[_Outputs, StageCounts]:
+    """6. The kept rows, streamed from the inputs again into ``shard-00000.parquet``, ... of
+    about ``shard_bytes`` content each (one, empty, if none is kept); ``clusters.parquet``,
+    ``dropped.parquet``, then ``manifest.json`` (last, so its presence marks a complete output)."""
+    schema = pa.unify_schemas([i.schema for i in inputs], promote_options="permissive").remove_metadata()
+    shard_urls: list[str] = []
+    buf: list[pa.Table] = []
+    size = kept = bytes_kept = 0
+
+    def flush() -> None:
+        url = out_url.rstrip("/") + f"/shard-{len(shard_urls):05d}.parquet"
+        storage.write_parquet(pa.concat_tables(buf) if buf else schema.empty_table(), url)
+        shard_urls.append(url)
+        buf.clear()
+
+    for task in tasks:
+        keep = db.con.sql(f"SELECT row, redacted FROM {db.scan([task['features']])} ANTI JOIN drops USING (row) "
+                          "ORDER BY row").to_arrow_table()
+        rows = keep.column("row").to_numpy()
+        pf = open_parquet(storage, task["input"])
+        first = task["first_row"]
+        for batch in pf.iter_batches(batch_size=batch_rows(pf.metadata, task["row_groups"], cfg.batch_bytes),
+                                     row_groups=task["row_groups"]):
+            lo, hi = np.searchsorted(rows, [first, first + batch.num_rows])
+            first += batch.num_rows
+            if hi == lo:
+                continue
+            part = pa.Table.from_batches([batch]).take(pa.array(rows[lo:hi] - (first - batch.num_rows)))
+            part = _redacted(_conform(part, schema), keep.column("redacted").slice(lo, hi - lo))
+            lengths = pc.binary_length(part.column("content").cast(pa.binary())).to_numpy(zero_copy_only=False)
+            kept += len(part)
+            bytes_kept += int(lengths.sum())
+            start = 0
+            while start < len(part):  # a shard ends with the row that takes it to shard_bytes
+                cum = size + np.cumsum(lengths[start:])
+                end = int(np.searchsorted(cum, cfg.shard_bytes))
+                if end >= len(cum):
+                    buf.append(part.slice(start))
+                    size = int(cum[-1])
+                    break
+                buf.append(part.slice(start, end + 1))
+                flush()
+                size, start = 0, start + end + 1
+    if buf or not shard_urls:
+        flush()
+    clusters_url = out_url.rstrip("/") + "/clusters.parquet"
+    dropped_url = out_url.rstrip("/") + "/dropped.parquet"
+    db.write("SELECT c.cluster AS cluster_id, m.id, m.source, m.path, c.kept, c.reason, k.id AS kept_id, "
+             "c.similarity FROM clusters c JOIN f m ON m.row = c.row JOIN f k ON k.row = c.kept_row "
+             "ORDER BY c.cluster, c.row", clusters_url)
+    db.write("SELECT m.id, m.source, m.path, d.stage, d.reason, d.detail FROM drops d JOIN f m USING (row) "
+             "ORDER BY d.row", dropped_url)
+    digest = storage.write_manifest(out_url)
+    counts = StageCounts("write", seen=kept, stats={"shards": len(shard_urls), "bytes": bytes_kept})
+    return _Outputs(shard_urls, clusters_url, dropped_url, digest), counts
+
+
+# ---- incremental index ----------------------------------------------------------------------
+
+
+def _index_urls(work: str) -> tuple[str, str, str]:
+    return tuple(posixpath.join(work, name) for name in ("index.json", "index-features.parquet", "index-bands.parquet"))
+
+
+def _previous_index(storage: Storage, previous: str, cfg: DedupConfig) -> tuple[str, str]:
+    """The features and band rows of the files an earlier incremental run kept (its own
+    earlier runs' included), checked to be made with the same settings."""
+    meta_url, features, bands = _index_urls(work_url(previous))
+    if not storage.exists(meta_url):
+        raise ArtifactError(f"{previous} has no index of kept files ({meta_url}): it was not an incremental run")
+    made = storage.read_json(meta_url)["config"]
+    diff = [k for k in INDEX_SETTINGS if made.get(k) != getattr(cfg, k)]
+    if diff:
+        raise ValueError(f"the index of {previous} was made with other {', '.join(diff)}: "
+                         f"{', '.join(f'{k}={made.get(k)!r}' for k in diff)}")
+    return features, bands
+
+
+def _write_index(db: _Reduce, storage: Storage, work: str, cfg: DedupConfig) -> int:
+    """The kept files (an earlier index's and this run's) renumbered -n..-1 in row order, with
+    the columns a later run reads."""
+    meta_url, features, bands = _index_urls(work)
+    db.con.execute("""CREATE TEMP TABLE renum AS SELECT row, row_number() OVER (ORDER BY row) - 1
+                      - count(*) OVER () AS new FROM f ANTI JOIN drops USING (row)""")
+    db.write(f"SELECT * REPLACE (r.new AS row, NULL::UBIGINT AS hit_hash, NULL::VARCHAR AS hit_ngram, "
+             f"NULL::BLOB AS redacted) FROM {db.features} JOIN renum r USING (row) ORDER BY r.new", features)
+    db.write("SELECT b.band, b.key, r.new AS row FROM bands b JOIN renum r USING (row)", bands)
+    n = db.one("SELECT count(*) FROM renum")
+    storage.write_json(meta_url, {"config": {k: getattr(cfg, k) for k in INDEX_SETTINGS}, "files": n})
+    return n
+
+
+# ---- the run --------------------------------------------------------------------------------
 
 
 def _contamination_index(cfg: DedupConfig, contamination: list[tuple[str, str]] | None) -> ContaminationIndex:
@@ -370,233 +630,97 @@ def _contamination_index(cfg: DedupConfig, contamination: list[tuple[str, str]] 
     )
 
 
-def _analyse(rows: _Rows, cfg: DedupConfig, contam: np.ndarray,
-             pool: ProcessPoolExecutor | None) -> tuple[_Features, StageCounts]:
-    """Every stage's per-file work in one pass over batches of files (``features.analyse_batch``),
-    in the worker processes when there is a pool and more than one batch."""
-    docs, paths = rows.docs, rows.paths
-    batches = _batches(list(range(rows.n)), rows.sizes, cfg.batch_bytes)
-    args = (SimpleNamespace(**cfg.model_dump()), contam)  # plain values: workers need not import pydantic
-    if pool is not None and len(batches) > 1:
-        futures = [pool.submit(analyse_batch, [docs[i] for i in b], [paths[i] for i in b], *args) for b in batches]
-        results = [f.result() for f in futures]
-    else:
-        results = [analyse_batch([docs[i] for i in b], [paths[i] for i in b], *args) for b in batches]
-    verdicts: list = [None] * rows.n
-    live: list[int] = []
-    exact_keys: list[bytes] = []
-    hits: list[tuple[int, int, int]] = []
-    redacted: dict[int, tuple[bytes, dict[str, int]]] = {}
-    cpu = dict.fromkeys(STAGES, 0.0)
-    for b, r in zip(batches, results):
-        for j, v in enumerate(r["verdicts"]):
-            verdicts[b[j]] = v
-        live.extend(b[j] for j in r["live"])
-        exact_keys.extend(r["exact"])
-        hits.extend((b[r["live"][d]], pos, h) for d, pos, h in r["hits"])
-        redacted.update({b[r["live"][k]]: v for k, v in r["redacted"].items()})
-        for stage, sec in r["cpu"].items():
-            cpu[stage] += sec
-    feats = _Features(
-        batches=len(batches),
-        verdicts=verdicts,
-        live=live,
-        exact_keys=exact_keys,
-        sig=np.concatenate([r["sig"] for r in results]) if results else np.zeros((0, cfg.num_perm), np.uint32),
-        has_shingles=np.concatenate([r["has_shingles"] for r in results]) if results else np.zeros(0, bool),
-        hits=hits,
-        redacted=redacted,
-        cpu=cpu,
-    )
-    stats = {"batches": len(batches), "processes": cfg.workers if pool is not None and len(batches) > 1 else 1}
-    return feats, StageCounts("analyse", seen=rows.n, stats=stats)
+def _run(
+    input_urls: list[str],
+    storage: Storage,
+    out_url: str,
+    cfg: DedupConfig,
+    contamination: list[tuple[str, str]] | None,
+    say: Callable[[str], None],
+    pool: ProcessPoolExecutor | None,
+    run_tasks: RunTasks | None,
+    previous: str | None,
+    spill: str,
+) -> DedupResult:
+    """The stages in order; each one's wall seconds and tally are recorded as it ends."""
+    seconds: dict[str, float] = {}
+    stages: list[StageCounts] = []
+    clock = time.perf_counter()
+
+    def done(counts: StageCounts, message: str, secs: float | None = None) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[counts.name] = round(now - clock if secs is None else secs, 4)
+        clock = now
+        stages.append(counts)
+        say(f"{counts.name}: {message}")
+
+    inputs = inspect_inputs(input_urls, storage)
+    prior = _previous_index(storage, previous, cfg) if previous else None
+    read_secs = time.perf_counter() - clock
+    index = _contamination_index(cfg, contamination)
+    work = work_url(out_url)
+    tasks, stats = _map(inputs, storage, work, cfg, index.hashes, pool, run_tasks)
+    try:
+        n_rows, n_bytes = sum(s["rows"] for s in stats), sum(s["bytes"] for s in stats)
+        cpu = {stage: sum(s["cpu"][stage] for s in stats) for stage in STAGES}
+        processes = "a cluster's" if run_tasks else cfg.workers if pool is not None and len(tasks) > 1 else 1
+        map_secs = time.perf_counter() - clock - read_secs
+        done(StageCounts("read", seen=n_rows, stats={"inputs": len(inputs), "bytes": n_bytes}),
+             f"{n_rows} files, {n_bytes} bytes from {len(inputs)} input file(s)", read_secs)
+        done(StageCounts("analyse", seen=n_rows, stats={"tasks": len(tasks), "batches": sum(s["batches"] for s in stats)}),
+             f"{len(tasks)} tasks, {sum(s['batches'] for s in stats)} batches, {processes} process(es), "
+             f"cpu seconds {_fmt(cpu)}", map_secs)
+        features = [t["features"] for t in tasks] + ([prior[0]] if prior else [])
+        db = _Reduce(storage, features, [t["bands"] for t in tasks] + ([prior[1]] if prior else []), cfg, spill)
+        counts = _filter(db)
+        done(counts, f"{sum(counts.dropped.values())} dropped, {counts.kept} left")
+        counts = _exact(db, counts.kept)
+        done(counts, f"{counts.stats['groups']} groups, {counts.stats['duplicates']} dropped, {counts.kept} left")
+        counts = _near(db, cfg, counts.kept)
+        c = counts.stats
+        done(counts, f"{c['lsh_bands']}x{c['lsh_rows']} LSH, {c['candidate_pairs']} candidate pairs, "
+                     f"{c['verified_pairs']} verified, {c['clusters']} clusters, {c['duplicates']} dropped, "
+                     f"{counts.kept} left")
+        counts = _decontaminate(db, index, counts.kept)
+        done(counts, f"{len(index)} benchmark n-grams (n={cfg.decontam_n}), {counts.stats['contaminated']} dropped, "
+                     f"{counts.kept} left")
+        redactions, counts = _redact(db, counts.kept)
+        done(counts, f"{counts.stats['secrets']} secrets in {counts.stats['files_changed']} files")
+        out, counts = _write(db, inputs, tasks, storage, out_url, cfg)
+        done(counts, f"{counts.stats['shards']} shards, {counts.kept} files, {counts.stats['bytes']} bytes kept")
+        if cfg.incremental:
+            _write_index(db, storage, work, cfg)
+        clusters = db.one("SELECT count(DISTINCT cluster) FROM clusters")
+        db.con.close()
+    finally:  # the map's output is not needed past the run (an incremental index stays)
+        for t in tasks:
+            for key in ("features", "bands", "stats"):
+                with contextlib.suppress(OSError):
+                    storage.fs.rm_file(storage._path(t[key]))
+        with contextlib.suppress(OSError):
+            storage.fs.rm_file(storage._path(posixpath.join(work, "spec.json")))
+    return _result(stages, redactions, clusters, out, seconds, index, cpu, len(tasks))
 
 
-def _filter(rows: _Rows, feats: _Features) -> StageCounts:
-    """1. Null content (``invalid_row``) and the first quality filter each file fails."""
-    counts = StageCounts("filter", seen=rows.n)
-    verdicts = feats.verdicts
-    for i in range(rows.n):
-        if rows.docs[i] is None:
-            rows.drop(i, counts, "invalid_row", "null content")
-        elif verdicts[i]:
-            rows.drop(i, counts, *verdicts[i])
-    feats.verdicts = None
-    return counts
-
-
-def _next_cluster(clusters: list) -> int:
-    """Clusters are numbered from 0 in the order they are found, exact groups first."""
-    return clusters[-1][0] + 1 if clusters else 0
-
-
-def _exact(rows: _Rows, feats: _Features, clusters: list) -> StageCounts:
-    """2. Groups of equal normalised content; the keep rule's file stays, the others drop."""
-    counts = StageCounts("exact", seen=rows.left)
-    groups: dict[bytes, list[int]] = {}
-    for i, key in zip(feats.live, feats.exact_keys):
-        groups.setdefault(key, []).append(i)
-    feats.exact_keys = None
-    exact_groups = [g for g in groups.values() if len(g) > 1]  # in order of first row
-    del groups
-    for g in exact_groups:
-        cluster = _next_cluster(clusters)
-        k = min(g, key=rows.keep_key)
-        for i in g:
-            clusters.append((cluster, i, i == k, "exact_duplicate", k, 1.0))
-            if i != k:
-                rows.drop(i, counts, "exact_duplicate", f"duplicate of {rows.name(k)}")
-    counts.stats = {"groups": len(exact_groups), "duplicates": sum(len(g) - 1 for g in exact_groups)}
-    return counts
-
-
-def _near(rows: _Rows, feats: _Features, clusters: list, cfg: DedupConfig) -> StageCounts:
-    """3. MinHash LSH over the rows still alive that have shingles: candidate pairs, verified
-    on the signatures, joined into clusters; the keep rule's file of each cluster stays."""
-    counts = StageCounts("near", seen=rows.left)
-    live, alive, has_shingles = feats.live, rows.alive, feats.has_shingles
-    usable = np.array([k for k, i in enumerate(live) if alive[i] and has_shingles[k]], dtype=np.int64)
-    bands, band_rows = (cfg.bands, cfg.num_perm // cfg.bands) if cfg.bands else optimal_bands(cfg.threshold, cfg.num_perm)
-    sub = feats.sig[usable]
-    feats.sig = None
-    pairs = candidate_pairs(sub, bands, band_rows)
-    verified = pairs[similarities(sub, pairs) >= cfg.threshold]
-    n_clusters = n_near = 0
-    for comp in connected_components(len(usable), verified):
-        cluster = _next_cluster(clusters)
-        members = [live[int(usable[c])] for c in comp]
-        sig_of = {m: sub[c] for m, c in zip(members, comp)}
-        k = min(members, key=rows.keep_key)
-        for i in members:
-            sim = float((sig_of[i] == sig_of[k]).mean())
-            clusters.append((cluster, i, i == k, "near_duplicate", k, sim))
-            if i != k:
-                rows.drop(i, counts, "near_duplicate", f"similar to {rows.name(k)}, jaccard~{sim:.2f}")
-                n_near += 1
-        n_clusters += 1
-    counts.stats = {
-        "lsh_bands": bands,
-        "lsh_rows": band_rows,
-        "candidate_pairs": len(pairs),
-        "verified_pairs": len(verified),
-        "clusters": n_clusters,
-        "duplicates": n_near,
-    }
-    return counts
-
-
-def _decontaminate(rows: _Rows, feats: _Features, index: ContaminationIndex, n: int) -> StageCounts:
-    """4. Files still alive that share a word n-gram with an evaluation text; the detail names
-    the text and the first such n-gram."""
-    counts = StageCounts("decontaminate", seen=rows.left)
-    contaminated = 0
-    for i, pos, h in sorted(feats.hits):
-        if rows.alive[i]:
-            ngram = b" ".join(tokens(rows.docs[i])[pos : pos + n]).decode("ascii")
-            rows.drop(i, counts, "contaminated", f"{index.owner(h)}: {ngram}")
-            contaminated += 1
-    counts.stats = {"ngrams": len(index), "contaminated": contaminated}
-    return counts
-
-
-def _redact(feats: _Features, kept: list[int]) -> tuple[dict[int, bytes], dict[str, int], StageCounts]:
-    """5. The redacted content of the kept files that hold secrets (computed in the per-file
-    pass) and the number of secrets by kind."""
-    redacted = feats.redacted
-    feats.redacted = None
-    redactions = dict.fromkeys(SECRET_KINDS, 0)
-    changed: dict[int, bytes] = {}
-    for i in kept:
-        if i in redacted:
-            changed[i] = redacted[i][0]
-            for kind, c in redacted[i][1].items():
-                redactions[kind] += c
-    counts = StageCounts("redact", seen=len(kept), stats={"files_changed": len(changed), "secrets": sum(redactions.values())})
-    return changed, redactions, counts
-
-
-class _Outputs(NamedTuple):
-    shard_urls: list[str]
-    clusters_url: str
-    dropped_url: str
-    manifest_digest: str
-
-
-def _write(rows: _Rows, kept: list[int], changed: dict[int, bytes], clusters: list, storage: Storage,
-           out_url: str, shard_bytes: int) -> tuple[_Outputs, StageCounts]:
-    """6. Shards, ``clusters.parquet``, ``dropped.parquet``, then ``manifest.json`` (last, so
-    its presence marks a complete output)."""
-    shard_urls = _write_shards(rows.table, kept, rows.docs, changed, storage, out_url, shard_bytes)
-    rows.docs = []  # the content is no longer needed
-    clusters_url = out_url.rstrip("/") + "/clusters.parquet"
-    dropped_url = out_url.rstrip("/") + "/dropped.parquet"
-    _write_clusters(rows, clusters, storage, clusters_url)
-    _write_dropped(rows, storage, dropped_url)
-    digest = storage.write_manifest(out_url)
-    bytes_kept = sum(len(changed[i]) if i in changed else rows.sizes[i] for i in kept)
-    counts = StageCounts("write", seen=len(kept), stats={"shards": len(shard_urls), "bytes": bytes_kept})
-    return _Outputs(shard_urls, clusters_url, dropped_url, digest), counts
-
-
-def _write_clusters(rows: _Rows, clusters: list, storage: Storage, url: str) -> None:
-    """One row per member of an exact group or near cluster, in the order they were found."""
-    ids, sources, paths = rows.ids, rows.sources, rows.paths
-    storage.write_parquet(
-        pa.table(
-            {
-                "cluster_id": pa.array([c[0] for c in clusters], pa.int64()),
-                "id": pa.array([ids[c[1]] for c in clusters], pa.string()),
-                "source": pa.array([sources[c[1]] for c in clusters], pa.string()),
-                "path": pa.array([paths[c[1]] for c in clusters], pa.string()),
-                "kept": pa.array([c[2] for c in clusters], pa.bool_()),
-                "reason": pa.array([c[3] for c in clusters], pa.string()),
-                "kept_id": pa.array([ids[c[4]] for c in clusters], pa.string()),
-                "similarity": pa.array([c[5] for c in clusters], pa.float64()),
-            }
-        ),
-        url,
-    )
-
-
-def _write_dropped(rows: _Rows, storage: Storage, url: str) -> None:
-    """One row per dropped file, in input order, with its stage, reason and detail."""
-    ids, sources, paths = rows.ids, rows.sources, rows.paths
-    drops = sorted(rows.drops)
-    storage.write_parquet(
-        pa.table(
-            {
-                "id": pa.array([ids[d[0]] for d in drops], pa.string()),
-                "source": pa.array([sources[d[0]] for d in drops], pa.string()),
-                "path": pa.array([paths[d[0]] for d in drops], pa.string()),
-                "stage": pa.array([d[1] for d in drops], pa.string()),
-                "reason": pa.array([d[2] for d in drops], pa.string()),
-                "detail": pa.array([d[3] for d in drops], pa.string()),
-            }
-        ),
-        url,
-    )
-
-
-def _result(rows: _Rows, kept: list[int], redactions: dict[str, int], clusters: list, out: _Outputs,
-            seconds: dict[str, float], stages: list[StageCounts], index: ContaminationIndex,
-            cpu: dict[str, float]) -> DedupResult:
+def _result(stages: list[StageCounts], redactions: dict[str, int], clusters: int, out: _Outputs,
+            seconds: dict[str, float], index: ContaminationIndex, cpu: dict[str, float], tasks: int) -> DedupResult:
     """The run's accounting, from the stages' tallies; every input file is either kept or
     dropped for exactly one reason."""
+    by = {s.name: s for s in stages}
     dropped = dict.fromkeys(DROP_REASONS, 0)
     for s in stages:
         for reason, c in s.dropped.items():
             dropped[reason] += c
-    assert sum(dropped.values()) == len(rows.drops) and rows.left == len(kept)
-    near = next(s for s in stages if s.name == "near").stats
-    written = next(s for s in stages if s.name == "write").stats
+    near = by["near"].stats
     result = DedupResult(
-        files_in=rows.n,
-        files_kept=len(kept),
-        bytes_in=sum(rows.sizes),
-        bytes_kept=written["bytes"],
+        files_in=by["read"].seen,
+        files_kept=by["write"].seen,
+        bytes_in=by["read"].stats["bytes"],
+        bytes_kept=by["write"].stats["bytes"],
         dropped=dropped,
         redactions=redactions,
-        clusters=_next_cluster(clusters),
+        clusters=clusters,
         stage_seconds=seconds,
         shard_urls=out.shard_urls,
         clusters_url=out.clusters_url,
@@ -605,52 +729,11 @@ def _result(rows: _Rows, kept: list[int], redactions: dict[str, int], clusters: 
         extra={
             **{k: near[k] for k in ("lsh_bands", "lsh_rows", "candidate_pairs", "verified_pairs")},
             "contamination_ngrams": len(index),
+            "map_tasks": tasks,
             "analyse_cpu_seconds": {k: round(v, 3) for k, v in cpu.items()},
             "stages": {s.name: s.to_dict() for s in stages},
         },
     )
+    assert by["redact"].kept == by["write"].seen, "the kept rows written differ from the kept rows decided"
     assert result.files_in == result.files_kept + sum(dropped.values())
     return result
-
-
-def _write_shards(
-    table: pa.Table,
-    kept: list[int],
-    docs: list[bytes | None],
-    changed: dict[int, bytes],
-    storage: Storage,
-    out_url: str,
-    shard_bytes: int,
-) -> list[str]:
-    """``shard-00000.parquet``, ... of about ``shard_bytes`` content each (one, empty, if none kept)."""
-    chunks, cur, size = [], [], 0
-    for i in kept:
-        cur.append(i)
-        size += len(changed.get(i) or docs[i])
-        if size >= shard_bytes:
-            chunks.append(cur)
-            cur, size = [], 0
-    if cur or not chunks:
-        chunks.append(cur)
-    schema = table.schema
-    urls = []
-    for s, chunk in enumerate(chunks):
-        part = table.take(pa.array(chunk, pa.int64()))
-        if any(i in changed for i in chunk):
-            content = [changed.get(i) or docs[i] for i in chunk]
-            sizes_col = part.column("size_bytes").to_pylist()
-            sha = part.column("sha256").to_pylist()
-            for j, i in enumerate(chunk):
-                if i in changed:
-                    sizes_col[j] = len(content[j])
-                    sha[j] = hashlib.sha256(content[j]).hexdigest()
-            for name, values in (
-                ("content", pa.array(content, pa.binary()).cast(schema.field("content").type)),
-                ("size_bytes", pa.array(sizes_col).cast(schema.field("size_bytes").type)),
-                ("sha256", pa.array(sha).cast(schema.field("sha256").type)),
-            ):
-                part = part.set_column(part.schema.get_field_index(name), schema.field(name), values)
-        url = out_url.rstrip("/") + f"/shard-{s:05d}.parquet"
-        storage.write_parquet(part, url)
-        urls.append(url)
-    return urls
