@@ -14,6 +14,8 @@ signatures' estimated Jaccard (fraction of equal slots) is >= the threshold.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import rensa
 
@@ -58,6 +60,7 @@ def contamination_hits(flat: np.ndarray, starts: np.ndarray, contam: np.ndarray,
     return hits
 
 
+@functools.lru_cache(maxsize=16)
 def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
     """(bands, rows) minimising 0.5*false-positive + 0.5*false-negative area (as datasketch)."""
     xs = np.linspace(0.0, 1.0, 1001)

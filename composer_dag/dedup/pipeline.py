@@ -302,7 +302,8 @@ def _map(inputs: list[_Input], storage: Storage, work: str, cfg: DedupConfig, co
          pool: ProcessPoolExecutor | None, run_tasks: RunTasks | None) -> tuple[list[dict], list[dict]]:
     """The map's tasks and each one's stats: run by ``run_tasks``, the pool, or here."""
     tasks = plan([(i.url, i.meta) for i in inputs], cfg.task_bytes, work)
-    spec = {"root": storage.root, "config": cfg.model_dump(), "contam": contam.tolist(), "tasks": tasks}
+    spec = {"root": storage.root, "config": cfg.model_dump(), "lsh": lsh_shape(cfg), "contam": contam.tolist(),
+            "tasks": tasks}
     if run_tasks is not None:
         spec_url = posixpath.join(work, "spec.json")
         storage.write_json(spec_url, spec)
@@ -506,20 +507,15 @@ def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
 
 def _redacted(part: pa.Table, redacted: pa.ChunkedArray) -> pa.Table:
     """``part`` with the redacted content, size and SHA-256 of the rows that have one."""
-    changed = redacted.is_valid().to_pylist()
-    if not any(changed):
+    if redacted.null_count == len(redacted):
         return part
-    schema = part.schema
-    content = part.column("content").cast(pa.binary()).to_pylist()
-    sizes = part.column("size_bytes").to_pylist()
-    sha = part.column("sha256").to_pylist()
-    for j, new in enumerate(redacted.to_pylist()):
-        if changed[j]:
-            content[j], sizes[j], sha[j] = new, len(new), hashlib.sha256(new).hexdigest()
-    for name, values in (("content", pa.array(content, pa.binary())), ("size_bytes", pa.array(sizes)),
-                         ("sha256", pa.array(sha, pa.string()))):
-        i = schema.get_field_index(name)
-        part = part.set_column(i, schema.field(name), values.cast(schema.field(name).type))
+    changed = redacted.is_valid()
+    sha = [None if new is None else hashlib.sha256(new).hexdigest() for new in redacted.to_pylist()]
+    for name, new in (("content", redacted), ("size_bytes", pc.binary_length(redacted)), ("sha256", pa.array(sha))):
+        f = part.schema.field(name)
+        old = part.column(name)
+        value = pc.if_else(changed, new.cast(f.type), old.cast(f.type))
+        part = part.set_column(part.schema.get_field_index(name), f, value)
     return part
 
 

@@ -182,9 +182,10 @@ def _features(batch: pa.RecordBatch, first_row: int, cfg: Any, contam: np.ndarra
 def run_task(storage: Storage, spec: dict, index: int) -> dict:
     """Task ``index`` of the job ``spec``: its features, band rows and stats in storage."""
     task = spec["tasks"][index]
-    cfg = SimpleNamespace(**spec["config"])
+    # plain values (a worker need not import pydantic); JSON made the config's tuples lists
+    cfg = SimpleNamespace(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["config"].items()})
     contam = np.asarray(spec["contam"], dtype=np.uint64)
-    lsh = lsh_shape(cfg)
+    lsh = tuple(spec["lsh"])
     pf = open_parquet(storage, task["input"])
     meta = pf.metadata
     size = batch_rows(meta, task["row_groups"], cfg.batch_bytes)
