@@ -124,7 +124,8 @@ MEASURE = textwrap.dedent("""
     res = dedup(urls, storage, storage.url("out"), cfg)
     stop.set()
     t.join()
-    print(json.dumps({"peak": peak[0], "kept": res.files_kept, "in": res.files_in, "tasks": res.extra["map_tasks"]}))
+    print(json.dumps({"peak": peak[0], "kept": res.files_kept, "in": res.files_in, "tasks": res.extra["map_tasks"],
+                      "processes": res.extra["map_processes"]}))
 """)
 
 
@@ -145,21 +146,22 @@ def test_process_tree_stays_under_the_memory_setting(tmp_path):
                 rows.append(_row(f"r{len(rows)}", os.path.join(dirpath, name), text))
                 total += len(text.encode())
     urls = [_write(storage, rows[k::2], f"in/part-{k}.parquet", row_group=100) for k in range(2)]
-    limit = 1_000_000_000
+    limit = 1_400_000_000  # 2 workers (see workers_for)
     cfg = {"memory_bytes": limit, "workers": 2, "parallel_min_input_bytes": 0, "task_bytes": 2_000_000,
            "batch_bytes": 1_000_000, "shard_bytes": 4_000_000}
     proc = subprocess.run([sys.executable, "-c", MEASURE, storage.root, json.dumps(urls), json.dumps(cfg)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["in"] == len(rows) and got["tasks"] >= 6 and got["kept"] > 0.8 * len(rows)
+    assert got["in"] == len(rows) and got["tasks"] >= 6 and got["processes"] == 2 and got["kept"] > 0.8 * len(rows)
     assert got["peak"] < limit, f"peak RSS of the process tree {got['peak'] / 1e6:.0f} MB >= {limit / 1e6:.0f} MB"
 
 
 def test_memory_setting_caps_the_workers():
     from composer_dag.dedup.pipeline import workers_for
 
-    assert workers_for(DedupConfig(workers=8)) == 4  # 2 GB: 350 MB here, 500 MB DuckDB, 250 MB a worker
+    assert workers_for(DedupConfig(workers=8)) == 3  # 2 GB: 400 MB here, 500 MB DuckDB, 300 MB a worker
+    assert workers_for(DedupConfig(workers=8, memory_bytes=1_400_000_000)) == 2
     assert workers_for(DedupConfig(workers=8, memory_bytes=1_000_000_000)) == 1
     with pytest.raises(ValueError, match="memory_bytes"):
         DedupConfig(memory_bytes=100_000_000)

@@ -83,8 +83,8 @@ FILTER_REASONS = (
     "filter:alnum_fraction",
 )
 DROP_REASONS = ("invalid_row", *FILTER_REASONS, "exact_duplicate", "near_duplicate", "contaminated")
-MAIN_BYTES = 350_000_000  # this process without DuckDB's share: interpreter, libraries, one shard
-WORKER_BYTES = 250_000_000  # one map worker at the default batch size
+MAIN_BYTES = 400_000_000  # this process without DuckDB's share: interpreter, libraries, one shard
+WORKER_BYTES = 300_000_000  # one map worker at the default batch size
 # Settings an index of kept files depends on: a later incremental run must use the same.
 INDEX_SETTINGS = ("num_perm", "seed", "shingle_size", "threshold", "bands")
 
@@ -161,8 +161,8 @@ class DedupConfig(StageConfig):
     @field_validator("memory_bytes")
     @classmethod
     def _memory_for_one_worker(cls, v: int) -> int:
-        if v < MAIN_BYTES + WORKER_BYTES // 2:
-            raise ValueError(f"must be >= {MAIN_BYTES + WORKER_BYTES // 2}")
+        if v - v // 4 < MAIN_BYTES + WORKER_BYTES:  # a quarter is DuckDB's
+            raise ValueError("must be >= 1e9 (this process, one map worker and DuckDB)")
         return v
 
 
@@ -660,7 +660,7 @@ def _run(
     try:
         n_rows, n_bytes = sum(s["rows"] for s in stats), sum(s["bytes"] for s in stats)
         cpu = {stage: sum(s["cpu"][stage] for s in stats) for stage in STAGES}
-        processes = "a cluster's" if run_tasks else cfg.workers if pool is not None and len(tasks) > 1 else 1
+        processes = "run_tasks" if run_tasks else workers_for(cfg) if pool is not None and len(tasks) > 1 else 1
         map_secs = time.perf_counter() - clock - read_secs
         done(StageCounts("read", seen=n_rows, stats={"inputs": len(inputs), "bytes": n_bytes}),
              f"{n_rows} files, {n_bytes} bytes from {len(inputs)} input file(s)", read_secs)
@@ -696,11 +696,12 @@ def _run(
                     storage.fs.rm_file(storage._path(t[key]))
         with contextlib.suppress(OSError):
             storage.fs.rm_file(storage._path(posixpath.join(work, "spec.json")))
-    return _result(stages, redactions, clusters, out, seconds, index, cpu, len(tasks))
+    return _result(stages, redactions, clusters, out, seconds, index, cpu, len(tasks), processes)
 
 
 def _result(stages: list[StageCounts], redactions: dict[str, int], clusters: int, out: _Outputs,
-            seconds: dict[str, float], index: ContaminationIndex, cpu: dict[str, float], tasks: int) -> DedupResult:
+            seconds: dict[str, float], index: ContaminationIndex, cpu: dict[str, float], tasks: int,
+            processes: int | str) -> DedupResult:
     """The run's accounting, from the stages' tallies; every input file is either kept or
     dropped for exactly one reason."""
     by = {s.name: s for s in stages}
@@ -726,6 +727,7 @@ def _result(stages: list[StageCounts], redactions: dict[str, int], clusters: int
             **{k: near[k] for k in ("lsh_bands", "lsh_rows", "candidate_pairs", "verified_pairs")},
             "contamination_ngrams": len(index),
             "map_tasks": tasks,
+            "map_processes": processes,
             "analyse_cpu_seconds": {k: round(v, 3) for k, v in cpu.items()},
             "stages": {s.name: s.to_dict() for s in stages},
         },
