@@ -73,7 +73,7 @@ def test_map_on_two_processes_and_as_commands_matches_one_process(tmp_path):
                     run_tasks=runner)
         assert res.extra["map_tasks"] >= 4
         runs[name] = (_outputs(storage, res), [m for m in msgs if not m.startswith("analyse:")], msgs)
-        assert storage.find(work_url(storage.url(name))) == []  # the map's files are gone
+        assert not storage.exists(work_url(storage.url(name)))  # the map's files are gone
     assert "2 process(es)" in " ".join(runs["two"][2]) and "1 process(es)" in " ".join(runs["one"][2])
     assert runs["one"][:2] == runs["two"][:2] == runs["commands"][:2]
     kept, dropped, clusters, by_reason, redactions, pairs = runs["one"][0]

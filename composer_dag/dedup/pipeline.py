@@ -298,21 +298,20 @@ class StageCounts:
 # ---- map ------------------------------------------------------------------------------------
 
 
-def _map(inputs: list[_Input], storage: Storage, work: str, cfg: DedupConfig, contam: np.ndarray,
-         pool: ProcessPoolExecutor | None, run_tasks: RunTasks | None) -> tuple[list[dict], list[dict]]:
-    """The map's tasks and each one's stats: run by ``run_tasks``, the pool, or here."""
-    tasks = plan([(i.url, i.meta) for i in inputs], cfg.task_bytes, work)
+def _map(tasks: list[dict], storage: Storage, work: str, cfg: DedupConfig, contam: np.ndarray,
+         pool: ProcessPoolExecutor | None, run_tasks: RunTasks | None) -> list[dict]:
+    """Each task's stats, once ``run_tasks``, the pool, or this process has run them all."""
     spec = {"root": storage.root, "config": cfg.model_dump(), "lsh": lsh_shape(cfg), "contam": contam.tolist(),
             "tasks": tasks}
     if run_tasks is not None:
         spec_url = posixpath.join(work, "spec.json")
         storage.write_json(spec_url, spec)
         run_tasks(spec_url, len(tasks))
-        return tasks, [storage.read_json(t["stats"]) for t in tasks]
+        return [storage.read_json(t["stats"]) for t in tasks]
     if pool is not None and len(tasks) > 1:
         futures = [pool.submit(run_task, storage, spec, k) for k in range(len(tasks))]
-        return tasks, [f.result() for f in futures]
-    return tasks, [run_task(storage, spec, k) for k in range(len(tasks))]
+        return [f.result() for f in futures]
+    return [run_task(storage, spec, k) for k in range(len(tasks))]
 
 
 # ---- reduce ---------------------------------------------------------------------------------
@@ -656,8 +655,9 @@ def _run(
     read_secs = time.perf_counter() - clock
     index = _contamination_index(cfg, contamination)
     work = work_url(out_url)
-    tasks, stats = _map(inputs, storage, work, cfg, index.hashes, pool, run_tasks)
+    tasks = plan([(i.url, i.meta) for i in inputs], cfg.task_bytes, work)
     try:
+        stats = _map(tasks, storage, work, cfg, index.hashes, pool, run_tasks)
         n_rows, n_bytes = sum(s["rows"] for s in stats), sum(s["bytes"] for s in stats)
         cpu = {stage: sum(s["cpu"][stage] for s in stats) for stage in STAGES}
         processes = "run_tasks" if run_tasks else workers_for(cfg) if pool is not None and len(tasks) > 1 else 1
@@ -696,6 +696,9 @@ def _run(
                     storage.fs.rm_file(storage._path(t[key]))
         with contextlib.suppress(OSError):
             storage.fs.rm_file(storage._path(posixpath.join(work, "spec.json")))
+        if not cfg.incremental:
+            with contextlib.suppress(OSError):
+                storage.fs.rm(storage._path(work), recursive=True)
     return _result(stages, redactions, clusters, out, seconds, index, cpu, len(tasks), processes)
 
 
