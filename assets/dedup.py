@@ -85,6 +85,7 @@ def deduped_shards(
             "bytes_kept": result.bytes_kept,
             "clusters": result.clusters,
             "shards": len(result.shard_urls),
+            "map_tasks": result.extra["map_tasks"],
             "dropped_by_reason": counts_table({k: v for k, v in result.dropped.items() if v}, "reason"),
             "decontamination_set": "HumanEval + eval_tasks" if contamination else "HumanEval",
             "redactions": counts_table(result.redactions, "kind", "count"),
