@@ -10,14 +10,16 @@ PYTEST_ARGS ?=
 
 .PHONY: install system-deps run test dev bench clean
 
-# Debian packages the sandboxes and the browser test need (installed when missing, as root).
-SYSTEM_BINS := bwrap git chromium chromedriver
+# Debian packages the sandboxes, the browser test and the one-node Slurm cluster of the tests
+# need (installed when missing, as root).
+SYSTEM_BINS := bwrap git chromium chromedriver slurmctld slurmd sbatch munged
+SYSTEM_PKGS := bubblewrap git chromium chromium-driver slurmctld slurmd slurm-client munge
 system-deps:
-	@missing=""; for b in $(SYSTEM_BINS); do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	@missing=""; for b in $(SYSTEM_BINS); do PATH="$$PATH:/usr/sbin:/sbin" command -v $$b >/dev/null || missing="$$missing $$b"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages for:$$missing"; \
-	  if [ "$$(id -u)" != 0 ]; then echo "need root (or sudo) to apt-get install bubblewrap git chromium chromium-driver" >&2; exit 1; fi; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap git chromium chromium-driver >/dev/null; \
+	  if [ "$$(id -u)" != 0 ]; then echo "need root (or sudo) to apt-get install $(SYSTEM_PKGS)" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PKGS) >/dev/null; \
 	fi
 
 $(STAMP): pyproject.toml

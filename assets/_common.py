@@ -2,7 +2,6 @@
 
 
 import json
-import os
 from typing import Any, Callable, Mapping
 
 import dagster as dg
@@ -75,18 +74,6 @@ class local_copy:
             self._tmp.cleanup()
 
 
-def copy_artifact(storage, url: str, dest: str) -> None:
-    """Copy the verified artifact at ``url`` to the local directory ``dest`` through a temporary
-    sibling renamed into place, so ``dest/manifest.json`` exists only once every file does: a
-    copy cut short is never taken for a finished one."""
-    import shutil
-
-    from composer_dag.runtime.checkpoint import atomic_dir
-
-    with local_copy(storage, url) as src, atomic_dir(dest) as tmp:
-        shutil.copytree(src, tmp, dirs_exist_ok=True)
-
-
 def publish_dir(storage, local_dir: str, url: str, extra: dict | None = None) -> str:
     """Copy a finished local directory to ``url`` and seal it with a manifest; return its digest."""
     storage.put_dir(local_dir, url)
@@ -94,33 +81,45 @@ def publish_dir(storage, local_dir: str, url: str, extra: dict | None = None) ->
 
 
 def run_stage(context, storage, cluster, stage: str, model, params, inputs: list[str],
-              fields: Callable[[dict[str, str], str], dict], entry: str, launcher: str | None = None,
-              copy_inputs: bool = True):
-    """Run one stage's engine entry point on the cluster resource.
+              fields: Callable[[dict[str, str], str], dict], entry: str,
+              outputs: dict[str, list[list[str]]], launcher: str | None = None, copy_inputs: bool = True):
+    """Run one stage's engine entry point as a job on the cluster resource: config -> launch ->
+    verified result. The job shares no disk with this process.
 
-    The working directory is keyed by the inputs' manifest digests and the run config, so a
-    retry or a re-run with the same inputs resumes from the last checkpoint there. Each input
-    asset's newest artifact is copied (verified) into ``<work dir>/<asset key>``; ``fields``
-    maps those directories and the work dir to the engine config's path fields; the config is
-    validated (one-line failure), written as ``<stage>.json`` and handed to ``entry``.
-    Returns the engine config, rank 0's result and the work dir."""
-    from resources import work_dir
+    ``fields`` maps the input directories and the job's working directory (paths inside the
+    job's scratch, ``{scratch}/inputs/<asset key>`` and ``{scratch}``) to the engine config's path
+    fields; the config is validated here (one-line failure). The job pulls each input asset's
+    newest artifact and checks it against the manifest digest recorded here; its resumable state
+    lives at ``<root>/work/<stage>/<key>`` (key: the inputs' digests and the settings), so a retry
+    or a re-run with the same inputs resumes from the last sealed checkpoint, on any node.
+    ``outputs`` maps each output asset key to the files to publish (``[dest, src]``, ``src``
+    relative to the stage's ``out_dir``, see ``composer_dag.runtime.job``); each goes to
+    ``<root>/<asset key>/<run id>``.
+    Returns the engine config and ``{"summary": the stage's result, "outputs": {key: {url, digest}}}``."""
+    import hashlib
+
     from resources.dagster_config import engine_config
 
-    digests = [str((latest_metadata(context.instance, key) or {}).get("manifest_digest")) for key in inputs]
-    wd = work_dir(stage, *digests, json.dumps(params.model_dump(), sort_keys=True))
-    dirs = {key: os.path.join(wd, key) for key in inputs}
-    cfg = engine_config(model, params, **fields(dirs, wd))
-    if copy_inputs:
-        for key, d in dirs.items():
-            if not os.path.exists(os.path.join(d, "manifest.json")):
-                copy_artifact(storage, latest_uri(context.instance, key), d)
-    path = os.path.join(wd, f"{stage}.json")
-    with open(path, "w") as f:
-        json.dump(cfg.to_dict(), f, indent=2)
-    context.log.info(f"{stage} in {wd} (resumes there if interrupted)")
-    result = cluster.run(context, entry, ["--config", path], name=f"composer-{stage}", launcher=launcher)
-    return cfg, result, wd
+    from composer_dag.runtime.job import SCRATCH
+
+    metas = {key: latest_metadata(context.instance, key) or {} for key in inputs}
+    digests = [str(metas[key].get("manifest_digest")) for key in inputs]
+    state_key = hashlib.sha256("\0".join([stage, *digests, json.dumps(params.model_dump(), sort_keys=True)]).encode()).hexdigest()[:16]
+    dirs = {key: f"{SCRATCH}/inputs/{key}" for key in inputs}
+    cfg = engine_config(model, params, **fields(dirs, SCRATCH))
+    job = {
+        "stage": stage,
+        "entry": entry,
+        "config": cfg.to_dict(),
+        "inputs": {key: {"url": latest_uri(context.instance, key), "digest": metas[key].get("manifest_digest")}
+                   for key in inputs} if copy_inputs else {},
+        "state_url": storage.url("work", stage, state_key),
+        "outputs": {key: {"url": storage.url(key, context.run.run_id), "files": files} for key, files in outputs.items()},
+    }
+    if launcher:
+        job["launcher"] = launcher
+    context.log.info(f"{stage}: resumable state at {job['state_url']}")
+    return cfg, cluster.run_job(context, storage, job, name=f"composer-{stage}")
 
 
 def plot_md(series, xlabel: str, ylabel: str, title: str) -> dg.MetadataValue:

@@ -8,7 +8,6 @@ default; k8s or Slurm by config) and reports back through Dagster Pipes.
 import json
 import math
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -24,6 +23,11 @@ from resources import ArtifactStorage
 from resources.cluster import ClusterResource
 from resources.dagster_config import dagster_config, engine_config
 from resources.model_settings import ModelSettings
+
+CHECKPOINT_FILES = [["", "hf"], ["trainer_state.json", "checkpoints/{checkpoint}/trainer_state.json"],
+                    ["result.json", "result.json"], ["metrics.jsonl", "metrics.jsonl"]]
+"""What a training job publishes as its checkpoint artifact (``[dest, src]``, ``src`` in the
+stage's ``out_dir``): the Hugging Face export plus the trainer state, result and metrics."""
 
 TokenShardParams = dagster_config(data_engine.TokenShardConfig, module=__name__)
 MidtrainParams = dagster_config(MidtrainConfig, module=__name__)
@@ -177,22 +181,12 @@ def midtrained_checkpoint(
     """Continued pre-training of the base model on the token shards with DeepSpeed, run on the
     cluster resource; resumes from its last checkpoint when retried with the same inputs."""
     storage = artifacts.get()
-    cfg, result, wd = run_stage(
+    _, job = run_stage(
         context, storage, cluster, "midtrain", MidtrainConfig, config, ["token_shards", "base_model"],
         lambda d, wd: {"data_dir": d["token_shards"], "model_dir": d["base_model"], "out_dir": os.path.join(wd, "run")},
-        "composer_dag.train.midtrain")
-    out_dir = cfg.out_dir
-
-    url = storage.url("midtrained_checkpoint", context.run.run_id)
-    hf_dir = os.path.join(out_dir, "hf")
-    with tempfile.TemporaryDirectory(prefix="composer-ckpt-") as tmp:
-        shutil.copytree(hf_dir, tmp, dirs_exist_ok=True)
-        state = os.path.join(out_dir, "checkpoints", result["checkpoint"], "trainer_state.json")
-        if os.path.exists(state):
-            shutil.copy2(state, os.path.join(tmp, "trainer_state.json"))
-        for name in ("result.json", "metrics.jsonl"):
-            shutil.copy2(os.path.join(out_dir, name), os.path.join(tmp, name))
-        digest = publish_dir(storage, tmp, url)
+        "composer_dag.train.midtrain", outputs={"midtrained_checkpoint": CHECKPOINT_FILES})
+    result = job["summary"]
+    url, digest = job["outputs"]["midtrained_checkpoint"]["url"], job["outputs"]["midtrained_checkpoint"]["digest"]
 
     curve = result.get("loss_curve") or []
     losses = [float(p[1]) if isinstance(p, (list, tuple)) else float(p.get("loss")) for p in curve]
@@ -215,7 +209,6 @@ def midtrained_checkpoint(
             "steps": int(result["steps"]),
             "world_size": int(result.get("world_size") or 1),
             "precision": str(result.get("precision")),
-            "work_dir": wd,
         }
     )
     yield dg.AssetCheckResult(

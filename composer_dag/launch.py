@@ -1,5 +1,6 @@
 """Launch specs for the distributed entry points: a local command, a Kubernetes pod, a Slurm
-batch script, and parsers for the Slurm tools' output (to watch a job).
+batch script, a bubblewrap sandbox around a job, and parsers for the Slurm tools' output (to
+watch a job).
 
 Plain data in, plain data out: nothing here talks to a cluster.
 """
@@ -57,34 +58,43 @@ def local_command(spec: LaunchSpec, python: str | None = None, port: int | None 
             "--master-port", str(port), "-m", spec.entry, *spec.args]
 
 
-def _torchrun_multinode(spec: LaunchSpec, nnodes: str, endpoint: str, job_id: str) -> list[str]:
-    """torchrun with c10d rendezvous, without the entry's own args."""
-    return ["torchrun", "--nnodes", nnodes, "--nproc-per-node", str(spec.nproc_per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job_id,
-            "-m", spec.entry]
+def job_command(spec_url: str, python: str = "python") -> list[str]:
+    """The argv of a stage's job on a node: the job runner with the URL of its spec."""
+    return [python, "-m", "composer_dag.runtime.job", "--spec", spec_url]
+
+
+def bwrap_command(argv: list[str], scratch: str, code: list[str], python_prefixes: list[str],
+                  env: dict[str, str]) -> list[str]:
+    """``argv`` isolated from the launching machine's disk with bubblewrap: the system
+    directories, the Python environment and the code read-only, ``scratch`` read-write, a
+    private ``/tmp``, its own pid namespace (the job's processes die with it), a clean
+    environment holding only ``env``. The network stays (the job reaches object storage)."""
+    cmd = ["bwrap", "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+           "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    for d in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/sys"):  # /sys: CPU topology (lscpu)
+        cmd += ["--ro-bind-try", d, d]
+    for d in [*python_prefixes, *code]:
+        cmd += ["--ro-bind", d, d]
+    cmd += ["--bind", scratch, scratch, "--chdir", scratch, "--clearenv"]
+    for k, v in env.items():
+        cmd += ["--setenv", k, str(v)]
+    return [*cmd, "--", *argv]
 
 
 def k8s_pod_spec(spec: LaunchSpec, namespace: str = "default", image: str | None = None,
-                 gpu_resource: str = "nvidia.com/gpu", volumes: list[dict] | None = None,
-                 env: dict[str, str] | None = None, service_account: str | None = None) -> dict:
-    """A pod manifest running the spec under torchrun (or python).
-
-    ``volumes`` items: ``{"name", "mount_path", and one of "pvc" (claim name), "host_path",
-    "empty_dir": True}``. ``spec.secret_env`` maps env vars to (secret name, key).
-    Multi-node training uses one such pod per node (e.g. an indexed Job) with
-    ``--rdzv-endpoint`` pointing at the head pod's service.
-    """
+                 gpu_resource: str = "nvidia.com/gpu", secret_name: str | None = None,
+                 env: dict[str, str] | None = None, service_account: str | None = None,
+                 node_selector: dict[str, str] | None = None,
+                 tolerations: list[dict] | None = None) -> dict:
+    """A pod manifest running the spec's entry as one process (a stage's job runner, which
+    starts torchrun itself). No volume is shared with anything: inputs and outputs go through
+    object storage, whose credentials come from the Secret ``secret_name`` (every key becomes
+    an environment variable) and are never written into the manifest."""
     image = image or spec.image
     if not image:
         raise ValueError("k8s_pod_spec needs an image")
-    if spec.launcher == "python":
-        command = ["python", "-m", spec.entry, *spec.args]
-    elif spec.nnodes > 1:
-        command = [*_torchrun_multinode(spec, str(spec.nnodes), f"{spec.name}-0:{RDZV_PORT}",
-                                        spec.name), *spec.args]
-    else:
-        command = ["torchrun", "--nnodes", "1", "--nproc-per-node", str(spec.nproc_per_node),
-                   "-m", spec.entry, *spec.args]
+    if spec.nnodes > 1:
+        raise ValueError("a k8s job runs on one node (one pod); multi-node needs an indexed Job")
     env_list = [{"name": k, "value": str(v)} for k, v in {**spec.env, **(env or {})}.items()]
     env_list += [{"name": k, "valueFrom": {"secretKeyRef": {"name": s, "key": key}}}
                  for k, (s, key) in spec.secret_env.items()]
@@ -96,31 +106,31 @@ def k8s_pod_spec(spec: LaunchSpec, namespace: str = "default", image: str | None
         requests["cpu"] = spec.cpu
     if spec.memory:
         requests["memory"] = limits["memory"] = spec.memory
-    mounts, vols = [], []
-    for v in volumes or []:
-        mounts.append({"name": v["name"], "mountPath": v["mount_path"]})
-        if "pvc" in v:
-            vols.append({"name": v["name"], "persistentVolumeClaim": {"claimName": v["pvc"]}})
-        elif "host_path" in v:
-            vols.append({"name": v["name"], "hostPath": {"path": v["host_path"]}})
-        else:
-            vols.append({"name": v["name"], "emptyDir": {}})
-    # torch.distributed and NCCL need a large /dev/shm
-    mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    vols.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    container: dict = {
+        "name": "job", "image": image, "command": ["python", "-m", spec.entry, *spec.args],
+        "env": env_list, "resources": {"limits": limits, "requests": requests},
+        # torch.distributed and NCCL need a large /dev/shm; the job's scratch is the pod's own
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "scratch", "mountPath": "/scratch"}],
+    }
+    container["env"].append({"name": "COMPOSER_SCRATCH", "value": "/scratch"})
+    if secret_name:
+        container["envFrom"] = [{"secretRef": {"name": secret_name}}]
     pod_spec: dict = {
         "restartPolicy": "Never",
-        "containers": [{
-            "name": "trainer", "image": image, "command": command, "env": env_list,
-            "resources": {"limits": limits, "requests": requests}, "volumeMounts": mounts,
-        }],
-        "volumes": vols,
+        "containers": [container],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                    {"name": "scratch", "emptyDir": {}}],
     }
     if service_account:
         pod_spec["serviceAccountName"] = service_account
-    if spec.gpus_per_node:
-        pod_spec["tolerations"] = [{"key": gpu_resource, "operator": "Exists",
-                                    "effect": "NoSchedule"}]
+    if node_selector:
+        pod_spec["nodeSelector"] = dict(node_selector)
+    tol = list(tolerations or [])
+    if spec.gpus_per_node and not tol:
+        tol = [{"key": gpu_resource, "operator": "Exists", "effect": "NoSchedule"}]
+    if tol:
+        pod_spec["tolerations"] = tol
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"generateName": f"{spec.name}-", "namespace": namespace,
@@ -130,33 +140,40 @@ def k8s_pod_spec(spec: LaunchSpec, namespace: str = "default", image: str | None
     }
 
 
-def slurm_script(spec: LaunchSpec, partition: str | None = None, nodes: int | None = None,
-                 gpus_per_node: int | None = None, time: str = "04:00:00",
-                 account: str | None = None, output: str = "%x-%j.out",
+def slurm_script(command: list[str], name: str = "composer-job", nodes: int = 1,
+                 gpus_per_node: int = 0, partition: str | None = None, account: str | None = None,
+                 time: str = "04:00:00", output: str = "/tmp/%x-%j.out", chdir: str = "/tmp",
+                 container_image: str | None = None, env: dict[str, str] | None = None,
                  setup: list[str] | None = None) -> str:
-    """An sbatch script: one task per node, each running torchrun with c10d rendezvous at the
-    first node of the allocation."""
-    nodes = nodes or spec.nnodes
-    gpus = spec.gpus_per_node if gpus_per_node is None else gpus_per_node
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}", f"#SBATCH --nodes={nodes}",
+    """An sbatch script: ``srun`` starts ``command`` once per node (the stage's job runner,
+    which starts torchrun with c10d rendezvous at the first node of the allocation, exported
+    as ``COMPOSER_RDZV_ENDPOINT``). ``container_image`` runs it in a container on sites with
+    pyxis/enroot."""
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nodes}",
              "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={time}",
-             f"#SBATCH --output={output}"]
+             f"#SBATCH --output={output}", f"#SBATCH --chdir={chdir}"]
     if partition:
         lines.append(f"#SBATCH --partition={partition}")
     if account:
         lines.append(f"#SBATCH --account={account}")
-    if gpus:
-        lines.append(f"#SBATCH --gpus-per-node={gpus}")
+    if gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
     lines += ["", "set -euo pipefail"]
-    lines += [f"export {k}={shlex.quote(str(v))}" for k, v in spec.env.items()]
+    lines += [f"export {k}={shlex.quote(str(v))}" for k, v in (env or {}).items()]
     lines += setup or []
-    lines += ['head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)', ""]
-    if spec.launcher == "python":
-        cmd = ["python", "-m", spec.entry]
-    else:
-        cmd = _torchrun_multinode(spec, "$SLURM_NNODES", f"$head:{RDZV_PORT}", "$SLURM_JOB_ID")
-    lines.append("srun " + " ".join([*cmd, *map(shlex.quote, spec.args)]))
+    lines += ['head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+              f'export COMPOSER_RDZV_ENDPOINT="$head:{RDZV_PORT}"', ""]
+    srun = ["srun", "--kill-on-bad-exit=1"]
+    if container_image:
+        srun.append(f"--container-image={shlex.quote(container_image)}")
+    lines.append(" ".join([*srun, *map(_shell_word, command)]))
     return "\n".join(lines) + "\n"
+
+
+def _shell_word(arg: str) -> str:
+    """``arg`` quoted for bash; ``${NAME}`` alone stays a reference to the job's environment
+    (how a credential reaches a sandboxed job without being written into the script)."""
+    return f'"{arg}"' if re.fullmatch(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}", arg) else shlex.quote(arg)
 
 
 # ---- watching a Slurm job --------------------------------------------------------------
@@ -188,6 +205,18 @@ def parse_squeue(text: str) -> dict[str, str]:
         parts = line.split()
         if len(parts) >= 2 and parts[0][0].isdigit():
             out[parts[0]] = normalize_state(parts[1])
+    return out
+
+
+def parse_scontrol_job(text: str) -> dict[str, str]:
+    """``JobState``, ``Reason`` and ``ExitCode`` from ``scontrol show job -o ID`` output (a job
+    stays there for ``MinJobAge`` seconds after it ends; accounting is not needed); {} when
+    the job is unknown."""
+    out = {}
+    for key in ("JobState", "Reason", "ExitCode"):
+        m = re.search(rf"\b{key}=(\S+)", text)
+        if m:
+            out[key] = normalize_state(m.group(1)) if key == "JobState" else m.group(1)
     return out
 
 

@@ -3,7 +3,13 @@
 When the process was launched by Dagster Pipes (``DAGSTER_PIPES_CONTEXT`` is set and the
 ``dagster_pipes`` package imports), rank 0 opens the Pipes session and forwards logs, asset
 materializations and custom messages. Otherwise log lines go to stderr and ``result`` prints
-the final JSON summary as the last line of stdout. Ranks other than 0 stay silent.
+the final JSON summary as the last line of stdout (and writes it to ``$COMPOSER_RESULT_PATH``
+when set). Ranks other than 0 stay silent.
+
+Pipes context and messages travel through files (the local backend) or through artifact
+storage (a cluster job that shares no disk with Dagster): when the context parameters hold a
+``url``, the context is read from that storage URL and messages are written there as numbered
+chunks (``<url>/<n>.json``), the layout of Dagster's blob-store readers.
 This is the only engine module that may import ``dagster_pipes`` (never ``dagster``).
 """
 
@@ -14,6 +20,49 @@ import os
 import sys
 from typing import Any, Callable
 
+RESULT_PATH_ENV = "COMPOSER_RESULT_PATH"
+
+
+def _storage_pipes(interval: float = 1.0):
+    """A context loader and message writer over artifact storage (any fsspec URL)."""
+    import contextlib
+    import posixpath
+
+    from dagster_pipes import (PipesBlobStoreMessageWriter, PipesBlobStoreMessageWriterChannel,
+                               PipesContextLoader)
+
+    from .storage import open_storage
+
+    class Loader(PipesContextLoader):
+        @contextlib.contextmanager
+        def load_context(self, params):
+            url = params["url"]
+            yield open_storage(posixpath.dirname(url)).read_json(url)
+
+    class Channel(PipesBlobStoreMessageWriterChannel):
+        def __init__(self, url: str):
+            super().__init__(interval=interval)
+            self.url, self.storage = url, open_storage(url)
+
+        def upload_messages_chunk(self, payload, index: int) -> None:
+            self.storage.write_bytes(f"{self.url}/{index}.json", payload.read().encode())
+
+    class Writer(PipesBlobStoreMessageWriter):
+        def make_channel(self, params):
+            return Channel(params["url"])
+
+    return Loader(), Writer(interval=interval)
+
+
+def _open_pipes():
+    from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
+
+    params = PipesEnvVarParamsLoader()
+    if "url" in params.load_context_params():
+        loader, writer = _storage_pipes()
+        return open_dagster_pipes(context_loader=loader, message_writer=writer, params_loader=params)
+    return open_dagster_pipes(params_loader=params)
+
 
 class Reporter:
     def __init__(self, rank: int | None = None):
@@ -22,12 +71,10 @@ class Reporter:
 
     def __enter__(self) -> "Reporter":
         if self.rank == 0 and os.environ.get("DAGSTER_PIPES_CONTEXT"):
-            try:
-                from dagster_pipes import open_dagster_pipes
-            except ImportError:
-                pass
-            else:
-                self.pipes = open_dagster_pipes()
+            import importlib.util
+
+            if importlib.util.find_spec("dagster_pipes") is not None:
+                self.pipes = _open_pipes()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -67,7 +114,13 @@ class Reporter:
         if self.rank != 0:
             return
         if self.pipes is None:
-            print(json.dumps(summary, default=str), flush=True)
+            text = json.dumps(summary, default=str)
+            if os.environ.get(RESULT_PATH_ENV):
+                tmp = os.environ[RESULT_PATH_ENV] + ".tmp"
+                with open(tmp, "w") as f:
+                    f.write(text)
+                os.replace(tmp, os.environ[RESULT_PATH_ENV])
+            print(text, flush=True)
         else:
             self.pipes.report_custom_message(summary)
 

@@ -1,41 +1,112 @@
-"""The cluster resource: runs an engine entry point where GPU work runs, through Dagster Pipes.
+"""The cluster resource: runs a stage's job where GPU work runs, through Dagster Pipes.
+
+A stage's job shares no disk with Dagster. ``run_job`` writes the job's spec (its config,
+input URLs with their manifest digests, output URLs, a resume URL) to artifact storage and
+launches ``python -m composer_dag.runtime.job --spec URL``, which pulls and verifies its
+inputs into a scratch directory of its own, runs the stage (``torchrun``/``deepspeed``/
+``python``), publishes sealed outputs, and reports their URLs and digests. Pipes context and
+messages travel through the same storage, so no backend needs a shared filesystem.
 
 Backends (same assets, config only):
 
-- ``local``: a Pipes subprocess on this machine launching ``torchrun``/``deepspeed`` (or plain
-  python) with N processes. The whole process group is stopped when the run is cancelled.
-- ``k8s``: ``dagster_k8s.PipesK8sClient`` with a pod spec that requests GPUs (image, volumes,
-  env, secrets from the launch spec).
-- ``slurm``: an sbatch script for multi-node ``torchrun``, submitted with ``sbatch`` and watched
-  with ``sacct``; Pipes context and messages travel through files on a shared filesystem.
+- ``local``: a subprocess on this machine; the whole process group is stopped when the run is
+  cancelled.
+- ``slurm``: an sbatch script (``srun`` of the job runner, one per node), watched with
+  ``squeue``/``scontrol`` (``sacct`` only as a last resort: it needs accounting); cancelling the
+  run ``scancel``s the job; a job the scheduler ended (scancel, node DOWN, time limit) fails the
+  step with one line, and the retry resumes from the last sealed checkpoint on storage.
+- ``k8s``: ``dagster_k8s.PipesK8sClient`` with a pod that requests GPUs and mounts nothing
+  shared (image, node selector, tolerations, credentials from a Secret by name).
 
-Rank 0 of the payload reports through Pipes (``composer_dag.pipes.Reporter``); ``run`` returns
-the last custom message it sent (its result summary) and forwards its logs to the Dagster run.
+``isolate`` runs the job under bubblewrap with only its scratch directory, the Python
+environment and the code (read-only) and a private ``/tmp``: it cannot see this machine's
+``COMPOSER_HOME`` or a local artifact root, so it works only through storage URLs.
+
+``run`` runs a bare entry point locally (no job spec) and returns its last custom message.
 """
 
 
 import collections
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from typing import Any, Literal, Optional
 
 import dagster as dg
 import psutil
 from dagster._core.errors import DagsterExecutionInterruptedError
-from dagster._core.pipes.utils import open_pipes_session
+from dagster._core.pipes.client import PipesContextInjector
+from dagster._core.pipes.utils import PipesBlobStoreMessageReader, open_pipes_session
 
+import composer_dag
 from composer_dag import launch
+from composer_dag.runtime.job import error_line
 from resources.base import ClearConfigResource
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(composer_dag.__file__)))
+# what a sandboxed job may see of this process's environment (by reference, never by value)
+PASS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+            "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "COMPOSER_S3_ENDPOINT_URL", "HF_TOKEN")
+SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NODEID", "SLURM_PROCID", "SLURM_NNODES", "COMPOSER_RDZV_ENDPOINT")
 
 
 class ClusterError(dg.Failure):
     pass
+
+
+class StorageContextInjector(PipesContextInjector):
+    """Pipes context as a JSON object at ``<prefix>/<id>/context.json`` on artifact storage."""
+
+    def __init__(self, storage, prefix: str):
+        self.storage, self.prefix = storage, prefix
+
+    @contextlib.contextmanager
+    def inject_context(self, context_data):
+        url = f"{self.prefix}/{uuid.uuid4().hex}/context.json"
+        self.storage.write_json(url, context_data)
+        try:
+            yield {"url": url}
+        finally:
+            with contextlib.suppress(Exception):
+                self.storage.fs.rm_file(self.storage._path(url))
+
+    def no_messages_debug_text(self) -> str:
+        return f"Pipes context was written under {self.prefix}"
+
+
+class StorageMessageReader(PipesBlobStoreMessageReader):
+    """Pipes messages as numbered chunks ``<prefix>/<id>/messages/<n>.json`` on artifact
+    storage (the layout of Dagster's blob-store readers); each poll reads every chunk there."""
+
+    def __init__(self, storage, prefix: str, interval: float = 1.0):
+        super().__init__(interval=interval)
+        self.storage, self.prefix = storage, prefix
+
+    @contextlib.contextmanager
+    def get_params(self):
+        yield {"url": f"{self.prefix}/{uuid.uuid4().hex}/messages"}
+
+    def messages_are_readable(self, params) -> bool:
+        return True
+
+    def download_messages_chunk(self, index: int, params) -> Optional[str]:
+        url = f"{params['url']}/{index}.json"
+        return self.storage.read_bytes(url).decode() if self.storage.exists(url) else None
+
+    def download_messages(self, cursor, params):
+        chunks = []
+        while (chunk := self.download_messages_chunk(self.counter, params)) is not None:
+            chunks.append(chunk)
+            self.counter += 1
+        return (self.counter, "\n".join(chunks)) if chunks else None
+
+    def no_messages_debug_text(self) -> str:
+        return f"Pipes messages were expected under {self.prefix}"
 
 
 class ClusterResource(ClearConfigResource):
@@ -45,6 +116,9 @@ class ClusterResource(ClearConfigResource):
     nnodes: int = 1
     gpus_per_node: int = 0
     env: dict[str, str] = {}
+    isolate: bool = False
+    job_code: list[str] = ["composer_dag"]
+    scratch_dir: str = "/tmp"
     # k8s
     image: Optional[str] = None
     namespace: str = "default"
@@ -52,12 +126,15 @@ class ClusterResource(ClearConfigResource):
     service_account: Optional[str] = None
     cpu: Optional[str] = None
     memory: Optional[str] = None
+    secret_name: Optional[str] = None
+    node_selector: dict[str, str] = {}
+    tolerations: list[dict[str, str]] = []
     # slurm
     partition: Optional[str] = None
     account: Optional[str] = None
     time_limit: str = "04:00:00"
-    shared_dir: Optional[str] = None
-    poll_seconds: float = 10.0
+    container_image: Optional[str] = None
+    poll_seconds: float = 2.0
     # all
     grace_seconds: float = 10.0
 
@@ -65,7 +142,7 @@ class ClusterResource(ClearConfigResource):
     def spec(self, entry: str, args: list[str], name: str = "composer-train", launcher: str | None = None) -> launch.LaunchSpec:
         env = {**self.env}
         single = launcher == "python"  # an entry that must run as one process
-        if self.gpus_per_node == 0 and self.backend == "local":
+        if self.gpus_per_node == 0:
             env.setdefault("DS_ACCELERATOR", "cpu")
         return launch.LaunchSpec(
             entry=entry,
@@ -81,25 +158,136 @@ class ClusterResource(ClearConfigResource):
             memory=self.memory,
         )
 
-    def render(self, entry: str, args: list[str], name: str = "composer-train", launcher: str | None = None) -> Any:
-        """What the backend would launch: an argv (local), a pod manifest (k8s), an sbatch script."""
-        spec = self.spec(entry, args, name, launcher)
+    def job_argv(self, spec_url: str, scratch: str, env: dict[str, str]) -> list[str]:
+        """The job runner's argv on a node; under bubblewrap when ``isolate`` (``env`` then is
+        all the job sees, besides the credentials in ``PASS_ENV`` present here)."""
+        argv = [sys.executable, "-m", "composer_dag.runtime.job", "--spec", spec_url, "--scratch", scratch]
+        if not self.isolate:
+            return argv
+        inner = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch, "TMPDIR": "/tmp",
+                 "PYTHONPATH": REPO_ROOT, **env}
+        inner.update({k: "${%s}" % k for k in PASS_ENV if k in os.environ})
+        if self.backend == "slurm":
+            inner.update({k: "${%s}" % k for k in SLURM_ENV})
+        code = [os.path.join(REPO_ROOT, p) for p in self.job_code]
+        return launch.bwrap_command(argv, scratch, code, sorted({sys.prefix, sys.base_prefix}), inner)
+
+    def render(self, spec_url: str, name: str = "composer-job", env: dict[str, str] | None = None,
+               scratch: str | None = None) -> Any:
+        """What the backend launches for the job spec at ``spec_url``: an argv (local), a pod
+        manifest (k8s), an sbatch script (slurm)."""
+        env = {**self.spec("composer_dag.runtime.job", [], name, "python").env, **(env or {})}
+        scratch = scratch or os.path.join(self.scratch_dir, f"{name}-{uuid.uuid4().hex[:8]}")
         if self.backend == "local":
-            return launch.local_command(spec)
+            return self.job_argv(spec_url, scratch, env)
         if self.backend == "k8s":
+            spec = self.spec("composer_dag.runtime.job", ["--spec", spec_url], name, "python")
+            spec.env.update(env)
             return launch.k8s_pod_spec(
-                spec,
-                namespace=self.namespace,
-                image=self.image,
-                gpu_resource=self.gpu_resource,
-                service_account=self.service_account,
-            )
+                spec, namespace=self.namespace, image=self.image, gpu_resource=self.gpu_resource,
+                service_account=self.service_account, secret_name=self.secret_name,
+                node_selector=self.node_selector, tolerations=self.tolerations)
+        argv = self.job_argv(spec_url, scratch, env)
+        if argv[0] == "bwrap":
+            env = {}  # the sandbox gets its environment from the command line
+        # the scratch directory is the job's: made before it starts, removed when it ends
+        setup = [f"mkdir -p {scratch}", f"trap 'rm -rf {scratch}' EXIT"]
         return launch.slurm_script(
-            spec, partition=self.partition, nodes=self.nnodes, gpus_per_node=self.gpus_per_node,
-            time=self.time_limit, account=self.account,
-        )
+            argv, name=name, nodes=self.nnodes, gpus_per_node=self.gpus_per_node,
+            partition=self.partition, account=self.account, time=self.time_limit,
+            output=os.path.join(self.scratch_dir, "%x-%j.out"), chdir=self.scratch_dir,
+            container_image=self.container_image, env=env, setup=setup)
 
     # ---- running -----------------------------------------------------------------------
+    def run_job(self, context, storage, job: dict[str, Any], name: str = "composer-job") -> dict[str, Any]:
+        """Run a stage's job (see ``composer_dag.runtime.job``) and return its verified result:
+        ``{"summary": <the stage's result>, "outputs": {name: {"url", "digest"}}}``, each
+        output's manifest on storage matching the digest the job reported."""
+        job = {"launcher": self.launcher, "nproc_per_node": self.nproc_per_node, "nnodes": self.nnodes, **job}
+        if job["launcher"] == "python":
+            job["nproc_per_node"] = job["nnodes"] = 1
+        job["env"] = {**self.spec(job["entry"], [], name, job["launcher"]).env, **(job.get("env") or {})}
+        run_id = context.run.run_id
+        spec_url = storage.url("jobs", run_id, f"{name}-{uuid.uuid4().hex[:8]}.json")
+        storage.write_json(spec_url, job)
+        prefix = storage.url("jobs", run_id, "pipes")
+        with open_pipes_session(
+            context=context,
+            context_injector=StorageContextInjector(storage, prefix),
+            message_reader=StorageMessageReader(storage, prefix),
+        ) as session:
+            env = session.get_bootstrap_env_vars()
+            launched = {"local": self._launch_local, "slurm": self._launch_slurm, "k8s": self._launch_k8s}[self.backend]
+            failure, why = launched(context, spec_url, name, env)
+        messages = session.get_custom_messages()
+        error = next((m["error"] for m in reversed(messages) if isinstance(m, dict) and "error" in m), why)
+        if failure or error:
+            raise ClusterError(description=f"{job['entry']} {failure or 'failed'}" + (f": {error}" if error else ""))
+        result = next((m for m in reversed(messages) if isinstance(m, dict) and "outputs" in m), None)
+        if result is None:
+            raise ClusterError(description=f"{job['entry']} finished without reporting a result through Pipes")
+        for out_name, out in result["outputs"].items():
+            found = storage.manifest_digest(out["url"])
+            if found != out["digest"]:
+                raise ClusterError(description=f"{out_name} at {out['url']} does not match the digest its job reported")
+        return result
+
+    # Each launcher returns (what went wrong, or None; the error line it saw itself, or None).
+    def _launch_local(self, context, spec_url, name, env) -> tuple[str | None, str | None]:
+        scratch = os.path.join(self.scratch_dir, f"{name}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(scratch)
+        try:
+            cmd = self.job_argv(spec_url, scratch, env)
+            full_env = None if self.isolate else {**os.environ, **env}
+            context.log.info(f"[cluster:local] {' '.join(cmd)}")
+            rc, why = self._popen(context, cmd, full_env)
+        finally:
+            subprocess.run(["rm", "-rf", scratch], check=False)
+        return (None, None) if rc == 0 else (f"exited with code {rc}", why or None)
+
+    def _launch_slurm(self, context, spec_url, name, env) -> tuple[str | None, str | None]:
+        script = self.render(spec_url, name, env)
+        out = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise ClusterError(description=f"sbatch failed: {' '.join(out.stderr.split())[:300]}")
+        job = launch.parse_sbatch_output(out.stdout)
+        context.log.info(f"[cluster:slurm] submitted job {job}")
+        try:
+            state = self._wait_slurm(job)
+        except (DagsterExecutionInterruptedError, KeyboardInterrupt):
+            context.log.warning(f"[cluster:slurm] run cancelled: scancel {job}")
+            subprocess.run(["scancel", job], check=False)
+            deadline = time.monotonic() + self.grace_seconds + 30
+            while time.monotonic() < deadline and not launch.is_terminal(slurm_state(job).get("JobState", "UNKNOWN")):
+                time.sleep(0.5)
+            raise
+        context.log.info(f"[cluster:slurm] job {job} ended {state['JobState']}")
+        if state["JobState"] == "COMPLETED":
+            return None, None
+        what = {"CANCELLED": "was cancelled by the scheduler or an operator (scancel)",
+                "TIMEOUT": f"hit its time limit ({self.time_limit})", "NODE_FAIL": "lost its node (node failure or DOWN)",
+                "PREEMPTED": "was preempted", "OUT_OF_MEMORY": "ran out of memory"}.get(state["JobState"], "failed")
+        return f"in slurm job {job} {what} (state {state['JobState']}, exit code {state.get('ExitCode', '?')})", None
+
+    def _wait_slurm(self, job: str) -> dict[str, str]:
+        while True:
+            state = slurm_state(job)
+            if launch.is_terminal(state.get("JobState", "PENDING")):
+                return state
+            time.sleep(self.poll_seconds)
+
+    def _launch_k8s(self, context, spec_url, name, env) -> tuple[str | None, str | None]:
+        from dagster_k8s import PipesK8sClient
+
+        manifest = self.render(spec_url, name, env)
+        container = manifest["spec"]["containers"][0]
+        PipesK8sClient().run(
+            context=context, image=container["image"], command=container["command"], namespace=self.namespace,
+            env={e["name"]: e["value"] for e in container["env"] if "value" in e},
+            base_pod_meta=manifest["metadata"], base_pod_spec=manifest["spec"],
+        )
+        return None, None
+
     def run(
         self,
         context: dg.AssetExecutionContext | dg.OpExecutionContext,
@@ -109,20 +297,9 @@ class ClusterResource(ClearConfigResource):
         name: str = "composer-train",
         launcher: str | None = None,
     ) -> dict[str, Any]:
-        """Run ``entry`` on the cluster; return rank 0's result summary (its last custom message).
-
-        ``launcher`` overrides the configured one for this entry (the RL run is one process that
-        starts its own inference engine: ``python``).
-        """
-        run = {"local": self._run_local, "k8s": self._run_k8s, "slurm": self._run_slurm}[self.backend]
-        session_messages = run(context, entry, args, extras, name, launcher)
-        if not session_messages:
-            raise ClusterError(description=f"{entry} finished without reporting a result through Pipes")
-        return session_messages[-1]
-
-    def _run_local(self, context, entry, args, extras, name, launcher) -> list[Any]:
-        cmd = self.render(entry, args, name, launcher)
-        spec = self.spec(entry, args, name, launcher)
+        """Run a bare entry point on this machine (``torchrun``/``deepspeed``/``python`` as the
+        spec says) and return rank 0's last custom message."""
+        cmd = launch.local_command(self.spec(entry, args, name, launcher))
         context.log.info(f"[cluster:local] {' '.join(cmd)}")
         with open_pipes_session(
             context=context,
@@ -130,87 +307,49 @@ class ClusterResource(ClearConfigResource):
             message_reader=dg.PipesTempFileMessageReader(),
             extras=extras,
         ) as session:
-            env = {**os.environ, **spec.env, **session.get_bootstrap_env_vars()}
-            # A session of its own: cancelling signals the whole tree (launcher and ranks).
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
-            tail = _StderrTail(proc.stderr)
-            try:
-                while proc.poll() is None:
-                    time.sleep(0.2)
-            except (DagsterExecutionInterruptedError, KeyboardInterrupt):
-                context.log.warning("[cluster:local] run cancelled: stopping the process group")
-                stop_process_group(proc, self.grace_seconds)
-                raise
-            finally:
-                tail.join()
-            if proc.returncode != 0:
-                why = tail.error_line()
-                raise ClusterError(
-                    description=f"{entry} exited with code {proc.returncode}"
-                    + (f": {why}" if why else "") + " (the whole output is in the run's stderr)"
-                )
-        return session.get_custom_messages()
+            env = {**os.environ, **self.spec(entry, args, name, launcher).env, **session.get_bootstrap_env_vars()}
+            rc, why = self._popen(context, cmd, env)
+            if rc != 0:
+                raise ClusterError(description=f"{entry} exited with code {rc}" + (f": {why}" if why else "")
+                                   + " (the whole output is in the run's stderr)")
+        messages = session.get_custom_messages()
+        if not messages:
+            raise ClusterError(description=f"{entry} finished without reporting a result through Pipes")
+        return messages[-1]
 
-    def _run_k8s(self, context, entry, args, extras, name, launcher) -> list[Any]:
-        from dagster_k8s import PipesK8sClient
-
-        manifest = self.render(entry, args, name, launcher)
-        container = manifest["spec"]["containers"][0]
-        invocation = PipesK8sClient().run(
-            context=context,
-            extras=extras,
-            image=container["image"],
-            command=container["command"],
-            namespace=self.namespace,
-            env={e["name"]: e["value"] for e in container["env"] if "value" in e},
-            base_pod_meta=manifest["metadata"],
-            base_pod_spec=manifest["spec"],
-        )
-        return invocation.get_custom_messages()
-
-    def _run_slurm(self, context, entry, args, extras, name, launcher) -> list[Any]:
-        if not self.shared_dir:
-            raise ClusterError(description="slurm backend needs shared_dir: a directory every node can read and write")
-        run_dir = os.path.join(self.shared_dir, context.run.run_id)
-        os.makedirs(run_dir, exist_ok=True)
-        ctx_path, msg_path = os.path.join(run_dir, "pipes_context.json"), os.path.join(run_dir, "pipes_messages.jsonl")
-        with open_pipes_session(
-            context=context,
-            context_injector=dg.PipesFileContextInjector(ctx_path),
-            message_reader=dg.PipesFileMessageReader(msg_path),
-            extras=extras,
-        ) as session:
-            spec = self.spec(entry, args, name, launcher)
-            exports = [f"export {k}='{v}'" for k, v in session.get_bootstrap_env_vars().items()]
-            script = launch.slurm_script(
-                spec, partition=self.partition, nodes=self.nnodes, gpus_per_node=self.gpus_per_node,
-                time=self.time_limit, account=self.account, setup=exports,
-            )
-            path = os.path.join(run_dir, "job.sbatch")
-            with open(path, "w") as f:
-                f.write(script)
-            out = subprocess.run(["sbatch", "--parsable", path], capture_output=True, text=True, check=True)
-            job = launch.parse_sbatch_output(out.stdout)
-            context.log.info(f"[cluster:slurm] submitted job {job}")
-            try:
-                while True:
-                    time.sleep(self.poll_seconds)
-                    acct = subprocess.run(
-                        ["sacct", "-j", job, "-P", "-n", "-o", "JobID,State,ExitCode"], capture_output=True, text=True
-                    ).stdout
-                    state = launch.parse_sacct(acct).get(job, {}).get("state", "PENDING")
-                    if launch.is_terminal(state):
-                        break
-            except (DagsterExecutionInterruptedError, KeyboardInterrupt):
-                subprocess.run(["scancel", job], check=False)
-                raise
-            if state != "COMPLETED":
-                raise ClusterError(description=f"slurm job {job} ended {state}")
-        return session.get_custom_messages()
+    def _popen(self, context, cmd: list[str], env: dict | None) -> tuple[int, str]:
+        # A session of its own: cancelling signals the whole tree (launcher and ranks).
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+        tail = _StderrTail(proc.stderr)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.2)
+        except (DagsterExecutionInterruptedError, KeyboardInterrupt):
+            context.log.warning("[cluster:local] run cancelled: stopping the process group")
+            stop_process_group(proc, self.grace_seconds)
+            raise
+        finally:
+            tail.join()
+        return proc.returncode, tail.error_line()
 
 
-_ERROR_LINE = re.compile(  # "[rank0]: pkg.mod.SomeError: message" (torchrun prefixes rank output)
-    r"^(?:\[rank\d+\]:\s*)?(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Interrupt|Failure)): ?(.*)$")
+def slurm_state(job: str) -> dict[str, str]:
+    """``{"JobState", "Reason", "ExitCode"}`` of a Slurm job: ``squeue`` while it is queued or
+    running, then ``scontrol`` (kept ``MinJobAge`` seconds), then ``sacct`` when accounting is
+    on; ``{"JobState": "UNKNOWN"}`` if none knows it."""
+    q = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i %T"], capture_output=True, text=True)
+    state = launch.parse_squeue(q.stdout).get(job)
+    if state and not launch.is_terminal(state):
+        return {"JobState": state}
+    sc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
+    found = launch.parse_scontrol_job(sc.stdout) if sc.returncode == 0 else {}
+    if found.get("JobState"):
+        return found
+    acct = subprocess.run(["sacct", "-j", job, "-P", "-n", "-o", "JobID,State,ExitCode"], capture_output=True, text=True)
+    row = launch.parse_sacct(acct.stdout).get(job) if acct.returncode == 0 else None
+    if row:
+        return {"JobState": row["state"], "ExitCode": row["exit_code"]}
+    return {"JobState": state or "UNKNOWN"}
 
 
 class _StderrTail:
@@ -233,13 +372,8 @@ class _StderrTail:
         self._thread.join(timeout)
 
     def error_line(self) -> str:
-        """``SomeError: message`` of the last exception printed (launcher wrappers such as
-        torchrun's ChildFailedError skipped), or ''."""
-        for line in reversed(self._lines):
-            m = _ERROR_LINE.match(line.strip())
-            if m and m.group(1) not in ("ChildFailedError", "KeyboardInterrupt"):
-                return f"{m.group(1)}: {m.group(2)}"[:300].rstrip(": ")
-        return ""
+        """``SomeError: message`` of the last exception printed, or ''."""
+        return error_line(self._lines)
 
 
 def stop_process_group(proc: subprocess.Popen, grace_seconds: float) -> None:

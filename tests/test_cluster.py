@@ -12,6 +12,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from composer_dag import launch
 from resources.cluster import ClusterResource
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,39 +91,56 @@ def test_a_failing_rank_is_named_in_one_line(tmp_path):
     assert "exited with code" in first and "ValueError: planted failure 42" in first, first
 
 
-def test_k8s_pod_spec_requests_gpus():
+def test_k8s_pod_spec_requests_gpus_and_shares_no_volume():
     cluster = ClusterResource(backend="k8s", image="registry.example.com/composer:1", nproc_per_node=8,
-                              gpus_per_node=8, namespace="ml", memory="200Gi")
-    pod = cluster.render("composer_dag.train.midtrain", ["--config", "/data/c.json"])
+                              gpus_per_node=8, namespace="ml", memory="200Gi", secret_name="s3-creds",
+                              node_selector={"gpu": "h100"})
+    pod = cluster.render("s3://bucket/jobs/r1/midtrain.json", "composer-midtrain")
     assert pod["kind"] == "Pod" and pod["metadata"]["namespace"] == "ml"
     c = pod["spec"]["containers"][0]
     assert c["image"] == "registry.example.com/composer:1"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
-    assert c["command"][:1] == ["torchrun"] and "--nproc-per-node" in c["command"]
-    assert c["command"][-3:] == ["composer_dag.train.midtrain", "--config", "/data/c.json"]
+    assert c["command"] == ["python", "-m", "composer_dag.runtime.job", "--spec", "s3://bucket/jobs/r1/midtrain.json"]
+    assert c["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert {v["name"] for v in pod["spec"]["volumes"]} == {"dshm", "scratch"}  # nothing shared
+    assert all("emptyDir" in v for v in pod["spec"]["volumes"])
     assert pod["spec"]["restartPolicy"] == "Never"
     assert "DS_ACCELERATOR" not in {e["name"] for e in c["env"]}  # GPUs: the default accelerator
 
 
-def test_slurm_script_is_multinode_torchrun():
+def test_slurm_script_runs_the_job_runner_once_per_node():
     cluster = ClusterResource(backend="slurm", nnodes=4, nproc_per_node=8, gpus_per_node=8, partition="gpu",
-                              account="ml", time_limit="12:00:00", shared_dir="/shared")
-    script = cluster.render("composer_dag.train.midtrain", ["--config", "/shared/c.json"])
+                              account="ml", time_limit="12:00:00", scratch_dir="/scratch",
+                              container_image="nvcr.io/org/composer:1")
+    script = cluster.render("s3://bucket/jobs/r1/midtrain.json", "composer-midtrain", scratch="/scratch/job1")
     assert script.startswith("#!/bin/bash")
     for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
-                 "#SBATCH --account=ml", "#SBATCH --time=12:00:00"):
-        assert line in script
-    assert "srun torchrun --nnodes $SLURM_NNODES --nproc-per-node 8 --rdzv-backend c10d" in script
-    assert script.rstrip().endswith("-m composer_dag.train.midtrain --config /shared/c.json")
+                 "#SBATCH --account=ml", "#SBATCH --time=12:00:00", "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --output=/scratch/%x-%j.out", "mkdir -p /scratch/job1"):
+        assert line in script.splitlines()
+    srun = script.rstrip().splitlines()[-1]
+    assert srun.startswith("srun --kill-on-bad-exit=1 --container-image=nvcr.io/org/composer:1 ")
+    assert srun.endswith("-m composer_dag.runtime.job --spec s3://bucket/jobs/r1/midtrain.json --scratch /scratch/job1")
+    assert 'export COMPOSER_RDZV_ENDPOINT="$head:29500"' in script
+
+
+def test_isolated_slurm_job_gets_credentials_by_reference(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "never-in-the-script-123")
+    cluster = ClusterResource(backend="slurm", isolate=True, scratch_dir="/scratch")
+    script = cluster.render("s3://b/spec.json", "composer-x", scratch="/scratch/j")
+    assert "never-in-the-script-123" not in script
+    assert '--setenv AWS_SECRET_ACCESS_KEY "${AWS_SECRET_ACCESS_KEY}"' in script
+    assert "--bind /scratch/j /scratch/j" in script and "--clearenv" in script
 
 
 def test_local_command_is_cpu_torchrun():
     cluster = ClusterResource(nproc_per_node=2)
-    cmd = cluster.render("composer_dag.train.midtrain", ["--config", "c.json"])
+    cmd = launch.local_command(cluster.spec("composer_dag.train.midtrain", ["--config", "c.json"]))
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--nnodes"] and "--nproc-per-node" in cmd
     assert cluster.spec("x", []).env["DS_ACCELERATOR"] == "cpu"
 
 
 def test_python_launcher_refuses_many_processes():
     with pytest.raises(ValueError, match="one process"):
-        ClusterResource(launcher="python", nproc_per_node=2).render("m", [])
+        ClusterResource(launcher="python", nproc_per_node=2).spec("m", [])

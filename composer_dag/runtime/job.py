@@ -1,0 +1,312 @@
+"""A stage's job on a node that shares no disk with Dagster: storage URLs in, storage URLs out.
+
+``python -m composer_dag.runtime.job --spec URL`` reads a job spec (JSON, written by the
+launching asset) from artifact storage, and then, in a scratch directory of its own:
+
+1. pulls every input (``{"url", "digest"}``) and checks it against its manifest and the digest
+   the asset saw, so a job never trains on an artifact that changed or arrived half;
+2. pulls the stage's resumable state from ``state_url`` (keyed by the inputs and settings, so a
+   retry on another node resumes where the last job's newest sealed checkpoint left off);
+3. writes the stage config with ``{scratch}`` in its path fields replaced by the scratch path,
+   and runs the stage's entry point (``torchrun``/``deepspeed``/``python``) on it, while a
+   thread copies the state back to ``state_url`` as it changes (sealed checkpoints only, their
+   ``manifest.json`` after their files and ``latest`` last, so what is there always resumes);
+4. publishes each output (``{"url", "files": [[dest, src], ...]}``, ``src`` relative to the
+   stage's ``out_dir``, ``{key}`` taken from the stage's result, glob patterns allowed) sealed
+   with a manifest, and reports ``{"summary", "outputs": {name: {"url", "digest"}}}`` as its
+   result; a failure is reported as ``{"error": "<the failing rank's exception>"}``.
+
+On a multi-node job one such process runs per node (``SLURM_NODEID``); node 0 reports and
+publishes. Only node 0's state is synced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import posixpath
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from .. import launch
+from ..pipes import RESULT_PATH_ENV, Reporter
+from ..storage import MANIFEST, ArtifactError, Storage, open_storage
+
+SCRATCH = "{scratch}"
+STATE_SYNC_S = 1.0
+
+_ERROR_LINE = re.compile(  # "[rank0]: pkg.mod.SomeError: message" (torchrun prefixes rank output)
+    r"^(?:\[rank\d+\]:\s*)?(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Interrupt|Failure)): ?(.*)$")
+
+
+def error_line(lines) -> str:
+    """``SomeError: message`` of the last exception in ``lines`` (launcher wrappers such as
+    torchrun's ChildFailedError skipped), or ''."""
+    for line in reversed(list(lines)):
+        m = _ERROR_LINE.match(line.strip())
+        if m and m.group(1) not in ("ChildFailedError", "KeyboardInterrupt"):
+            return f"{m.group(1)}: {m.group(2)}"[:300].rstrip(": ")
+    return ""
+
+
+def _fill(obj: Any, scratch: str) -> Any:
+    if isinstance(obj, str):
+        return obj.replace(SCRATCH, scratch)
+    if isinstance(obj, dict):
+        return {k: _fill(v, scratch) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(v, scratch) for v in obj]
+    return obj
+
+
+def pull_input(storage: Storage, name: str, url: str, digest: str | None, dest: str) -> None:
+    """Download the artifact at ``url`` into ``dest`` and verify it there: every file against
+    its manifest, and the manifest against the digest the launching asset recorded."""
+    storage.get_dir(url, dest)
+    local = Storage(dest)
+    local.verify_manifest(local.root)
+    if digest and local.manifest_digest(local.root) != digest:
+        raise ArtifactError(f"input {name} at {url} is not the artifact the asset saw (manifest digest differs)")
+
+
+class StateSync:
+    """Copies a stage's ``out_dir`` to ``url`` as it changes, so that what is there is always a
+    state the stage resumes from: a checkpoint directory (``checkpoints/<tag>/``) goes once it
+    is sealed (its files, then its manifest), ``latest`` goes after everything else; temporary
+    files and the final ``hf`` export stay behind."""
+
+    def __init__(self, storage: Storage, out_dir: str, url: str):
+        self.storage, self.out_dir, self.url = storage, out_dir, url
+        self.sent: dict[str, tuple[int, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._lock = threading.Lock()
+
+    def pull(self) -> bool:
+        """Download the last synced state into ``out_dir``; True when there was one."""
+        if not self.storage.exists(f"{self.url}/latest"):
+            return False
+        self.storage.get_dir(self.url, self.out_dir)
+        self.sent = {p: self._stat(p) for p in self._files()}
+        return True
+
+    def _stat(self, path: str) -> tuple[int, int]:
+        st = os.stat(os.path.join(self.out_dir, path))
+        return st.st_size, st.st_mtime_ns
+
+    def _files(self) -> list[str]:
+        out = []
+        for dirpath, dirs, files in os.walk(self.out_dir):
+            rel_dir = os.path.relpath(dirpath, self.out_dir)
+            parts = [] if rel_dir == "." else rel_dir.split(os.sep)
+            if parts[:1] == ["hf"] or any(p.startswith(".") for p in parts):
+                dirs[:] = []
+                continue
+            if len(parts) >= 2 and parts[0] == "checkpoints" and not os.path.exists(
+                    os.path.join(self.out_dir, parts[0], parts[1], MANIFEST)):
+                dirs[:] = []
+                continue  # not sealed yet
+            for name in files:
+                if name.startswith(".") or ".tmp" in name:
+                    continue
+                out.append("/".join([*parts, name]))
+        return out
+
+    def sync(self) -> int:
+        """Upload what changed since the last call; returns the number of files sent."""
+        with self._lock:
+            changed = []
+            for rel in self._files():
+                try:
+                    stat = self._stat(rel)
+                except FileNotFoundError:
+                    continue
+                if self.sent.get(rel) != stat:
+                    changed.append((rel, stat))
+            # manifests after the files they seal, ``latest`` after everything
+            changed.sort(key=lambda x: (x[0] == "latest", posixpath.basename(x[0]) == MANIFEST, x[0]))
+            for rel, stat in changed:
+                try:
+                    self.storage.put_file(os.path.join(self.out_dir, rel), f"{self.url}/{rel}")
+                except FileNotFoundError:
+                    continue  # removed meanwhile (an old checkpoint the stage dropped)
+                self.sent[rel] = stat
+            return len(changed)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(STATE_SYNC_S):
+            try:
+                self.sync()
+            except Exception as exc:  # noqa: BLE001 - retried next round; the final sync raises
+                print(f"state sync to {self.url} failed, retrying: {exc}", file=sys.stderr, flush=True)
+
+    def start(self) -> "StateSync":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        self.sync()
+
+
+def stage_command(spec: dict, config_path: str) -> list[str]:
+    """The argv that runs the stage on this node: one process, or torchrun/deepspeed with
+    ``nproc_per_node`` ranks (multi-node: c10d rendezvous at ``$COMPOSER_RDZV_ENDPOINT``)."""
+    lspec = launch.LaunchSpec(entry=spec["entry"], args=["--config", config_path],
+                              launcher=spec.get("launcher", "python"),
+                              nproc_per_node=int(spec.get("nproc_per_node", 1)),
+                              nnodes=int(spec.get("nnodes", 1)))
+    if lspec.nnodes > 1:
+        endpoint = os.environ["COMPOSER_RDZV_ENDPOINT"]
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(lspec.nnodes),
+                "--nproc-per-node", str(lspec.nproc_per_node), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", endpoint, "--rdzv-id", os.environ.get("SLURM_JOB_ID", "composer"),
+                "-m", lspec.entry, *lspec.args]
+    return launch.local_command(lspec)
+
+
+def _pump(stream, sink, lines: collections.deque, rep: Reporter) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip("\n")
+        sink.write(line + "\n")
+        sink.flush()
+        lines.append(line)
+        rep.log(line)
+    stream.close()
+
+
+def run_stage_process(spec: dict, config_path: str, scratch: str, rep: Reporter) -> tuple[int, str, dict | None]:
+    """Run the stage; forward its output; return (exit code, error line, result)."""
+    result_path = os.path.join(scratch, "result.json")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
+    env.update({str(k): str(v) for k, v in (spec.get("env") or {}).items()})
+    env[RESULT_PATH_ENV] = result_path
+    cmd = stage_command(spec, config_path)
+    rep.log(f"[job] {' '.join(cmd)}")
+    proc = subprocess.Popen(cmd, env=env, cwd=scratch, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tail: collections.deque = collections.deque(maxlen=200)
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, collections.deque(maxlen=1), rep),
+                              daemon=True),
+             threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, tail, rep), daemon=True)]
+    for t in pumps:
+        t.start()
+
+    def stop(signum, frame):  # scancel / pod deletion: stop the stage's process group first
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        rc = proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        for t in pumps:
+            t.join(timeout=10)
+    if rc != 0:
+        why = error_line(tail)
+        return rc, why or f"{spec['entry']} exited with code {rc}", None
+    if not os.path.exists(result_path):
+        return 1, f"{spec['entry']} finished without writing its result", None
+    with open(result_path) as f:
+        return 0, "", json.load(f)
+
+
+def publish(storage: Storage, out_dir: str, outputs: dict, result: dict, staging_root: str) -> dict:
+    """Stage every output's files from ``out_dir``, upload, seal; ``{name: {url, digest}}``."""
+    flat = {k: v for k, v in result.items() if isinstance(v, (str, int, float))}
+    published = {}
+    for name, out in outputs.items():
+        staging = os.path.join(staging_root, name)
+        os.makedirs(staging, exist_ok=True)
+        for dest, src in out["files"]:
+            pattern = os.path.join(out_dir, src.format(**flat))
+            for path in sorted(glob.glob(pattern)):
+                if os.path.isdir(path):
+                    shutil.copytree(path, os.path.join(staging, dest), dirs_exist_ok=True)
+                elif glob.has_magic(src) or dest.endswith("/") or not dest:
+                    os.makedirs(os.path.join(staging, dest), exist_ok=True)
+                    shutil.copy2(path, os.path.join(staging, dest, os.path.basename(path)))
+                else:
+                    os.makedirs(os.path.dirname(os.path.join(staging, dest)) or staging, exist_ok=True)
+                    shutil.copy2(path, os.path.join(staging, dest))
+        storage.put_dir(staging, out["url"])
+        published[name] = {"url": out["url"], "digest": storage.write_manifest(out["url"])}
+    return published
+
+
+def run_job(spec_url: str, scratch: str | None = None) -> int:
+    node = int(os.environ.get("SLURM_NODEID", "0"))
+    storage = open_storage(posixpath.dirname(spec_url))
+    own_scratch = scratch is None
+    scratch = scratch or tempfile.mkdtemp(prefix="composer-job-", dir=os.environ.get("COMPOSER_SCRATCH"))
+    with Reporter(rank=node) as rep:
+        sync = None
+        try:
+            spec = storage.read_json(spec_url)
+            t0 = time.monotonic()
+            for name, inp in (spec.get("inputs") or {}).items():
+                pull_input(storage, name, inp["url"], inp.get("digest"), os.path.join(scratch, "inputs", name))
+            config = _fill(spec["config"], scratch)
+            out_dir = config.get("out_dir") or os.path.join(scratch, "out")
+            os.makedirs(out_dir, exist_ok=True)
+            if spec.get("state_url") and node == 0:
+                sync = StateSync(storage, out_dir, spec["state_url"])
+                if sync.pull():
+                    rep.log(f"[job] resuming from the state at {spec['state_url']}")
+                sync.start()
+            rep.log(f"[job] inputs pulled and verified in {time.monotonic() - t0:.1f} s")
+            config_path = os.path.join(scratch, f"{spec.get('stage', 'stage')}.json")
+            with open(config_path, "w") as f:
+                json.dump(config, f, indent=2)
+            rc, why, result = run_stage_process(spec, config_path, scratch, rep)
+            if sync is not None:
+                sync.stop()
+                sync = None
+            if rc != 0:
+                rep.report_custom_message({"error": why, "exit_code": rc})
+                print(f"[job] stage failed: {why}", file=sys.stderr, flush=True)
+                return 1
+            if node == 0:
+                outputs = publish(storage, out_dir, spec.get("outputs") or {}, result, os.path.join(scratch, "publish"))
+                rep.result({"summary": result, "outputs": outputs})
+            return 0
+        except Exception as exc:  # one line to Dagster, the traceback in the job's log
+            import traceback
+
+            traceback.print_exc()
+            rep.report_custom_message({"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300], "exit_code": 1})
+            return 1
+        finally:
+            if sync is not None:
+                try:
+                    sync.stop()
+                except Exception:  # noqa: BLE001 - the stage's own failure is what to report
+                    pass
+            if own_scratch:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m composer_dag.runtime.job", description=__doc__.splitlines()[0])
+    p.add_argument("--spec", required=True, help="URL of the job spec (JSON)")
+    p.add_argument("--scratch", default=None, help="working directory (default: a new one under $COMPOSER_SCRATCH or /tmp, removed at the end)")
+    args = p.parse_args(argv)
+    return run_job(args.spec, args.scratch)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
