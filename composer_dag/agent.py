@@ -71,6 +71,19 @@ def render_prompt(tokenizer, user: str, system_style: str = "full") -> str:
     return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
 
+def tool_call_text(name: str, arguments: dict) -> str:
+    """One call as the harness writes it (and as a policy is taught to)."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def defang(text: str, control=CONTROL_TOKENS) -> str:
+    """``text`` with every control-token string broken by a zero-width space."""
+    for t in sorted(control, key=len, reverse=True):
+        if t in text:
+            text = text.replace(t, t[0] + "\u200b" + t[1:])
+    return text
+
+
 def parse_tool_calls(text: str) -> tuple[list[dict], list[str], str]:
     """(calls, errors, prose) from an assistant completion. ``errors`` holds one message per
     block that is not a JSON object; ``prose`` is the text outside the blocks."""
@@ -187,11 +200,7 @@ class AgentLoop:
         return [self._record(r, version) for r in runs]
 
     def defang(self, text: str) -> str:
-        """``text`` with every control-token string broken by a zero-width space."""
-        for t in self.control:
-            if t in text:
-                text = text.replace(t, t[0] + "\u200b" + t[1:])
-        return text
+        return defang(text, self.control)
 
     def _act(self, r: _Run, c: Completion) -> None:
         r.turns += 1

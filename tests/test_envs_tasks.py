@@ -14,7 +14,7 @@ from composer_dag.envs.tasks_bugfix import apply_mutation, mutation_sites
 from composer_dag.envs.tools import Episode
 
 CFG = {"seed": 0, "humaneval_limit": 4, "bugfix_count": 2, "bugfix_modules": ["colorsys", "fnmatch"],
-       "max_per_module": 1, "attempts_per_module": 4}
+       "max_per_module": 1, "attempts_per_module": 4, "learnable_count": 4}
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +35,10 @@ def git(repo, *args):
 
 def test_summary_and_split(built):
     out, s = built
-    assert s["tasks"] == 6 and s["by_source"] == {"humaneval": 4, "stdlib-bugfix": 2}
-    assert s["rl_tasks"] + s["eval_tasks"] == 6 and s["rl_tasks"] and s["eval_tasks"]
+    assert s["tasks"] == 10 and s["by_source"] == {"humaneval": 4, "learnable": 4, "stdlib-bugfix": 2}
+    assert s["rl_tasks"] + s["eval_tasks"] == 10 and s["rl_tasks"] and s["eval_tasks"]
     assert s["split_check"]["ok"] and check_split(out)["ok"]
-    assert json.loads((out / "summary.json").read_text())["tasks"] == 6
+    assert json.loads((out / "summary.json").read_text())["tasks"] == 10
     print("build seconds:", s["seconds"])
 
 
@@ -119,3 +119,12 @@ def test_mutations():
     for kind, node in mutation_sites(src):
         mutant = apply_mutation(src, kind, node)
         assert ast.dump(ast.parse(mutant)) != ast.dump(ast.parse(src)), kind
+
+
+def test_held_out_learnable_words_are_never_trained_on(built):
+    out, _ = built
+    words = {side: {json.loads((d / "task.json").read_text())["reference"]["word"] for d in task_dirs(out, side)
+                    if json.loads((d / "task.json").read_text())["source"] == "learnable"}
+             for side in ("rl_tasks", "eval_tasks")}
+    assert words["rl_tasks"] and words["eval_tasks"], words
+    assert not words["rl_tasks"] & words["eval_tasks"]

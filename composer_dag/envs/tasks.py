@@ -1,7 +1,8 @@
-"""RL task sets: build them (HumanEval, stdlib bug-fixes), split them, check them.
+"""RL task sets: build them (HumanEval, stdlib bug-fixes, the learnable family), split them,
+check them.
 
-The task directory format is ``task_format``; the two kinds of task are built by
-``tasks_humaneval`` and ``tasks_bugfix``.
+The task directory format is ``task_format``; the three kinds of task are built by
+``tasks_humaneval``, ``tasks_bugfix`` and ``tasks_learnable``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .grade import check_task
 from .task_format import TaskBuildConfig, task_dirs, task_texts
 from .tasks_bugfix import build_bugfixes
 from .tasks_humaneval import build_humaneval
+from .tasks_learnable import WORD_POOL, build_learnable_tasks
 
 
 def _side(source_file: str, salt: str) -> float:
@@ -59,7 +61,11 @@ def build_tasks(out_dir, config=None) -> dict:
     t_he = time.monotonic() - t0
     bf, bf_stats = build_bugfixes(staging, cfg)
     t_bf = time.monotonic() - t0 - t_he
-    tasks = [json.loads((d / "task.json").read_text()) for d in he + bf]
+    words = WORD_POOL[:cfg.learnable_count] if cfg.learnable_count <= len(WORD_POOL) else WORD_POOL
+    ln = build_learnable_tasks(staging, cfg.learnable_count, cfg.seed, words, workers=cfg.workers) \
+        if cfg.learnable_count else []
+    t_ln = time.monotonic() - t0 - t_he - t_bf
+    tasks = [json.loads((d / "task.json").read_text()) for d in he + bf + ln]
     split = split_tasks(tasks, cfg.eval_fraction, salt=str(cfg.seed))
     for side, ids in split.items():
         shutil.rmtree(out / side, ignore_errors=True)
@@ -72,7 +78,8 @@ def build_tasks(out_dir, config=None) -> dict:
         "rl_tasks": len(split["rl_tasks"]), "eval_tasks": len(split["eval_tasks"]), "split": split,
         "by_source": {s: sum(t["source"] == s for t in tasks) for s in sorted({t["source"] for t in tasks})},
         "bugfix_modules": {s["module"]: {k: v for k, v in s.items() if k != "module"} for s in bf_stats},
-        "seconds": {"humaneval": round(t_he, 2), "bugfix": round(t_bf, 2), "total": round(time.monotonic() - t0, 2)},
+        "seconds": {"humaneval": round(t_he, 2), "bugfix": round(t_bf, 2), "learnable": round(t_ln, 2),
+                    "total": round(time.monotonic() - t0, 2)},
         "split_check": check_split(out),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))

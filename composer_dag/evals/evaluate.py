@@ -53,7 +53,9 @@ class EvalConfig(StageConfig):
     samples_per_task: int = Field(2, ge=1, description="n: samples per task (pass@k needs k <= n)")
     ks: list[int] = [1, 2]
     task_ids: Optional[list[str]] = Field(None, description="a subset of tasks_dir (default: every task)")
-    max_tasks: Optional[int] = Field(6, description="the first N tasks (by id) after task_ids")
+    max_tasks: Optional[int] = Field(6, description="the first N tasks (by id) after task_ids, of the sources "
+                                                    "not in every_task_of")
+    every_task_of: list[str] = Field(["learnable"], description="task sources evaluated in full, whatever max_tasks")
     batch_tasks: Optional[int] = Field(16, description="tasks per agent-loop batch (all their samples together)")
     humaneval_ids: Optional[list[str]] = Field(None, description="None: the HumanEval problems behind tasks_dir's humaneval tasks; []: skip")
     humaneval_samples: int = 1
@@ -98,7 +100,7 @@ def checkpoint_digest(checkpoint_dir) -> str:
 
 
 # Settings that change neither which episodes run nor how they are sampled and graded.
-_NOT_IN_KEY = ("ks", "gate", "torch_threads", "task_ids", "max_tasks", "humaneval_ids", "humaneval_samples",
+_NOT_IN_KEY = ("ks", "gate", "torch_threads", "task_ids", "max_tasks", "every_task_of", "humaneval_ids", "humaneval_samples",
                "humaneval_temperature", "humaneval_max_tokens", "humaneval_timeout", "val_dir", "ppl_seq_len",
                "ppl_batch_size", "ppl_max_batches")
 
@@ -125,7 +127,11 @@ def select_tasks(tasks_dir, cfg: EvalConfig) -> list[tuple[Path, dict]]:
         missing = want - {t[1].get("id", t[0].name) for t in tasks}
         if missing:
             raise FileNotFoundError(f"tasks not found under {tasks_dir}: {sorted(missing)[:5]}")
-    tasks = tasks[:cfg.max_tasks] if cfg.max_tasks is not None else tasks
+    if cfg.max_tasks is not None:
+        full = set(cfg.every_task_of)
+        capped = [t for t in tasks if t[1].get("source") not in full][:cfg.max_tasks]
+        keep = {id(t) for t in capped}
+        tasks = [t for t in tasks if t[1].get("source") in full or id(t) in keep]
     if not tasks:
         raise FileNotFoundError(f"no task directories (*/task.json) to evaluate under {tasks_dir}")
     return tasks
@@ -410,7 +416,10 @@ def summary_record(checkpoint: str, summary: dict) -> dict:
     return {"checkpoint": checkpoint, "checkpoint_digest": str(summary.get("checkpoint_digest")),
             "pass_at_1": num(summary.get("pass@1")), "flag_rate": num(summary.get("flag_rate")),
             "humaneval_pass_at_1": num((summary.get("humaneval") or {}).get("pass@1")),
-            "val_ppl": num((summary.get("perplexity") or {}).get("val_ppl"))}
+            "val_ppl": num((summary.get("perplexity") or {}).get("val_ppl")),
+            **{f"pass_at_1_{src}": num(block.get("pass@1")) for src, block in sorted((summary.get("by_source") or {}).items())},
+            "tasks_by_source": json.dumps({src: block.get("num_tasks") or block.get("tasks")
+                                           for src, block in sorted((summary.get("by_source") or {}).items())})}
 
 
 def eval_cli(checkpoint, tasks_dir, out_dir: str | None = None, baseline: str | None = None,

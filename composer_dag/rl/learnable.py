@@ -1,4 +1,5 @@
-"""A task family a tiny policy can learn on CPU within minutes, in the real task format.
+"""The learnable task family (``envs.tasks_learnable``) set up for a small RL run: a tokenizer,
+a freshly built policy and a warm-up on the tool-call syntax.
 
 Each task asks the agent to put one word, named in the instructions, into ``answer.txt`` at
 the project root. The hidden test checks the file's content; grading is the ordinary grader
@@ -14,45 +15,10 @@ import json
 import random
 from pathlib import Path
 
-from ..envs.task_format import TaskLimits, write_task
+from ..agent import tool_call_text
+from ..envs.tasks_learnable import ANSWER_FILE, build_learnable_tasks
 
 WORDS = ("red", "green", "blue", "gold")
-ANSWER_FILE = "answer.txt"
-PROJECT = "notes"
-
-
-def _instructions(word: str) -> str:
-    return f"Write the word {word} into a new file {ANSWER_FILE}, then submit."
-
-
-def build_learnable_tasks(out_dir, n: int, seed: int = 0, words=WORDS,
-                          limits: TaskLimits = TaskLimits(max_turns=3, command_timeout=10.0,
-                                                          test_timeout=30.0)) -> list[Path]:
-    """Write ``n`` task directories (``task.json``, ``repo/``, ``hidden_tests/``,
-    ``reference/``) under ``out_dir``; the words cycle through ``words`` in a seeded order."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    order = list(words) * (n // len(words) + 1)
-    rng.shuffle(order)
-    dirs = []
-    for i, word in enumerate(order[:n]):
-        tid = f"answer-{seed}-{i:03d}"
-        task = {"id": tid, "source": "learnable", "source_file": f"learnable:{word}", "project": PROJECT,
-                "instructions": _instructions(word), "limits": limits.to_dict(),
-                "reference": {"files": [ANSWER_FILE], "kind": "answer", "word": word},
-                "sandbox": {"masks": {}}}
-        readme = "# notes\n\nScratch space for short answers.\n"
-        hidden = ("from pathlib import Path\n\n\ndef test_answer():\n"
-                  f"    p = Path({ANSWER_FILE!r})\n"
-                  f"    assert p.is_file() and p.read_text().strip() == {word!r}\n")
-        dirs.append(write_task(out / tid, task, [("Initial commit", {"README.md": readme})],
-                               {"test_answer.py": hidden}, {ANSWER_FILE: word + "\n"}))
-    return dirs
-
-
-def tool_call_text(name: str, arguments: dict) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
 def format_warmup_texts(tokenizer, task_dirs, n: int, seed: int = 0, words=WORDS,

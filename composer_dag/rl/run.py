@@ -44,6 +44,9 @@ class RLConfig(StageConfig):
     tasks_dir: str                  # a directory of task directories (each with task.json)
     out_dir: str
     environment: Literal["tasks", "learnable"] = Field("tasks", description="learnable: see LEARNABLE_RUN")
+    task_sources: Optional[list[str]] = Field(
+        ["learnable"], description="train on tasks of these sources only (None: every task); the default fits the "
+                                   "tiny CPU model, which solves no HumanEval or bug-fix task yet")
     steps: int = Field(2, description="policy updates")
     tasks_per_step: int = 2
     group_size: int = Field(4, description="samples per task (a GRPO group)")
@@ -86,10 +89,16 @@ def prepare(cfg: RLConfig, log=lambda msg: None) -> RLConfig:
     return cfg.replace(policy_dir=str(root / "policy"), tasks_dir=str(root / "tasks"), **LEARNABLE_RUN)
 
 
-def find_tasks(tasks_dir: str) -> list[Path]:
+def find_tasks(tasks_dir: str, sources: Optional[list[str]] = None) -> list[Path]:
     dirs = sorted(p.parent for p in Path(tasks_dir).glob("*/task.json"))
     if not dirs:
         raise FileNotFoundError(f"no task directories (*/task.json) under {tasks_dir}")
+    if sources is not None:
+        found = {d: json.loads((d / "task.json").read_text()).get("source") for d in dirs}
+        dirs = [d for d in dirs if found[d] in sources]
+        if not dirs:
+            raise FileNotFoundError(f"no task of the sources {sources} under {tasks_dir} (found: "
+                                    f"{sorted(set(map(str, found.values())))}); set task_sources")
     return dirs
 
 
@@ -121,7 +130,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     wstore = Storage(cfg.weights_uri) if cfg.weights_uri else store
     wprefix = wstore.root if cfg.weights_uri else store.url("weights")
     metrics_path, ckpt_root = out / "metrics.jsonl", str(out / "checkpoints")
-    tasks = find_tasks(cfg.tasks_dir)
+    tasks = find_tasks(cfg.tasks_dir, cfg.task_sources)
 
     trainer = GRPOTrainer(cfg.policy_dir, cfg.trainer, batch_size=cfg.tasks_per_step * cfg.group_size,
                           temperature=cfg.orchestrator.temperature, seed=cfg.seed)

@@ -264,3 +264,50 @@ class TokenShardDataset:
             if len(buf) == batch_size:
                 yield np.stack(buf)
                 buf = []
+
+
+class TranscriptDataset(TokenShardDataset):
+    """Supervised fine-tuning samples: one tokenized transcript each, from a Parquet file with
+    ``input_ids`` and ``loss_mask`` (1 on the assistant's tokens) per row.
+
+    Sample order, sharding across ranks and resume at ``start_sample`` are those of
+    ``TokenShardDataset``; a transcript longer than ``seq_len + 1`` tokens is cut there.
+    ``batches`` pads each micro-batch to its longest sample and returns ``(inputs, labels)``,
+    labels ``-100`` wherever the loss does not apply (prompt, tool output, padding).
+    """
+
+    def __init__(self, path: str, seq_len: int, pad_id: int, rank: int = 0, world_size: int = 1,
+                 start_sample: int = 0, shuffle_seed: int | None = None, epochs: int | None = None):
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path, columns=["input_ids", "loss_mask"])
+        self.ids = table.column("input_ids").to_pylist()
+        self.masks = table.column("loss_mask").to_pylist()
+        self.seq_len, self.pad_id, self.rank, self.world_size = seq_len, pad_id, rank, world_size
+        self.start_sample, self.shuffle_seed, self.epochs = start_sample, shuffle_seed, epochs
+        self.num_samples = len(self.ids)
+        if self.num_samples == 0:
+            raise ValueError(f"{path}: no transcripts")
+        self._perm = None
+
+    def __getitem__(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        j = self.window(g)
+        n = self.seq_len + 1
+        return np.asarray(self.ids[j][:n], dtype=np.int64), np.asarray(self.masks[j][:n], dtype=np.int8)
+
+    def collate(self, samples) -> tuple[np.ndarray, np.ndarray]:
+        width = max(len(ids) for ids, _ in samples)
+        x = np.full((len(samples), width), self.pad_id, dtype=np.int64)
+        y = np.full((len(samples), width), -100, dtype=np.int64)
+        for i, (ids, mask) in enumerate(samples):
+            x[i, :len(ids)] = ids
+            y[i, :len(ids)] = np.where(mask == 1, ids, -100)
+        return x, y
+
+    def batches(self, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        buf = []
+        for sample in self:
+            buf.append(sample)
+            if len(buf) == batch_size:
+                yield self.collate(buf)
+                buf = []

@@ -43,7 +43,7 @@ from pydantic import Field
 
 from ..pipes import Reporter, entry_point
 from ..runtime.config import StageConfig
-from .data import TokenShardDataset
+from .data import TokenShardDataset, TranscriptDataset
 from ..runtime.checkpoint import (atomic_dir, clear_checkpoint, pause_before_seal, resume_checkpoint, rng_state,
                                   seal_checkpoint, set_rng_state, trim_metrics, write_json_atomic)
 from ..runtime.distributed import setup_distributed
@@ -55,8 +55,11 @@ class MidtrainConfig(StageConfig):
     a GPU run raises ``seq_len``, ``micro_batch`` and ``max_steps`` and lowers ``lr``."""
 
     model_dir: str                  # Hugging Face directory of the base model (+ tokenizer)
-    data_dir: str                   # shard directory: train.bin/.idx, val.bin/.idx
+    data_dir: str                   # lm: train.bin/.idx, val.bin/.idx; sft: train.parquet, val.parquet
     out_dir: str
+    objective: Literal["lm", "sft"] = Field(
+        "lm", description="lm: next-token loss on packed token shards; sft: loss on the assistant's "
+                          "tokens of tokenized transcripts (input_ids, loss_mask)")
     seq_len: int = 256
     micro_batch: int = Field(8, description="samples per rank per forward")
     grad_accum: int = 1
@@ -122,43 +125,64 @@ def ds_config(cfg: MidtrainConfig, bf16: bool, gpu: bool = False) -> dict:
     }
 
 
-def lm_loss(model, x):
+def lm_loss(model, x, labels=None):
+    """Mean next-token loss; with ``labels`` (``-100`` where no loss applies), on those tokens only."""
     import torch.nn.functional as F
 
+    targets = x[:, 1:] if labels is None else labels[:, 1:]
     logits = model(input_ids=x[:, :-1], use_cache=False).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+
+
+def _dataset(cfg: "MidtrainConfig", split: str, pad_id: int = 0, **kw):
+    if cfg.objective == "sft":
+        return TranscriptDataset(os.path.join(cfg.data_dir, f"{split}.parquet"), cfg.seq_len, pad_id, **kw)
+    return TokenShardDataset(os.path.join(cfg.data_dir, split), cfg.seq_len, **kw)
+
+
+def _tokens(batch, pad_id: int) -> int:
+    """Tokens a micro-batch feeds the model (padding left out)."""
+    if isinstance(batch, tuple):
+        return int((batch[0][:, :-1] != pad_id).sum())
+    return int(batch.shape[0] * (batch.shape[1] - 1))
 
 
 def val_samples_per_rank(cfg: MidtrainConfig, world: int) -> int:
     """How many val samples each rank evaluates (0: no usable validation split)."""
-    prefix = os.path.join(cfg.data_dir, "val")
-    if not os.path.exists(prefix + ".idx"):
+    marker = os.path.join(cfg.data_dir, "val.parquet" if cfg.objective == "sft" else "val.idx")
+    if not os.path.exists(marker):
         return 0
     try:
-        n = TokenShardDataset(prefix, cfg.seq_len).num_samples
-    except ValueError:  # fewer than seq_len + 1 tokens
+        n = _dataset(cfg, "val").num_samples
+    except ValueError:  # fewer than seq_len + 1 tokens, or no transcript
         return 0
     return min(cfg.eval_batches * cfg.micro_batch, n // world)
 
 
-def evaluate(engine, cfg: MidtrainConfig, rank: int, world: int, device) -> float | None:
-    """Mean token loss on the first val samples (same count on every rank); None if no val."""
+def evaluate(engine, cfg: MidtrainConfig, rank: int, world: int, device, pad_id: int = 0) -> float | None:
+    """Mean token loss on the first val samples (same count on every rank; sft: on the
+    assistant's tokens); None if no val."""
     import torch
     import torch.distributed as dist
 
     per_rank = val_samples_per_rank(cfg, world)
     if per_rank == 0:
         return None
-    ds = TokenShardDataset(os.path.join(cfg.data_dir, "val"), cfg.seq_len)
+    ds = _dataset(cfg, "val", pad_id)
     idx = [rank + k * world for k in range(per_rank)]
     total = torch.zeros(2, dtype=torch.float64, device=device)
     engine.eval()
     with torch.no_grad():
         for i in range(0, len(idx), cfg.micro_batch):
-            x = torch.from_numpy(np.stack([ds[g] for g in idx[i:i + cfg.micro_batch]]))
-            n = x[:, 1:].numel()
-            total += torch.tensor([lm_loss(engine, x.to(device)).item() * n, n],
-                                  dtype=torch.float64, device=device)
+            samples = [ds[g] for g in idx[i:i + cfg.micro_batch]]
+            if cfg.objective == "sft":
+                x, y = (torch.from_numpy(a).to(device) for a in ds.collate(samples))
+                n = int((y[:, 1:] != -100).sum())
+            else:
+                x, y = torch.from_numpy(np.stack(samples)).to(device), None
+                n = x[:, 1:].numel()
+            if n:
+                total += torch.tensor([lm_loss(engine, x, y).item() * n, n], dtype=torch.float64, device=device)
     engine.train()
     dist.all_reduce(total)
     return (total[0] / total[1]).item()
@@ -188,6 +212,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
     torch.manual_seed(cfg.seed)
 
     model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id or 0
     n_params = param_count(model)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -201,7 +226,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     os.makedirs(ckpt_root, exist_ok=True)
-    step, samples, history, evals = 0, 0, [], []
+    step, samples, history, evals, tokens_seen = 0, 0, [], [], 0
     found = [resume_checkpoint(cfg.out_dir, ckpt_root, rep.log) if rank == 0 else None]
     dist.broadcast_object_list(found, src=0)  # every rank loads the checkpoint rank 0 verified
     resumed = found[0]
@@ -210,6 +235,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
         with open(os.path.join(ckpt_root, resumed, "trainer_state.json")) as f:
             st = json.load(f)
         step, samples, history, evals = st["step"], st["samples"], st["loss_history"], st["evals"]
+        tokens_seen = int(st.get("tokens", samples * cfg.seq_len))
         set_rng_state(st["rng"])
         if rank == 0 and trim_metrics(metrics_path, step):
             rep.log(f"dropped torn lines from {metrics_path}")
@@ -221,7 +247,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
                 f.write(json.dumps(rec) + "\n")
 
     def run_eval() -> None:
-        loss = evaluate(engine, cfg, rank, world, device)
+        loss = evaluate(engine, cfg, rank, world, device, pad_id)
         ppl = None if loss is None else math.exp(min(loss, 50))
         rec = {"step": step, "val_loss": loss, "val_ppl": ppl}
         evals.append(rec)
@@ -242,7 +268,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
             save_hf_dir(engine.module, os.path.join(ckpt_root, tag, "hf"),
                         tokenizer_dir=cfg.model_dir, state_dict=full)
             write_json_atomic(os.path.join(ckpt_root, tag, "trainer_state.json"), {
-                "step": step, "samples": samples, "tokens": samples * cfg.seq_len,
+                "step": step, "samples": samples, "tokens": tokens_seen,
                 "world_size": world, "rng": rng_state(), "loss_history": history,
                 "evals": evals, "config": cfg.to_dict()})
         dist.barrier()  # every rank's optimizer partition is on disk
@@ -259,28 +285,35 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
         if val_samples_per_rank(cfg, world) == 0:
             rep.log(f"no usable validation split in {cfg.data_dir}: validation is skipped")
         run_eval()
-    data = TokenShardDataset(os.path.join(cfg.data_dir, "train"), cfg.seq_len, rank, world,
-                             start_sample=samples,
-                             shuffle_seed=cfg.seed if cfg.shuffle else None).batches(cfg.micro_batch)
-    rep.log(f"midtrain: {n_params:,} params, world {world}, {'bf16' if bf16 else 'fp32'}, "
+    data = _dataset(cfg, "train", pad_id, rank=rank, world_size=world, start_sample=samples,
+                    shuffle_seed=cfg.seed if cfg.shuffle else None).batches(cfg.micro_batch)
+    rep.log(f"{'sft' if cfg.objective == 'sft' else 'midtrain'}: {n_params:,} params, world {world}, {'bf16' if bf16 else 'fp32'}, "
             f"ZeRO-{cfg.zero_stage}, steps {step}->{total_steps}, "
             f"{samples_per_step * cfg.seq_len} tokens/step")
     train_time, run_tokens, win_time, win_tokens = 0.0, 0, 0.0, 0
+    fed = torch.zeros((), dtype=torch.int64, device=device)
     loss_acc, n_acc = torch.zeros((), device=device), 0
     tag = resumed
     t_start = time.perf_counter()
     while step < total_steps:
         t0 = time.perf_counter()
         for _ in range(cfg.grad_accum):
-            x = torch.from_numpy(next(data)).to(device, non_blocking=True)
-            loss = lm_loss(engine, x)
+            batch = next(data)
+            fed += _tokens(batch, pad_id)
+            x, y = (torch.from_numpy(a).to(device) for a in batch) if isinstance(batch, tuple) else \
+                (torch.from_numpy(batch).to(device, non_blocking=True), None)
+            loss = lm_loss(engine, x, y)
             engine.backward(loss)
             engine.step()
             loss_acc += loss.detach() / cfg.grad_accum
         step += 1
         n_acc += 1
         samples += samples_per_step
-        win_tokens += samples_per_step * cfg.seq_len
+        if world > 1:
+            dist.all_reduce(fed)
+        tokens_seen += int(fed.item())
+        win_tokens += int(fed.item())
+        fed.zero_()
         if step % cfg.log_every == 0 or step == total_steps:
             dist.all_reduce(loss_acc)
             loss_val = loss_acc.item() / world / n_acc
@@ -289,7 +322,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
             win_time += time.perf_counter() - t0
             train_time, run_tokens = train_time + win_time, run_tokens + win_tokens
             rec = {"step": step, "loss": loss_val, "lr": sched.get_last_lr()[0],
-                   "tokens": samples * cfg.seq_len, "tokens_per_s": win_tokens / win_time,
+                   "tokens": tokens_seen, "tokens_per_s": win_tokens / win_time,
                    "elapsed_s": round(time.perf_counter() - t_start, 3)}
             history.append([step, loss_val])
             log_metrics(rec)
@@ -309,7 +342,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
     hf_dir = os.path.join(cfg.out_dir, "hf")
     result = {
         "steps": step, "total_steps": total_steps, "world_size": world,
-        "tokens_seen": samples * cfg.seq_len, "samples_seen": samples,
+        "tokens_seen": tokens_seen, "samples_seen": samples, "objective": cfg.objective,
         "tokens_this_run": run_tokens, "train_seconds": round(train_time, 3),
         "tokens_per_s": run_tokens / train_time if train_time else None,
         "val_loss_before": evals[0]["val_loss"], "val_ppl_before": evals[0]["val_ppl"],

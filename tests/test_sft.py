@@ -1,0 +1,158 @@
+"""SFT: trajectories played through real episodes, transcripts masked to the assistant's
+tokens, and the mid-training trainer with ``objective: sft`` on them."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from composer_dag.agent import render_prompt, tool_call_text
+from composer_dag.envs.tasks_learnable import build_learnable_tasks
+from composer_dag.sft import trajectories as traj
+from composer_dag.sft.run import transcript
+from composer_dag.train.data import TranscriptDataset
+from composer_dag.train.tokenizer import load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def task_mix(tmp_path_factory, humaneval_tasks, bugfix_tasks):
+    """Training tasks of the three kinds in one directory: four learnable words, the session's
+    HumanEval and bug-fix tasks."""
+    root = tmp_path_factory.mktemp("sft-tasks")
+    build_learnable_tasks(root, 4, seed=3, words=("alpha", "beta", "gamma", "delta"))
+    for out, _ in (humaneval_tasks, bugfix_tasks):
+        for side in ("rl_tasks", "eval_tasks"):
+            for d in sorted((out / side).glob("*/task.json")):
+                shutil.copytree(d.parent, root / d.parent.name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def built(task_mix, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft-built")
+    summary = traj.build(task_mix, out, {"max_per_source": {}, "val_fraction": 0.3})
+    return out, summary
+
+
+def test_every_reference_trajectory_solves_its_task(task_mix, built):
+    out, s = built
+    n_tasks = len(list(task_mix.glob("*/task.json")))
+    assert s["reference"]["in"] == n_tasks
+    assert s["reference"]["out"] + sum(s["reference"]["skipped"].values()) == n_tasks
+    assert s["reference"]["out"] == n_tasks, s["reference"]["skipped"]  # every kind of reference plays through
+    rows = traj.read_rows(out / "trajectories.parquet")
+    assert {r["source"] for r in rows} == {"learnable", "humaneval", "stdlib-bugfix"}
+    for r in rows:
+        msgs = json.loads(r["messages"])
+        assert msgs[0]["role"] == "user" and msgs[-1]["tool_calls"][0]["name"] == "submit"
+        if r["source"] == "learnable":
+            word = msgs[1]["tool_calls"][0]["arguments"]["new"]
+            assert f'"{word}"' in msgs[0]["content"]
+        else:  # inspect, then change, then submit
+            assert [m["tool_calls"][0]["name"] for m in msgs if m["role"] == "assistant"] == ["read_file", "edit_file", "submit"]
+    # the played episode's real answers are in the transcript
+    assert any(m["role"] == "tool" and m["content"].startswith("Created answer.txt")
+               for r in rows for m in json.loads(r["messages"]))
+
+
+def test_a_broken_reference_is_counted_not_written(task_mix, tmp_path):
+    d = tmp_path / "tasks"
+    shutil.copytree(next(p.parent for p in task_mix.glob("answer-*/task.json")), d / "t1")
+    (d / "t1" / "reference" / "files" / "answer.txt").write_text("not the word\n")
+    with pytest.raises(ValueError, match="reference_not_passing"):
+        traj.build(d, tmp_path / "out", {})
+
+
+def _rollout(task_id, passed=True, flags=(), messages=None):
+    msgs = messages or [{"role": "system", "content": "sys"}, {"role": "user", "content": "do it"},
+                        {"role": "assistant", "content": "", "tool_calls": [{"name": "submit", "arguments": {}}]}]
+    return {"task_id": task_id, "messages": json.dumps(msgs), "tests_passed": 1 if passed else 0,
+            "tests_failed": 0 if passed else 1, "flags": list(flags)}
+
+
+def test_rejection_sampling_keeps_passing_unflagged_training_rollouts():
+    cut = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [], "truncated": True}]
+    rows = [_rollout("t1"), _rollout("t1"), _rollout("t2", passed=False), _rollout("t1", flags=["test_tamper"]),
+            _rollout("eval-task"), _rollout("t2", messages=cut)]
+    kept, skipped, n = traj.from_rollouts([pa.Table.from_pylist(rows)], {"t1": "learnable", "t2": "humaneval"},
+                                          traj.TrajectoryConfig())
+    assert n == 6 and len(kept) == 1 and len(kept) + sum(skipped.values()) == n
+    assert dict(skipped) == {"duplicate": 1, "not_passing": 1, "flagged": 1, "not_a_training_task": 1,
+                             "error_or_cut_turn": 1}
+    assert json.loads(kept[0]["messages"])[0]["role"] == "user"  # the system prompt is rendered at tokenization
+
+
+def test_trajectory_overlapping_an_eval_task_is_dropped(task_mix, tmp_path):
+    ev = tmp_path / "eval"
+    src = next(p.parent for p in task_mix.glob("*/task.json") if json.loads(p.read_text())["source"] != "learnable")
+    shutil.copytree(src, ev / src.name)
+    s = traj.build(task_mix, tmp_path / "out", {"max_per_source": {}}, eval_tasks_dir=ev)
+    assert s["reference"]["skipped"].get("contaminated", 0) >= 1
+    assert s["reference"]["out"] + sum(s["reference"]["skipped"].values()) == s["reference"]["in"]
+    ids = {r["task_id"] for r in traj.read_rows(tmp_path / "out" / "trajectories.parquet")}
+    assert json.loads((src / "task.json").read_text())["id"] not in ids
+
+
+def test_transcript_supervises_the_assistant_tokens_only(built, learnable_base):
+    out, _ = built
+    tok = load_tokenizer(learnable_base["tokenizer_dir"])
+    row = next(r for r in traj.read_rows(out / "trajectories.parquet") if r["source"] == "learnable")
+    msgs = json.loads(row["messages"])
+    ids, mask = transcript(msgs, tok)
+    prompt = tok(render_prompt(tok, msgs[0]["content"], "compact"), add_special_tokens=False).input_ids
+    assert ids[:len(prompt)] == prompt and not any(mask[:len(prompt)])
+    supervised = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
+    calls = [m["tool_calls"][0] for m in msgs if m["role"] == "assistant"]
+    assert supervised == "".join(tool_call_text(c["name"], c["arguments"]) + "<|im_end|>" for c in calls)
+    assert "Created answer.txt" in tok.decode(ids, skip_special_tokens=False)  # the tool's answer, unsupervised
+
+
+def test_transcript_dataset_pads_and_labels(tmp_path):
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},
+                                         {"input_ids": [9, 10], "loss_mask": [0, 1]}]), tmp_path / "train.parquet")
+    ds = TranscriptDataset(str(tmp_path / "train.parquet"), seq_len=8, pad_id=0)
+    x, y = next(ds.batches(2))
+    assert x.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
+    assert y.tolist() == [[-100, -100, 7, 8], [-100, 10, -100, -100]]
+    resumed = TranscriptDataset(str(tmp_path / "train.parquet"), seq_len=8, pad_id=0, start_sample=1)
+    assert resumed[1][0].tolist() == [9, 10] and next(iter(resumed))[0].tolist() == [9, 10]
+
+
+@pytest.mark.slow
+def test_sft_job_teaches_the_call_format(learnable_base, tmp_path):
+    """The SFT entry point on an untrained policy: loss down on held-out trajectories, and the
+    sampled first turns parse as tool calls; a second run with more steps resumes."""
+    words = ("red", "blue", "green", "gold", "teal", "pink", "gray", "navy", "lime", "plum", "rust", "sand")
+    build_learnable_tasks(tmp_path / "tasks", len(words), seed=5, words=words, canaries=False, workers=2)
+    out = tmp_path / "trajectories"
+    traj.build(tmp_path / "tasks", out, {"val_fraction": 0.25})
+    cfg = {"trajectories_dir": str(out), "model_dir": learnable_base["base_dir"], "out_dir": str(tmp_path / "run"),
+           "seq_len": 512, "micro_batch": 8, "max_steps": 30, "warmup_steps": 3, "lr": 3e-3, "eval_every": 15,
+           "save_every": 15, "log_every": 5, "format_samples": 8, "min_format_share": 0.5}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    env = {**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "composer_dag.sft.run", "--config", str(tmp_path / "cfg.json")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert r["objective"] == "sft" and r["steps"] == 30
+    assert r["val_loss_after"] < r["val_loss_before"]
+    assert r["tokenize"]["supervised_tokens"] < r["tokenize"]["tokens"]
+    assert r["format_check"]["ok"] and r["format_check"]["share"] >= 0.5, r["format_check"]
+    assert os.path.exists(tmp_path / "run" / "hf" / "model.safetensors")
+    p2 = subprocess.run([sys.executable, "-m", "composer_dag.sft.run", "--config", str(tmp_path / "cfg.json"),
+                         "--set", "max_steps=35"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p2.returncode == 0, p2.stderr[-4000:]
+    r2 = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert r2["steps"] == 35 and r2["tokens_seen"] > r["tokens_seen"]
+    assert "resumed from step_0000030" in p2.stderr
+    assert np.isfinite(r2["val_loss_after"])
