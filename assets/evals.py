@@ -1,19 +1,17 @@
 """evaluated_model: every candidate on the held-out tasks, the promotion gate, and the registry.
 
-Each candidate (base model, mid-trained checkpoint, RL checkpoint) goes through the same
+Each candidate (base model, mid-trained, SFT and RL checkpoints) goes through the same
 harness, sandbox and grader as RL, on the cluster resource (``python -m composer_dag.evals.run``).
-The blocking check ``rl_not_worse_than_midtrained`` decides whether ``promoted_model`` may
-materialize.
+The blocking check ``rl_not_worse_than_sft`` (RL against its parent) decides whether
+``promoted_model`` may materialize.
 """
 
 import json
 import os
-import shutil
-from pathlib import Path
 
 import dagster as dg
 
-from assets._common import latest_metadata, latest_uri, plot_md, publish_dir, run_stage
+from assets._common import latest_metadata, latest_uri, local_copy, plot_md, run_stage
 from composer_dag.evals.contamination import contamination_report
 from composer_dag.evals.evaluate import EvalConfig, summary_record
 from composer_dag.evals.gate import decide
@@ -22,7 +20,8 @@ from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
 from resources.dagster_config import dagster_config
 
-CANDIDATES = ("base_model", "midtrained_checkpoint", "rl_checkpoint")
+CANDIDATES = ("base_model", "midtrained_checkpoint", "sft_checkpoint", "rl_checkpoint")
+LABELS = ("base", "mid-trained", "SFT", "RL")
 
 EvalParams = dagster_config(EvalConfig, module=__name__)
 
@@ -34,41 +33,37 @@ EvalParams = dagster_config(EvalConfig, module=__name__)
     pool="gpu",
     retry_policy=dg.RetryPolicy(max_retries=1, delay=5),
     check_specs=[
-        dg.AssetCheckSpec("rl_not_worse_than_midtrained", asset="evaluated_model", blocking=True,
-                          description="RL pass@1 within the estimator's noise of the mid-trained checkpoint or better, and no more cheat flags."),
+        dg.AssetCheckSpec("rl_not_worse_than_sft", asset="evaluated_model", blocking=True,
+                          description="RL pass@1 within the estimator's noise of its parent, the SFT checkpoint, or better, and no more cheat flags."),
         dg.AssetCheckSpec("eval_tasks_not_in_training_shards", asset="evaluated_model", blocking=True,
                           description="No eval task's text or solution shares a long n-gram with the training shards."),
     ],
 )
 def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artifacts: ArtifactStorage,
                     catalog: CatalogResource, cluster: ClusterResource):
-    """Base, mid-trained and RL checkpoints on the held-out tasks: pass@k by source, HumanEval
-    pass@1, perplexity, cost; the comparison table and the gate."""
+    """Base, mid-trained, SFT and RL checkpoints on the held-out tasks: pass@k by source,
+    HumanEval pass@1, perplexity, cost; the comparison table and the gate (RL against SFT)."""
     storage = artifacts.get()
     # one job, one inference engine: each next checkpoint's weights load into the running engine
-    cfg, summaries, wd = run_stage(
+    cfg, job = run_stage(
         context, storage, cluster, "eval", EvalRunConfig, config, [*CANDIDATES, "eval_tasks", "token_shards"],
         lambda d, wd: {"checkpoints": {k: d[k] for k in CANDIDATES}, "tasks_dir": d["eval_tasks"],
                        "val_dir": d["token_shards"], "out_dir": os.path.join(wd, "out")},
-        "composer_dag.evals.run", launcher="python")
-    tasks_dir, out_root = cfg.tasks_dir, cfg.out_dir
-    outs = {key: os.path.join(out_root, key) for key in CANDIDATES}
+        "composer_dag.evals.run", launcher="python", outputs={"evaluated_model": [[k, k] for k in CANDIDATES]})
+    summaries = job["summary"]
+    url, job_digest = job["outputs"]["evaluated_model"]["url"], job["outputs"]["evaluated_model"]["digest"]
 
     promoted = latest_metadata(context.instance, "promoted_model")
     promoted_summary = json.loads(promoted["summary_json"]) if promoted and promoted.get("summary_json") else None
-    gate = decide(summaries, "rl_checkpoint", "midtrained_checkpoint", cfg.gate,
+    gate = decide(summaries, "rl_checkpoint", "sft_checkpoint", cfg.gate,
                   others={"last promoted": promoted_summary} if promoted_summary else None)
     report = gate["report"]
 
-    url = storage.url("evaluated_model", context.run.run_id)
-    staging = os.path.join(wd, "publish")
-    shutil.rmtree(staging, ignore_errors=True)
-    for key in CANDIDATES:
-        shutil.copytree(outs[key], os.path.join(staging, key))
-    Path(staging, "report.md").write_text(report)
-    Path(staging, "summaries.json").write_text(json.dumps(summaries, indent=2, default=str))
-    digest = publish_dir(storage, staging, url)
-    result_urls = [f"{url}/{k}/results.parquet" for k in CANDIDATES if os.path.exists(os.path.join(outs[k], "results.parquet"))]
+    # the job's sealed results, plus the gate's report; sealed again with both
+    storage.write_bytes(f"{url}/report.md", report.encode())
+    storage.write_bytes(f"{url}/summaries.json", json.dumps(summaries, indent=2, default=str).encode())
+    digest = storage.write_manifest(url)
+    result_urls = [f"{url}/{k}/results.parquet" for k in CANDIDATES if storage.exists(f"{url}/{k}/results.parquet")]
     if result_urls:
         # appended per run: history and comparisons across checkpoints are one SQL query
         catalog.get().replace_rows("eval_results", result_urls, where={"run_id": context.run.run_id}, exclude=(),
@@ -85,18 +80,31 @@ def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artif
             t = storage.read_parquet(u, columns=["path", "content"])
             yield from zip(t.column("path").to_pylist(), t.column("content").to_pylist())
 
-    leaks = contamination_report(shard_texts(), tasks_dir)
+    with local_copy(storage, latest_uri(context.instance, "eval_tasks")) as tasks_dir:
+        leaks = contamination_report(shard_texts(), tasks_dir)
 
     names = list(CANDIDATES)
     p1 = [summaries[k].get("pass@1") or 0.0 for k in names]
     he = [(summaries[k].get("humaneval") or {}).get("pass@1") or 0.0 for k in names]
+    sources = sorted({src for k in names for src in summaries[k].get("by_source") or {}})
+    by_source = lambda k, src: ((summaries[k].get("by_source") or {}).get(src) or {}).get("pass@1")
+    source_md = "\n".join(["| source | tasks | " + " | ".join(LABELS) + " |", "|---|---:|" + "---:|" * len(names)] + [
+        f"| {src} | {max(((summaries[k].get('by_source') or {}).get(src) or {}).get('tasks') or 0 for k in names)} | "
+        + " | ".join("–" if by_source(k, src) is None else f"{by_source(k, src):.3f}" for k in names) + " |"
+        for src in sources])
     yield dg.MaterializeResult(
         metadata={
             "dagster/uri": url,
             "manifest_digest": digest,
+            "job_manifest_digest": job_digest,
             "comparison": dg.MetadataValue.md(report),
-            "pass_at_1": plot_md([("agent pass@1", list(range(3)), p1), ("HumanEval pass@1", list(range(3)), he)],
-                                 "0 base, 1 mid-trained, 2 RL", "pass@1", "pass@1 by checkpoint"),
+            "pass_at_1": plot_md([("agent pass@1", list(range(len(names))), p1),
+                                  ("HumanEval pass@1", list(range(len(names))), he)]
+                                 + [(f"{src} pass@1", list(range(len(names))), [by_source(k, src) or 0.0 for k in names])
+                                    for src in sources],
+                                 ", ".join(f"{i} {label}" for i, label in enumerate(LABELS)), "pass@1", "pass@1 by checkpoint"),
+            "pass_at_1_by_source": dg.MetadataValue.md(source_md),
+            **{f"{k}.pass@1.{src}": float(by_source(k, src) or 0.0) for k in names for src in sources},
             **{f"{k}.pass@1": float(summaries[k].get("pass@1") or 0.0) for k in names},
             **{f"{k}.cost": dg.MetadataValue.json(summaries[k].get("cost") or {}) for k in names},
             "gate_passed": gate["passed"],
@@ -104,7 +112,7 @@ def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artif
             "rl_checkpoint_uri": latest_uri(context.instance, "rl_checkpoint"),
         }
     )
-    yield dg.AssetCheckResult(check_name="rl_not_worse_than_midtrained", passed=gate["passed"],
+    yield dg.AssetCheckResult(check_name="rl_not_worse_than_sft", passed=gate["passed"],
                               metadata={"reasons": dg.MetadataValue.json(gate["reasons"]), "pass@1_gain": gate["gain"]})
     yield dg.AssetCheckResult(check_name="eval_tasks_not_in_training_shards", passed=not leaks,
                               metadata={"leaks": len(leaks), "examples": dg.MetadataValue.json(leaks[:10])})

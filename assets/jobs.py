@@ -3,10 +3,10 @@
 - ``data_refresh``: every ``code_corpus`` partition (one run: the asset's single-run backfill
   policy) and then ``deduped_shards``; nightly by ``nightly_data_refresh``.
 - ``train``: mid-training through evaluation (tokenizer, token shards, base model, the
-  mid-training run, the RL run, evaluation and promotion); weekly by ``weekly_train``, which is
+  mid-training run, the SFT trajectories and run, the RL run, evaluation and promotion); weekly by ``weekly_train``, which is
   off until an operator turns it on (it holds the GPU pool for hours on a real cluster).
 - ``everything``: the whole graph after the corpus: tasks, shards, training, RL, evaluation.
-- ``midtrain``, ``rl``, ``evaluate``, ``build_tasks``: one stage each, to rerun a part.
+- ``midtrain``, ``sft``, ``rl``, ``evaluate``, ``build_tasks``: one stage each, to rerun a part.
 
 A new source between two nightly runs does not wait for the night: ``new_source_sensor`` ingests
 it at once and ``deduped_shards`` (automation condition ``eager``, evaluated by the
@@ -15,14 +15,15 @@ it at once and ``deduped_shards`` (automation condition ``eager``, evaluated by 
 
 import dagster as dg
 
-from assets import corpus, dedup, evals, train
+from assets import corpus, dedup, evals, sft, train
 from assets.corpus import sources_partitions
 
 RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 
 TRAIN_ASSETS = dg.AssetSelection.assets(
     train.tokenizer, train.token_shards, train.base_model, train.midtrained_checkpoint,
-    "rl_rollouts", "rl_checkpoint", evals.evaluated_model, evals.promoted_model,
+    sft.sft_trajectories, sft.sft_checkpoint, "rl_rollouts", "rl_checkpoint", evals.evaluated_model,
+    evals.promoted_model,
 )
 
 tasks_job = dg.define_asset_job(
@@ -47,6 +48,11 @@ midtrain_job = dg.define_asset_job(
     selection=dg.AssetSelection.assets(train.tokenizer, train.token_shards, train.base_model, train.midtrained_checkpoint),
     description="Tokenizer, token shards, base model and the mid-training run on the cluster resource.",
 )
+sft_job = dg.define_asset_job(
+    "sft",
+    selection=dg.AssetSelection.assets(sft.sft_trajectories, sft.sft_checkpoint),
+    description="SFT trajectories from the training tasks (and the last RL run), and the SFT run on the cluster resource.",
+)
 rl_job = dg.define_asset_job(
     "rl",
     selection=dg.AssetSelection.assets("rl_rollouts", "rl_checkpoint"),
@@ -55,7 +61,7 @@ rl_job = dg.define_asset_job(
 eval_job = dg.define_asset_job(
     "evaluate",
     selection=dg.AssetSelection.assets(evals.evaluated_model, evals.promoted_model),
-    description="Evaluate base, mid-trained and RL checkpoints on the held-out tasks; promote if the gate passes.",
+    description="Evaluate base, mid-trained, SFT and RL checkpoints on the held-out tasks; promote if the gate passes.",
 )
 everything_job = dg.define_asset_job(
     "everything",
@@ -63,7 +69,7 @@ everything_job = dg.define_asset_job(
     description="The whole graph after ingestion: tasks, shards, training, RL, evaluation, promotion.",
 )
 
-JOBS = [tasks_job, data_job, train_job, midtrain_job, rl_job, eval_job, everything_job]
+JOBS = [tasks_job, data_job, train_job, midtrain_job, sft_job, rl_job, eval_job, everything_job]
 
 
 def all_sources_tags(instance: dg.DagsterInstance) -> dict[str, str] | None:

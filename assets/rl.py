@@ -7,14 +7,12 @@ summary comes back through Pipes and becomes the two materializations.
 import json
 import math
 import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import dagster as dg
 
-from assets._common import plot_md, publish_dir, run_stage
-from assets.train import midtrained_checkpoint
+from assets._common import plot_md, run_stage
+from assets.sft import sft_checkpoint
+from assets.train import CHECKPOINT_FILES
 from composer_dag.rl.run import RLConfig
 from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
@@ -29,10 +27,10 @@ within minutes (see ``composer_dag.rl.run.LEARNABLE_RUN``)."""
 @dg.multi_asset(
     specs=[
         dg.AssetSpec("rl_rollouts", group_name="rl", kinds={"parquet", "duckdb"},
-                     deps=[midtrained_checkpoint, "rl_tasks"],
+                     deps=[sft_checkpoint, "rl_tasks"],
                      description="Every rollout of the RL run: turns, token ids, sampling logprobs, reward, flags, timings."),
         dg.AssetSpec("rl_checkpoint", group_name="rl", kinds={"pytorch", "deepspeed"},
-                     deps=[midtrained_checkpoint, "rl_tasks"],
+                     deps=[sft_checkpoint, "rl_tasks"],
                      description="The policy after GRPO: Hugging Face directory + trainer state."),
     ],
     pool="gpu",
@@ -49,37 +47,26 @@ within minutes (see ``composer_dag.rl.run.LEARNABLE_RUN``)."""
 def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: ArtifactStorage,
            catalog: CatalogResource, cluster: ClusterResource):
     storage = artifacts.get()
-    cfg, result, wd = run_stage(
-        context, storage, cluster, "rl", RLConfig, config, ["midtrained_checkpoint", "rl_tasks"],
-        lambda d, wd: {"policy_dir": d["midtrained_checkpoint"], "tasks_dir": d["rl_tasks"], "out_dir": os.path.join(wd, "run")},
-        "composer_dag.rl.run", launcher="python", copy_inputs=config.environment == "tasks")
-    out_dir = cfg.out_dir
+    cfg, job = run_stage(
+        context, storage, cluster, "rl", RLConfig, config, ["sft_checkpoint", "rl_tasks"],
+        lambda d, wd: {"policy_dir": d["sft_checkpoint"], "tasks_dir": d["rl_tasks"], "out_dir": os.path.join(wd, "run")},
+        "composer_dag.rl.run", launcher="python", copy_inputs=config.environment == "tasks",
+        outputs={"rl_rollouts": [["", "rollouts/step_*.parquet"]], "rl_checkpoint": CHECKPOINT_FILES})
+    result = job["summary"]
 
     run_id = context.run.run_id
-    rollouts_url = storage.url("rl_rollouts", run_id)
-    rollout_files = sorted(Path(out_dir, "rollouts").glob("step_*.parquet"))
-    for f in rollout_files:
-        storage.put_file(str(f), f"{rollouts_url}/{f.name}")
-    rollouts_digest = storage.write_manifest(rollouts_url)
-    urls = [f"{rollouts_url}/{f.name}" for f in rollout_files]
+    rollouts_url, rollouts_digest = job["outputs"]["rl_rollouts"]["url"], job["outputs"]["rl_rollouts"]["digest"]
+    ckpt_url, ckpt_digest = job["outputs"]["rl_checkpoint"]["url"], job["outputs"]["rl_checkpoint"]["digest"]
+    urls = [u for u in storage.find(rollouts_url) if u.endswith(".parquet")]
     if urls:
         catalog.get().replace_rows(
             "rollouts", urls, exclude=("messages", "prompt_ids", "completion_ids", "loss_mask", "logprobs"),
             extra={"run_id": run_id},
         )
 
-    ckpt_url = storage.url("rl_checkpoint", run_id)
-    with tempfile.TemporaryDirectory(prefix="composer-rl-") as tmp:
-        shutil.copytree(result["hf_dir"], tmp, dirs_exist_ok=True)
-        state = os.path.join(out_dir, "checkpoints", result["checkpoint"], "trainer_state.json")
-        if os.path.exists(state):
-            shutil.copy2(state, os.path.join(tmp, "trainer_state.json"))
-        for name in ("result.json", "metrics.jsonl"):
-            if os.path.exists(os.path.join(out_dir, name)):
-                shutil.copy2(os.path.join(out_dir, name), os.path.join(tmp, name))
-        ckpt_digest = publish_dir(storage, tmp, ckpt_url)
-
-    hist = [json.loads(x) for x in open(os.path.join(out_dir, "metrics.jsonl"))] if os.path.exists(os.path.join(out_dir, "metrics.jsonl")) else []
+    metrics_url = f"{ckpt_url}/metrics.jsonl"
+    hist = [json.loads(x) for x in storage.read_bytes(metrics_url).decode().splitlines() if x.strip()] \
+        if storage.exists(metrics_url) else []
     steps = [h["step"] for h in hist]
     phases = ("generate_s", "grade_s", "train_s", "sync_s")
     split_md = "| step | " + " | ".join(p[:-2] for p in phases) + " | wall |\n|---|" + "---:|" * (len(phases) + 1) + "\n" + "\n".join(
@@ -126,7 +113,6 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
             "delta_fraction_mean": round(float(result["delta_fraction"].get("mean", 1.0)), 4),
             "publish_seconds_mean": round(float(result["publish_seconds"].get("mean", 0.0)), 4),
             "resumed_from": str(result.get("resumed_from")),
-            "work_dir": wd,
         },
     )
     yield dg.AssetCheckResult(asset_key="rl_rollouts", check_name="every_rollout_has_reward",

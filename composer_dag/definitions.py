@@ -12,7 +12,7 @@ import sys
 
 import dagster as dg
 
-from assets import corpus, dedup, envs, evals, rl, sensors, train
+from assets import corpus, dedup, envs, evals, rl, sensors, sft, train
 from assets import jobs as jobs_module
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
 from resources.cluster import ClusterResource
@@ -58,7 +58,11 @@ def make_resources() -> dict:
             image=os.environ.get("COMPOSER_IMAGE"),
             namespace=os.environ.get("COMPOSER_K8S_NAMESPACE", "default"),
             partition=os.environ.get("COMPOSER_SLURM_PARTITION"),
-            shared_dir=os.environ.get("COMPOSER_SLURM_SHARED_DIR"),
+            account=os.environ.get("COMPOSER_SLURM_ACCOUNT"),
+            container_image=os.environ.get("COMPOSER_CONTAINER_IMAGE"),
+            scratch_dir=os.environ.get("COMPOSER_SCRATCH_DIR", "/tmp"),
+            secret_name=os.environ.get("COMPOSER_K8S_SECRET"),
+            isolate=os.environ.get("COMPOSER_ISOLATE_JOBS", "") == "1",
         ),
     }
 
@@ -79,6 +83,8 @@ def build_defs(resources: dict | None = None) -> dg.Definitions:
             train.token_shards,
             train.base_model,
             train.midtrained_checkpoint,
+            sft.sft_trajectories,
+            sft.sft_checkpoint,
             rl.rl_run,
             evals.evaluated_model,
             evals.promoted_model,

@@ -77,7 +77,7 @@ def humaneval_tasks(tmp_path_factory):
     from composer_dag.envs.tasks import build_tasks
 
     out = tmp_path_factory.mktemp("humaneval-tasks")
-    return out, build_tasks(out, {"humaneval_limit": 3, "bugfix_count": 0})
+    return out, build_tasks(out, {"humaneval_limit": 3, "bugfix_count": 0, "learnable_count": 0})
 
 
 @pytest.fixture(scope="session")
@@ -106,4 +106,32 @@ def bugfix_tasks(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("bugfix-tasks")
     return out, build_tasks(out, {"humaneval_limit": 0, "bugfix_count": 2, "bugfix_modules": ["colorsys", "fnmatch"],
-                                  "max_per_module": 1})
+                                  "max_per_module": 1, "learnable_count": 0})
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real one-node Slurm cluster (munged, slurmctld, slurmd; 8 CPUs declared) for the whole
+    session; ``SLURM_CONF`` points the Slurm commands at it. Stopped by process id at the end."""
+    from tests.slurm_cluster import SlurmCluster, missing
+
+    why = missing()
+    if why:
+        pytest.skip(why)
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="composer-slurm-")  # munged (user munge) must reach it
+    os.chmod(root, 0o755)
+    cluster = SlurmCluster(Path(root)).start()
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(cluster.conf)
+    try:
+        yield cluster
+    finally:
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)

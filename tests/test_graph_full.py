@@ -1,8 +1,6 @@
 """The whole graph on a tiny configuration, through Dagster, with every asset check required to
 pass: the design card's "asset checks in CI"."""
 
-from pathlib import Path
-
 import dagster as dg
 import pytest
 
@@ -17,73 +15,144 @@ from tests.leak_scan import scan_instance, scan_tree
 from tests.test_graph_data import check_outcomes, make_source
 
 TINY_RUN_CONFIG = {
-    "build_tasks": {"ops": {"task_sets": {"config": {"humaneval_limit": 6, "bugfix_count": 2, "eval_fraction": 0.5}}}},
+    "build_tasks": {"ops": {"task_sets": {"config": {"humaneval_limit": 6, "bugfix_count": 2, "eval_fraction": 0.5,
+                                                     "learnable_count": 24}}}},
     "train": {
         "ops": {
             "midtrained_checkpoint": {
                 "config": {"max_steps": 16, "seq_len": 64, "micro_batch": 4, "warmup_steps": 2,
                            "eval_every": 8, "save_every": 8, "eval_batches": 4, "lr": 2e-3}
-            }
+            },
+            "sft_trajectories": {"config": {"max_per_source": {"humaneval": 2, "stdlib-bugfix": 1}}},
+            "sft_checkpoint": {"config": {"max_steps": 30, "micro_batch": 8, "eval_every": 15, "save_every": 15,
+                                          "format_samples": 8}},
+            "rl_run": {"config": {"steps": 2, "tasks_per_step": 4, "group_size": 4}},
         }
     },
 }
 
 
-@pytest.mark.slow
-def test_whole_graph_tiny(tmp_path: Path, monkeypatch):
-    monkeypatch.setenv("COMPOSER_HOME", str(tmp_path / "home"))
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory):
+    """The whole graph materialized once on the tiny configuration (every job of ``make run``);
+    the tests below read it, the last one adds an evaluation run to it."""
+    tmp_path = tmp_path_factory.mktemp("graph")
     # Known fake credentials in the environment of every step, subprocess and sandbox: the scan
     # at the end proves none reaches logs, metadata, rollouts, checkpoints or the catalog.
     secrets = {"AWS_ACCESS_KEY_ID": FAKE_KEY, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET, "HF_TOKEN": "hf_fakeFAKEfake0123456789"}
-    for k, v in secrets.items():
-        monkeypatch.setenv(k, v)
-    make_source(tmp_path / "src")
-    sources = tmp_path / "sources.yaml"
-    sources.write_text(
-        f"sources:\n  - name: local\n    kind: local\n    uri: {tmp_path / 'src'}\n"
-        "  - name: python\n    kind: python\n    max_total_mb: 2\n"
-    )
-    storage = ArtifactStorage(root=str(tmp_path / "artifacts"))
-    resources = {
-        "artifacts": storage,
-        "catalog": CatalogResource(storage=storage, path=str(tmp_path / "catalog.duckdb")),
-        "sources": SourceRegistry(storage=storage, sources_file=str(sources)),
-        "model_settings": ModelSettings(config_name="tiny", vocab_size=512, tokenizer_train_mb=2),
-        "cluster": ClusterResource(nproc_per_node=1),
-    }
-    (tmp_path / "dagster_home").mkdir()
-    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
-        results = materialize_all(instance=instance, definitions=build_defs(resources), log=print, run_config=TINY_RUN_CONFIG)
-        assert [r.success for r in results] == [True] * len(DOWNSTREAM_JOBS)
-        checks = check_outcomes(results)
-        assert checks and all(checks.values()), {k: v for k, v in checks.items() if not v}
-        expected = {
-            "code_corpus:files_accounted", "deduped_shards:no_contamination", "rl_tasks:rl_tasks_sound",
-            "eval_tasks:eval_tasks_sound", "eval_tasks:split_disjoint", "midtrained_checkpoint:loss_finite_and_lower",
-            "midtrained_checkpoint:val_ppl_below_base", "midtrained_checkpoint:loads_and_generates",
-            "rl_rollouts:every_rollout_has_reward", "rl_rollouts:staleness_within_bound",
-            "rl_checkpoint:loss_has_no_nan", "rl_checkpoint:published_weights_verified",
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COMPOSER_HOME", str(tmp_path / "home"))
+        for k, v in secrets.items():
+            mp.setenv(k, v)
+        make_source(tmp_path / "src")
+        sources = tmp_path / "sources.yaml"
+        sources.write_text(
+            f"sources:\n  - name: local\n    kind: local\n    uri: {tmp_path / 'src'}\n"
+            "  - name: python\n    kind: python\n    max_total_mb: 2\n"
+        )
+        storage = ArtifactStorage(root=str(tmp_path / "artifacts"))
+        resources = {
+            "artifacts": storage,
+            "catalog": CatalogResource(storage=storage, path=str(tmp_path / "catalog.duckdb")),
+            "sources": SourceRegistry(storage=storage, sources_file=str(sources)),
+            "model_settings": ModelSettings(config_name="tiny", vocab_size=512, tokenizer_train_mb=2),
+            "cluster": ClusterResource(nproc_per_node=1),
         }
-        assert expected <= set(checks), expected - set(checks)
+        (tmp_path / "dagster_home").mkdir()
+        with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
+            defs = build_defs(resources)
+            results = materialize_all(instance=instance, definitions=defs, log=print, run_config=TINY_RUN_CONFIG)
+            yield {"instance": instance, "defs": defs, "results": results, "tmp": tmp_path, "secrets": secrets,
+                   "storage": Storage(str(tmp_path / "artifacts")),
+                   "catalog": Catalog(str(tmp_path / "catalog.duckdb"), Storage(str(tmp_path / "artifacts")))}
 
-        def meta(key):
-            ev = instance.get_latest_materialization_event(dg.AssetKey(key))
-            return {k: v.value for k, v in ev.asset_materialization.metadata.items()}
 
-        ckpt = meta("midtrained_checkpoint")
-        assert ckpt["val_ppl_after"] < ckpt["val_ppl_before"]
-        assert ckpt["loss_curve"].startswith("![mid-training loss](data:image/png;base64,")
-        st = Storage(str(tmp_path / "artifacts"))
-        manifest = st.verify_manifest(ckpt["dagster/uri"])
-        assert {"config.json", "model.safetensors", "tokenizer.json", "trainer_state.json"} <= set(manifest["files"])
-        assert meta("token_shards")["tokens_train"] > 0
-        assert meta("deduped_shards")["decontamination_set"] == "HumanEval + eval_tasks"
-        cat = Catalog(str(tmp_path / "catalog.duckdb"), st)
-        sides = dict(cat.query("SELECT side, count(*) FROM tasks GROUP BY 1"))
-        assert sum(sides.values()) == 8
-        rollouts = meta("rl_rollouts")
-        assert rollouts["dagster/row_count"] == 2 * 2 * 4  # steps x tasks per step x group size
-        assert cat.query("SELECT count(*) FROM rollouts WHERE reward IS NOT NULL")[0][0] == rollouts["dagster/row_count"]
-        st.verify_manifest(meta("rl_checkpoint")["dagster/uri"])
-        assert scan_instance(instance, list(secrets.values())) == []
+def _meta(instance, key):
+    ev = instance.get_latest_materialization_event(dg.AssetKey(key))
+    return {k: v.value for k, v in ev.asset_materialization.metadata.items()}
+
+
+@pytest.mark.slow
+def test_whole_graph_tiny(graph):
+    instance, results, tmp_path, secrets = graph["instance"], graph["results"], graph["tmp"], graph["secrets"]
+    st, cat = graph["storage"], graph["catalog"]
+    assert [r.success for r in results] == [True] * len(DOWNSTREAM_JOBS)
+    checks = check_outcomes(results)
+    assert checks and all(checks.values()), {k: v for k, v in checks.items() if not v}
+    expected = {
+        "code_corpus:files_accounted", "deduped_shards:no_contamination", "rl_tasks:rl_tasks_sound",
+        "eval_tasks:eval_tasks_sound", "eval_tasks:split_disjoint", "midtrained_checkpoint:loss_finite_and_lower",
+        "midtrained_checkpoint:val_ppl_below_base", "midtrained_checkpoint:loads_and_generates",
+        "sft_trajectories:trajectories_accounted", "sft_checkpoint:loss_finite_and_lower",
+        "sft_checkpoint:val_loss_lower", "sft_checkpoint:loads_and_generates", "sft_checkpoint:tool_call_format_parses",
+        "rl_rollouts:every_rollout_has_reward", "rl_rollouts:staleness_within_bound",
+        "rl_checkpoint:loss_has_no_nan", "rl_checkpoint:published_weights_verified",
+        "evaluated_model:rl_not_worse_than_sft", "evaluated_model:eval_tasks_not_in_training_shards",
+    }
+    assert expected <= set(checks), expected - set(checks)
+
+    def meta(key):
+        return _meta(instance, key)
+
+    ckpt = meta("midtrained_checkpoint")
+    assert ckpt["val_ppl_after"] < ckpt["val_ppl_before"]
+    assert ckpt["loss_curve"].startswith("![mid-training loss](data:image/png;base64,")
+    manifest = st.verify_manifest(ckpt["dagster/uri"])
+    assert {"config.json", "model.safetensors", "tokenizer.json", "trainer_state.json"} <= set(manifest["files"])
+    assert meta("token_shards")["tokens_train"] > 0
+    assert meta("deduped_shards")["decontamination_set"] == "HumanEval + eval_tasks"
+    sides = dict(cat.query("SELECT side, count(*) FROM tasks GROUP BY 1"))
+    assert sum(sides.values()) == 8 + 24
+    rollouts = meta("rl_rollouts")
+    assert rollouts["dagster/row_count"] == 2 * 4 * 4  # steps x tasks per step x group size
+    assert cat.query("SELECT count(*) FROM rollouts WHERE reward IS NOT NULL")[0][0] == rollouts["dagster/row_count"]
+    st.verify_manifest(meta("rl_checkpoint")["dagster/uri"])
+
+    # Each stage does its job. SFT teaches the learnable family's behaviour: pass@1 on held-out
+    # words, never seen in training, rises above the mid-trained model's.
+    ev = meta("evaluated_model")
+    assert ev["sft_checkpoint.pass@1.learnable"] > ev["midtrained_checkpoint.pass@1.learnable"], ev
+    held_out = cat.query("SELECT count(*) FROM tasks WHERE side = 'eval_tasks' AND source = 'learnable'")[0][0]
+    evaluated = cat.query("SELECT count(DISTINCT task_id) FROM eval_results WHERE source = 'learnable'")[0][0]
+    assert held_out > 0 and evaluated == held_out  # every held-out learnable task, not a first-N sample
+    # RL moved the policy: at least one step had a nonzero advantage, and its perplexity differs
+    assert cat.query("SELECT count(*) FROM rollouts WHERE advantage <> 0")[0][0] > 0
+    ppl = dict(cat.query("SELECT checkpoint, val_ppl FROM eval_summaries"))
+    assert ppl["rl_checkpoint"] != ppl["sft_checkpoint"], ppl
+    by_source = dict(cat.query("SELECT checkpoint, pass_at_1_learnable FROM eval_summaries"))
+    assert set(by_source) == {"base_model", "midtrained_checkpoint", "sft_checkpoint", "rl_checkpoint"}
+    assert scan_instance(instance, list(secrets.values())) == []
     assert scan_tree(tmp_path, list(secrets.values())) == []
+
+
+@pytest.mark.slow
+def test_gate_fails_and_blocks_promotion_when_rl_is_worse(graph):
+    """RL made worse on purpose (its weights scrambled, published as a new rl_checkpoint): only
+    evaluated_model and promoted_model run again, the gate fails for a measured reason, and
+    promoted_model is not materialized."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    instance, st, tmp = graph["instance"], graph["storage"], graph["tmp"]
+    good = _meta(instance, "rl_checkpoint")["dagster/uri"]
+    worse = tmp / "worse"
+    st.get_dir(good, str(worse))
+    (worse / "manifest.json").unlink()
+    weights = load_file(str(worse / "model.safetensors"))
+    rng = np.random.default_rng(0)
+    save_file({k: (v + rng.standard_normal(v.shape).astype(v.dtype) * (v.std() + 1e-3)).astype(v.dtype)
+               for k, v in weights.items()}, str(worse / "model.safetensors"), metadata={"format": "pt"})
+    url = st.url("rl_checkpoint", "made-worse")
+    st.put_dir(str(worse), url)
+    instance.report_runless_asset_event(dg.AssetMaterialization(
+        "rl_checkpoint", metadata={"dagster/uri": url, "manifest_digest": st.write_manifest(url)}))
+    promoted = instance.get_latest_materialization_event(dg.AssetKey("promoted_model"))
+
+    result = graph["defs"].resolve_job_def("evaluate").execute_in_process(instance=instance, raise_on_error=False)
+    ran = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
+    assert ran == {"evaluated_model"}  # nothing upstream re-ran, and promotion did not happen
+    gate = next(e for e in result.get_asset_check_evaluations() if e.check_name == "rl_not_worse_than_sft")
+    assert not gate.passed
+    reasons = gate.metadata["reasons"].value
+    assert reasons and "pass@1" in reasons[0] and "below the baseline" in reasons[0], reasons
+    assert instance.get_latest_materialization_event(dg.AssetKey("promoted_model")).storage_id == promoted.storage_id

@@ -52,20 +52,27 @@ def test_every_reference_trajectory_solves_its_task(task_mix, built):
     for r in rows:
         msgs = json.loads(r["messages"])
         assert msgs[0]["role"] == "user" and msgs[-1]["tool_calls"][0]["name"] == "submit"
-        if r["source"] == "learnable":
-            word = msgs[1]["tool_calls"][0]["arguments"]["new"]
-            assert f'"{word}"' in msgs[0]["content"]
+        if r["source"] == "learnable":  # the family's procedure: move the word with the shell
+            assert [m["tool_calls"][0]["name"] for m in msgs if m["role"] == "assistant"] == ["run_terminal_cmd", "submit"]
         else:  # inspect, then change, then submit
             assert [m["tool_calls"][0]["name"] for m in msgs if m["role"] == "assistant"] == ["read_file", "edit_file", "submit"]
     # the played episode's real answers are in the transcript
-    assert any(m["role"] == "tool" and m["content"].startswith("Created answer.txt")
+    assert any(m["role"] == "tool" and m["content"].startswith("exit code: 0")
                for r in rows for m in json.loads(r["messages"]))
+    for r in rows:  # the read_file call shows the lines the edit then changes
+        msgs = json.loads(r["messages"])
+        if r["source"] != "learnable":
+            old = next(m["tool_calls"][0]["arguments"]["old"] for m in msgs
+                       if m["role"] == "assistant" and m["tool_calls"][0]["name"] == "edit_file")
+            assert old.strip().splitlines()[0].strip() in msgs[2]["content"]
 
 
 def test_a_broken_reference_is_counted_not_written(task_mix, tmp_path):
     d = tmp_path / "tasks"
     shutil.copytree(next(p.parent for p in task_mix.glob("answer-*/task.json")), d / "t1")
-    (d / "t1" / "reference" / "files" / "answer.txt").write_text("not the word\n")
+    task = json.loads((d / "t1" / "task.json").read_text())
+    task["reference"]["command"] = "echo nothing > answer.txt"
+    (d / "t1" / "task.json").write_text(json.dumps(task))
     with pytest.raises(ValueError, match="reference_not_passing"):
         traj.build(d, tmp_path / "out", {})
 
@@ -111,7 +118,7 @@ def test_transcript_supervises_the_assistant_tokens_only(built, learnable_base):
     supervised = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
     calls = [m["tool_calls"][0] for m in msgs if m["role"] == "assistant"]
     assert supervised == "".join(tool_call_text(c["name"], c["arguments"]) + "<|im_end|>" for c in calls)
-    assert "Created answer.txt" in tok.decode(ids, skip_special_tokens=False)  # the tool's answer, unsupervised
+    assert "exit code: 0" in tok.decode(ids, skip_special_tokens=False)  # the tool's answer, unsupervised
 
 
 def test_transcript_dataset_pads_and_labels(tmp_path):

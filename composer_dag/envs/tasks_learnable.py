@@ -1,10 +1,13 @@
 """The learnable task family: put one word, named in the instructions, into ``answer.txt``.
 
 A tiny model can learn it on CPU within minutes, in the real task format with the ordinary
-grader (hidden tests in a sandbox, cheat flags). The word is quoted in the instructions as it
-is in the tool call's JSON, so it tokenizes the same way in both: copying it is what a policy
-has to learn. Each word is a task's ``source_file`` (``learnable:<word>``), so the split by
-source file puts every word on one side: held-out tasks ask for words never seen in training.
+grader (hidden tests in a sandbox, cheat flags). The user's request is also in the repository
+(``request.txt``), as a ticket would be, so there are two ways to solve a task: copy the word
+from the instructions into an ``edit_file`` call (the word is quoted as in the call's JSON, so it
+tokenizes the same way in both), or move it with the shell (``SOLUTION_COMMAND``, the reference
+procedure SFT demonstrates), which works for any word. Each word is a task's ``source_file``
+(``learnable:<word>``), so the split by source file puts every word on one side: held-out tasks
+ask for words never seen in training, and pass@1 on them measures the behaviour, not memory.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from pathlib import Path
 from .task_format import TaskLimits, write_task
 
 ANSWER_FILE = "answer.txt"
+REQUEST_FILE = "request.txt"
+SOLUTION_COMMAND = f"cut -d'\"' -f2 {REQUEST_FILE} > {ANSWER_FILE}"
+"""The reference procedure: the word is the only quoted text of the request."""
 PROJECT = "notes"
 WORD_POOL = (
     "that", "value", "method", "self", "name", "module", "used", "string", "other", "this", "will",
@@ -80,13 +86,15 @@ def build_learnable_tasks(out_dir, n: int, seed: int = 0, words=WORD_POOL, limit
         tid = f"answer-{seed}-{i:03d}"
         task = {"id": tid, "source": "learnable", "source_file": f"learnable:{word}", "project": PROJECT,
                 "instructions": instructions(word), "limits": limits.to_dict(),
-                "reference": {"files": [ANSWER_FILE], "kind": "answer", "word": word},
+                "reference": {"files": [ANSWER_FILE], "kind": "answer", "word": word, "command": SOLUTION_COMMAND},
                 "sandbox": {"masks": {}}}
         readme = "# notes\n\nScratch space for short answers.\n"
         hidden = ("from pathlib import Path\n\n\ndef test_answer():\n"
                   f"    p = Path({ANSWER_FILE!r})\n"
                   f"    assert p.is_file() and p.read_text().strip() == {word!r}\n")
-        return write_task(out / tid, task, [("Initial commit", {"README.md": readme})],
+        history = [("Initial commit", {"README.md": readme}),
+                   ("Add the request", {REQUEST_FILE: instructions(word) + "\n"})]
+        return write_task(out / tid, task, history,
                           {"test_answer.py": hidden}, {ANSWER_FILE: word + "\n"}, canaries=canaries)
 
     with ThreadPoolExecutor(max(1, workers)) as pool:

@@ -40,9 +40,9 @@ class SFTConfig(MidtrainConfig):
     min_lr: float = 1e-4
     warmup_steps: int = 10
     weight_decay: float = 0.0
-    max_steps: int = 150
-    eval_every: int = 50
-    save_every: int = 50
+    max_steps: int = 60
+    eval_every: int = 30
+    save_every: int = 30
     eval_batches: int = 4
     sample_tokens: int = 0
     system_style: Literal["full", "compact"] = Field("compact", description="the agent's system prompt style")

@@ -4,8 +4,8 @@ Two origins:
 
 - ``reference``: built from a training task's reference solution and played through a real
   episode (the tools answer every call, the grader must pass the result): read the lines that
-  change, ``edit_file`` them, ``submit``; the learnable family creates its answer file and
-  submits. A trajectory whose calls fail or whose grade does not pass is skipped and counted.
+  change, ``edit_file`` them, ``submit``; a task whose reference names a procedure (the learnable
+  family's shell command) runs it and submits. A trajectory whose calls fail or whose grade does not pass is skipped and counted.
 - ``rollout``: successful, unflagged rollouts of earlier RL runs (rejection sampling).
 
 Only training tasks are used, and a trajectory whose text shares an n-gram with an evaluation
@@ -40,7 +40,7 @@ class TrajectoryConfig(StageConfig):
     """Which trajectories the SFT set holds."""
 
     max_per_source: dict[str, int] = Field(
-        {"humaneval": 12, "bugfix": 12},
+        {"humaneval": 12, "stdlib-bugfix": 12},
         description="reference trajectories per task source, a seeded draw; sources not named: every task")
     from_rollouts: bool = Field(True, description="add the successful, unflagged rollouts of the last RL run")
     max_rollouts: int = Field(200, description="rollout trajectories at most")
@@ -82,6 +82,8 @@ def reference_calls(task_dir: Path, task: dict, context_lines: int = 3) -> list[
     if not files:
         return None
     call = lambda name, **args: {"name": name, "arguments": args}
+    if ref.get("command"):  # a task whose reference is a procedure (the learnable family)
+        return [call("run_terminal_cmd", command=ref["command"]), call("submit")]
     calls = []
     for rel in files:
         target = task_dir / "reference" / "files" / rel

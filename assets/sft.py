@@ -1,0 +1,142 @@
+"""Supervised fine-tuning between mid-training and RL: sft_trajectories -> sft_checkpoint.
+
+``sft_trajectories`` plays the training tasks' reference solutions through real episodes (and
+takes the successful, unflagged rollouts of the last RL run, when there is one); the
+``sft_checkpoint`` job trains the mid-trained checkpoint on them with the mid-training trainer
+(``objective: sft``) on the cluster resource.
+"""
+
+import json
+import math
+import os
+import tempfile
+
+import dagster as dg
+
+from assets._common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, plot_md, publish_dir, run_stage
+from assets.train import CHECKPOINT_FILES, midtrained_checkpoint
+from composer_dag.sft import trajectories as engine
+from composer_dag.sft.run import SFTConfig
+from resources import ArtifactStorage, CatalogResource
+from resources.cluster import ClusterResource
+from resources.dagster_config import dagster_config, engine_config
+
+TrajectoryParams = dagster_config(engine.TrajectoryConfig, module=__name__)
+SFTParams = dagster_config(SFTConfig, module=__name__)
+
+
+def _last_rollouts(context, storage) -> tuple[list, str]:
+    """The rollout tables of the newest RL run (none before the first), and its run id."""
+    meta = latest_metadata(context.instance, "rl_rollouts")
+    if not meta or "dagster/uri" not in meta:
+        return [], ""
+    base = str(meta["dagster/uri"])
+    urls = [u for u in storage.find(base) if u.endswith(".parquet")]
+    return [storage.read_parquet(u) for u in urls], base
+
+
+@dg.asset(deps=["rl_tasks", "eval_tasks"], group_name="sft", kinds={"python", "parquet", "duckdb"},
+          retry_policy=RETRY,
+          check_specs=[dg.AssetCheckSpec("trajectories_accounted", asset="sft_trajectories", blocking=True,
+                                         description="Every task and rollout read is written or counted under a reason.")])
+def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams, artifacts: ArtifactStorage,
+                     catalog: CatalogResource):
+    """Agent trajectories in the harness's format, each known to succeed: the training tasks'
+    reference solutions played through real episodes, plus the last RL run's successful,
+    unflagged rollouts; none from or overlapping an evaluation task."""
+    storage = artifacts.get()
+    cfg = engine_config(engine.TrajectoryConfig, config)
+    url = storage.url("sft_trajectories", context.run.run_id)
+    rollouts, rollouts_from = _last_rollouts(context, storage) if cfg.from_rollouts else ([], "")
+    with local_copy(storage, latest_uri(context.instance, "rl_tasks")) as rl, \
+            local_copy(storage, latest_uri(context.instance, "eval_tasks")) as ev, \
+            tempfile.TemporaryDirectory(prefix="composer-sft-") as tmp:
+        try:
+            summary = engine.build(rl, tmp, cfg, rollouts, ev, context.log.info)
+        except ValueError as exc:
+            raise dg.Failure(description=str(exc), allow_retries=False) from None
+        rows = engine.read_rows(os.path.join(tmp, "trajectories.parquet"))
+        digest = publish_dir(storage, tmp, url)
+    catalog.get().insert_records("sft_trajectories", [
+        {k: v for k, v in r.items() if k != "messages"} | {"run_id": context.run.run_id} for r in rows])
+    skipped = {f"{origin}: {why}": n for origin in ("reference", "rollout")
+               for why, n in summary[origin]["skipped"].items()}
+    yield dg.MaterializeResult(metadata={
+        "dagster/uri": url,
+        "manifest_digest": digest,
+        "dagster/row_count": summary["trajectories"],
+        "by_source": counts_table(summary["by_source"], "source", "trajectories"),
+        "reference_trajectories": summary["reference"]["out"],
+        "rollout_trajectories": summary["rollout"]["out"],
+        "rollouts_from": rollouts_from or "(no RL run yet)",
+        "skipped": counts_table(skipped, "origin: reason", "items"),
+        "by_split": dg.MetadataValue.json(summary["by_split"]),
+        "example": dg.MetadataValue.md("```json\n" + json.dumps(json.loads(rows[0]["messages"]), indent=1)[:1500] + "\n```"),
+    })
+    ok = all(summary[o]["in"] == summary[o]["out"] + sum(summary[o]["skipped"].values()) for o in ("reference", "rollout"))
+    yield dg.AssetCheckResult(check_name="trajectories_accounted", passed=ok, metadata={
+        o: dg.MetadataValue.json(summary[o]) for o in ("reference", "rollout")})
+
+
+@dg.asset(
+    deps=[sft_trajectories, midtrained_checkpoint],
+    group_name="sft",
+    kinds={"pytorch", "deepspeed"},
+    pool="gpu",
+    retry_policy=dg.RetryPolicy(max_retries=1, delay=5),
+    check_specs=[
+        dg.AssetCheckSpec("loss_finite_and_lower", asset="sft_checkpoint", blocking=True,
+                          description="Every logged loss is finite and the last is lower than the first."),
+        dg.AssetCheckSpec("val_loss_lower", asset="sft_checkpoint", blocking=True,
+                          description="Loss on the held-out trajectories' assistant tokens is lower after training."),
+        dg.AssetCheckSpec("loads_and_generates", asset="sft_checkpoint", blocking=True,
+                          description="The checkpoint loads in transformers and generates."),
+        dg.AssetCheckSpec("tool_call_format_parses", asset="sft_checkpoint", blocking=True,
+                          description="Sampled first turns parse as tool calls in at least min_format_share of cases."),
+    ],
+)
+def sft_checkpoint(context: dg.AssetExecutionContext, config: SFTParams, artifacts: ArtifactStorage,
+                   cluster: ClusterResource):
+    """The mid-trained checkpoint fine-tuned on the trajectories (loss on the assistant's tokens),
+    with the mid-training trainer on the cluster resource; resumes when retried with the same inputs."""
+    storage = artifacts.get()
+    _, job = run_stage(
+        context, storage, cluster, "sft", SFTConfig, config, ["sft_trajectories", "midtrained_checkpoint"],
+        lambda d, wd: {"trajectories_dir": d["sft_trajectories"], "model_dir": d["midtrained_checkpoint"],
+                       "out_dir": os.path.join(wd, "run")},
+        "composer_dag.sft.run", outputs={"sft_checkpoint": CHECKPOINT_FILES})
+    result = job["summary"]
+    out = job["outputs"]["sft_checkpoint"]
+    losses = [float(loss) for _, loss in result.get("loss_curve") or []]
+    steps = [int(step) for step, _ in result.get("loss_curve") or []]
+    evals = [e for e in result.get("evals") or [] if e.get("val_loss") is not None]
+    fc = result.get("format_check") or {"samples": 0, "parsed": 0, "share": 0.0, "ok": False, "new_tokens": 0,
+                                         "examples": [], "min_share": 0.0}
+    tk = result.get("tokenize") or {}
+    yield dg.MaterializeResult(metadata={
+        "dagster/uri": out["url"],
+        "manifest_digest": out["digest"],
+        "loss_curve": plot_md([("train loss", steps, losses),
+                               ("val loss", [e["step"] for e in evals], [e["val_loss"] for e in evals])],
+                              "step", "loss (assistant tokens)", "SFT loss"),
+        "tokens_seen": int(result["tokens_seen"]),
+        "tokens_per_s": round(float(result.get("tokens_per_s") or 0.0), 1),
+        "supervised_tokens": int(tk.get("supervised_tokens") or 0),
+        "transcripts": dg.MetadataValue.json({k: tk.get(k) for k in ("train", "val", "skipped", "cut_to_seq_len")}),
+        "val_loss_before": round(float(result["val_loss_before"] or float("nan")), 4),
+        "val_loss_after": round(float(result["val_loss_after"] or float("nan")), 4),
+        "steps": int(result["steps"]),
+        "format_share": round(float(fc["share"]), 4),
+        "format_examples": dg.MetadataValue.md("\n\n".join("```\n" + t[:400] + "\n```" for t in fc["examples"])),
+    })
+    finite = bool(losses) and all(math.isfinite(x) for x in losses)
+    yield dg.AssetCheckResult(check_name="loss_finite_and_lower", passed=finite and losses[-1] < losses[0],
+                              metadata={"first_loss": losses[0] if losses else -1.0, "last_loss": losses[-1] if losses else -1.0})
+    before, after = result.get("val_loss_before"), result.get("val_loss_after")
+    yield dg.AssetCheckResult(check_name="val_loss_lower", passed=before is not None and after is not None and after < before,
+                              metadata={"before": float(before or -1.0), "after": float(after or -1.0)})
+    yield dg.AssetCheckResult(check_name="loads_and_generates", passed=int(fc["new_tokens"]) > 0,
+                              metadata={"new_tokens": int(fc["new_tokens"])})
+    yield dg.AssetCheckResult(check_name="tool_call_format_parses", passed=bool(fc["ok"]),
+                              metadata={"parsed": int(fc["parsed"]), "samples": int(fc["samples"]),
+                                        "share": float(fc["share"]), "min_share": float(fc["min_share"])})
