@@ -36,7 +36,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 COLUMNS = ["id", "source", "repo", "path", "language", "content", "size_bytes", "sha256", "revision"]
-DATATROVE = "datatrove[processing]==0.10.1"
+# datatrove's JSONL reader needs orjson and its default word tokenizer spaCy
+DATATROVE = ["datatrove[processing]==0.10.1", "orjson==3.13.0", "spacy==3.8.18"]
 
 
 def real_files() -> list[tuple[str, str, str]]:
@@ -195,19 +196,30 @@ from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.writers import JsonlWriter
 from datatrove.pipeline.dedup.minhash import (MinhashConfig, MinhashDedupSignature, MinhashDedupBuckets,
                                               MinhashDedupCluster, MinhashDedupFilter)
-src, work, tasks = sys.argv[1], sys.argv[2], int(sys.argv[3])
-cfg = MinhashConfig()
-log = work + "/logs"
-steps = [
-    ([JsonlReader(src), MinhashDedupSignature(output_folder=work + "/sigs", config=cfg)], tasks),
-    ([MinhashDedupBuckets(input_folder=work + "/sigs", output_folder=work + "/buckets", config=cfg)], cfg.num_buckets),
-    ([MinhashDedupCluster(input_folder=work + "/buckets", output_folder=work + "/remove", config=cfg)], 1),
-    ([JsonlReader(src), MinhashDedupFilter(input_folder=work + "/remove"), JsonlWriter(work + "/out")], tasks),
-]
-t = time.perf_counter()
-for k, (pipeline, n) in enumerate(steps):
-    LocalPipelineExecutor(pipeline=pipeline, tasks=n, workers=2, logging_dir=f"{log}/{k}").run()
-print("WALL", time.perf_counter() - t)
+
+# datatrove 0.10.1's clustering step raises KeyError on its cluster-size statistic when a node
+# was seen only paired with itself; the statistic becomes set_size.get(p, 1), nothing else changes.
+import inspect, textwrap
+from datatrove.pipeline.dedup import minhash as _mh
+_src = textwrap.dedent(inspect.getsource(_mh.MinhashDedupCluster.run)).replace("set_size[p]", "set_size.get(p, 1)")
+_ns = {}
+exec(compile(_src, _mh.__file__, "exec"), _mh.__dict__, _ns)
+_mh.MinhashDedupCluster.run = _ns["run"]
+
+if __name__ == "__main__":
+    src, work, tasks = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    cfg = MinhashConfig()
+    steps = [
+        ([JsonlReader(src), MinhashDedupSignature(output_folder=work + "/sigs", config=cfg)], tasks),
+        ([MinhashDedupBuckets(input_folder=work + "/sigs", output_folder=work + "/buckets", config=cfg)],
+         cfg.num_buckets),
+        ([MinhashDedupCluster(input_folder=work + "/buckets", output_folder=work + "/remove", config=cfg)], 1),
+        ([JsonlReader(src), MinhashDedupFilter(input_folder=work + "/remove"), JsonlWriter(work + "/out")], tasks),
+    ]
+    t = time.perf_counter()
+    for k, (pipeline, n) in enumerate(steps):
+        LocalPipelineExecutor(pipeline=pipeline, tasks=n, workers=2, logging_dir=f"{work}/logs/{k}").run()
+    print("WALL", time.perf_counter() - t)
 """
 
 
@@ -219,9 +231,9 @@ def bench_datatrove(work: str) -> dict:
 
     venv = os.path.join(work, "datatrove-venv")
     py = os.path.join(venv, "bin", "python")
-    if subprocess.run([py, "-c", "import datatrove.pipeline.dedup.minhash"], capture_output=True).returncode if os.path.exists(py) else True:
+    if not os.path.exists(py) or subprocess.run([py, "-c", "import datatrove, orjson, spacy"]).returncode:
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-        subprocess.run([py, "-m", "pip", "install", "-q", DATATROVE], check=True)
+        subprocess.run([py, "-m", "pip", "install", "-q", *DATATROVE], check=True)
     files = [f for f in real_files() if f[0] == "python"]
     folder = os.path.join(work, "pytree")
     shutil.rmtree(folder, ignore_errors=True)
