@@ -23,9 +23,9 @@ TINY_RUN_CONFIG = {
                 "config": {"max_steps": 16, "seq_len": 64, "micro_batch": 4, "warmup_steps": 2,
                            "eval_every": 8, "save_every": 8, "eval_batches": 4, "lr": 2e-3}
             },
-            "sft_trajectories": {"config": {"max_per_source": {"humaneval": 2, "stdlib-bugfix": 1}}},
-            "sft_checkpoint": {"config": {"max_steps": 30, "micro_batch": 8, "eval_every": 15, "save_every": 15,
-                                          "format_samples": 8}},
+            # the learnable family only: its transcripts are short, so 40 steps teach the behaviour
+            "sft_trajectories": {"config": {"max_per_source": {"humaneval": 0, "stdlib-bugfix": 0}}},
+            "sft_checkpoint": {"config": {"max_steps": 40, "eval_every": 20, "save_every": 20, "format_samples": 8}},
             "rl_run": {"config": {"steps": 2, "tasks_per_step": 4, "group_size": 4}},
         }
     },

@@ -163,3 +163,20 @@ def test_sft_job_teaches_the_call_format(learnable_base, tmp_path):
     assert r2["steps"] == 35 and r2["tokens_seen"] > r["tokens_seen"]
     assert "resumed from step_0000030" in p2.stderr
     assert np.isfinite(r2["val_loss_after"])
+
+
+def test_transcript_order_is_a_seeded_permutation_bucketed_by_length(tmp_path):
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 50, 100)
+    pq.write_table(pa.Table.from_pylist([{"input_ids": list(range(n)), "loss_mask": [1] * n} for n in lengths]),
+                   tmp_path / "train.parquet")
+    ds = TranscriptDataset(str(tmp_path / "train.parquet"), seq_len=64, pad_id=0, shuffle_seed=1)
+    order = [ds.window(g) for g in range(100)]
+    assert sorted(order) == list(range(100)) and order != list(range(100))
+    assert all(lengths[a] <= lengths[b] for a, b in zip(order[:63], order[1:64]))  # one block, sorted
+    assert [ds.window(g) for g in range(100, 200)] != order  # each epoch its own order
+    resumed = TranscriptDataset(str(tmp_path / "train.parquet"), seq_len=64, pad_id=0, shuffle_seed=1, start_sample=37)
+    it = iter(resumed)
+    assert [len(next(it)[0]) for _ in range(10)] == [lengths[order[g]] for g in range(37, 47)]

@@ -34,10 +34,10 @@ class SFTConfig(MidtrainConfig):
     trajectories_dir: str            # holds trajectories.parquet (see composer_dag.sft.trajectories)
     data_dir: str = Field("", description="where the tokenized transcripts go (default out_dir/data)")
     objective: Literal["lm", "sft"] = "sft"
-    seq_len: int = Field(1024, description="tokens per transcript; longer ones are cut")
-    micro_batch: int = 16
-    lr: float = 1e-3
-    min_lr: float = 1e-4
+    seq_len: int = Field(512, description="tokens per transcript; longer ones are cut (and counted)")
+    micro_batch: int = 8
+    lr: float = 2e-3
+    min_lr: float = 2e-4
     warmup_steps: int = 10
     weight_decay: float = 0.0
     max_steps: int = 60

@@ -40,7 +40,7 @@ class TrajectoryConfig(StageConfig):
     """Which trajectories the SFT set holds."""
 
     max_per_source: dict[str, int] = Field(
-        {"humaneval": 12, "stdlib-bugfix": 12},
+        {"humaneval": 4, "stdlib-bugfix": 4},
         description="reference trajectories per task source, a seeded draw; sources not named: every task")
     from_rollouts: bool = Field(True, description="add the successful, unflagged rollouts of the last RL run")
     max_rollouts: int = Field(200, description="rollout trajectories at most")

@@ -256,13 +256,17 @@ class TokenShardDataset:
         for g in self.indices():
             yield self[g]
 
-    def batches(self, batch_size: int) -> Iterator[np.ndarray]:
-        """Stacked ``[batch_size, seq_len + 1]`` int64 arrays (the last partial one dropped)."""
+    def collate(self, samples) -> np.ndarray:
+        return np.stack(samples)
+
+    def batches(self, batch_size: int) -> Iterator:
+        """Collated micro-batches of ``batch_size`` samples (the last partial one dropped): here
+        ``[batch_size, seq_len + 1]`` int64 arrays."""
         buf = []
         for sample in self:
             buf.append(sample)
             if len(buf) == batch_size:
-                yield np.stack(buf)
+                yield self.collate(buf)
                 buf = []
 
 
@@ -270,11 +274,14 @@ class TranscriptDataset(TokenShardDataset):
     """Supervised fine-tuning samples: one tokenized transcript each, from a Parquet file with
     ``input_ids`` and ``loss_mask`` (1 on the assistant's tokens) per row.
 
-    Sample order, sharding across ranks and resume at ``start_sample`` are those of
-    ``TokenShardDataset``; a transcript longer than ``seq_len + 1`` tokens is cut there.
-    ``batches`` pads each micro-batch to its longest sample and returns ``(inputs, labels)``,
+    Sharding across ranks and resume at ``start_sample`` are those of ``TokenShardDataset``;
+    the order is its seeded permutation with each block of ``bucket`` samples sorted by length,
+    so that a micro-batch, padded to its longest sample, wastes little on padding. A transcript
+    longer than ``seq_len + 1`` tokens is cut there. ``batches`` returns ``(inputs, labels)``,
     labels ``-100`` wherever the loss does not apply (prompt, tool output, padding).
     """
+
+    bucket = 64
 
     def __init__(self, path: str, seq_len: int, pad_id: int, rank: int = 0, world_size: int = 1,
                  start_sample: int = 0, shuffle_seed: int | None = None, epochs: int | None = None):
@@ -290,6 +297,17 @@ class TranscriptDataset(TokenShardDataset):
             raise ValueError(f"{path}: no transcripts")
         self._perm = None
 
+    def window(self, g: int) -> int:
+        epoch, j = divmod(g, self.num_samples)
+        if self.shuffle_seed is None:
+            return j
+        if self._perm is None or self._perm[0] != epoch:
+            perm = np.random.default_rng([self.shuffle_seed, epoch]).permutation(self.num_samples)
+            blocks = [sorted(perm[i:i + self.bucket], key=lambda k: len(self.ids[k]))
+                      for i in range(0, len(perm), self.bucket)]
+            self._perm = (epoch, np.concatenate(blocks))
+        return int(self._perm[1][j])
+
     def __getitem__(self, g: int) -> tuple[np.ndarray, np.ndarray]:
         j = self.window(g)
         n = self.seq_len + 1
@@ -303,11 +321,3 @@ class TranscriptDataset(TokenShardDataset):
             x[i, :len(ids)] = ids
             y[i, :len(ids)] = np.where(mask == 1, ids, -100)
         return x, y
-
-    def batches(self, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        buf = []
-        for sample in self:
-            buf.append(sample)
-            if len(buf) == batch_size:
-                yield self.collate(buf)
-                buf = []
