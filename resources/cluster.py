@@ -220,7 +220,7 @@ class ClusterResource(ClearConfigResource):
             launched = {"local": self._launch_local, "slurm": self._launch_slurm, "k8s": self._launch_k8s}[self.backend]
             failure, why = launched(context, spec_url, name, env)
         messages = session.get_custom_messages()
-        error = next((m["error"] for m in reversed(messages) if isinstance(m, dict) and "error" in m), why)
+        error = next((m["error"] for m in reversed(messages) if isinstance(m, dict) and m.get("error")), why)
         if failure or error:
             raise ClusterError(description=f"{job['entry']} {failure or 'failed'}" + (f": {error}" if error else ""))
         result = next((m for m in reversed(messages) if isinstance(m, dict) and "outputs" in m), None)
@@ -254,8 +254,9 @@ class ClusterResource(ClearConfigResource):
         context.log.info(f"[cluster:slurm] submitted job {job}")
         try:
             state = self._wait_slurm(job)
-        except (DagsterExecutionInterruptedError, KeyboardInterrupt):
-            context.log.warning(f"[cluster:slurm] run cancelled: scancel {job}")
+        except BaseException as exc:  # cancelled run, step timeout, anything: the job must not outlive the step
+            why = "run cancelled" if isinstance(exc, (DagsterExecutionInterruptedError, KeyboardInterrupt)) else type(exc).__name__
+            context.log.warning(f"[cluster:slurm] {why}: scancel {job}")
             subprocess.run(["scancel", job], check=False)
             deadline = time.monotonic() + self.grace_seconds + 30
             while time.monotonic() < deadline and not launch.is_terminal(slurm_state(job).get("JobState", "UNKNOWN")):

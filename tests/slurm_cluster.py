@@ -124,7 +124,20 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                 raise RuntimeError(f"{what} did not start ({', '.join(dead) or 'timeout'}); logs in {self.root}")
             time.sleep(0.2)
 
+    def cancel_all(self, timeout: float = 30) -> None:
+        """scancel every job and wait until none is left (slurmstepd outlives the daemons)."""
+        env = {**os.environ, **self.env}
+        subprocess.run(["scancel", "--full", "--partition=debug"], env=env, capture_output=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            out = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True)
+            if out.returncode != 0 or not out.stdout.strip():
+                return
+            time.sleep(0.5)
+
     def stop(self) -> None:
+        if any(p.poll() is None for p in self.procs):
+            self.cancel_all()
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.terminate()

@@ -217,8 +217,7 @@ def run_stage_process(spec: dict, config_path: str, scratch: str, rep: Reporter)
         for t in pumps:
             t.join(timeout=10)
     if rc != 0:
-        why = error_line(tail)
-        return rc, why or f"{spec['entry']} exited with code {rc}", None
+        return rc, error_line(tail), None
     if not os.path.exists(result_path):
         return 1, f"{spec['entry']} finished without writing its result", None
     with open(result_path) as f:
@@ -276,9 +275,9 @@ def run_job(spec_url: str, scratch: str | None = None) -> int:
             if sync is not None:
                 sync.stop()
                 sync = None
-            if rc != 0:
+            if rc != 0:  # the error line may be empty (killed by a signal): the exit code says it then
                 rep.report_custom_message({"error": why, "exit_code": rc})
-                print(f"[job] stage failed: {why}", file=sys.stderr, flush=True)
+                print(f"[job] stage failed with exit code {rc}", file=sys.stderr, flush=True)
                 return 1
             if node == 0:
                 outputs = publish(storage, out_dir, spec.get("outputs") or {}, result, os.path.join(scratch, "publish"))
