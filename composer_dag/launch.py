@@ -64,18 +64,21 @@ def job_command(spec_url: str, python: str = "python") -> list[str]:
 
 
 def bwrap_command(argv: list[str], scratch: str, code: list[str], python_prefixes: list[str],
-                  env: dict[str, str]) -> list[str]:
+                  env: dict[str, str], writable: list[str] | None = None) -> list[str]:
     """``argv`` isolated from the launching machine's disk with bubblewrap: the system
-    directories, the Python environment and the code read-only, ``scratch`` read-write, a
-    private ``/tmp``, its own pid namespace (the job's processes die with it), a clean
-    environment holding only ``env``. The network stays (the job reaches object storage)."""
+    directories, the Python environment and the code read-only, ``scratch`` (and ``writable``,
+    e.g. a node-local build cache) read-write, a private ``/tmp``, its own pid namespace (the
+    job's processes die with it), a clean environment holding only ``env``. The network stays
+    (the job reaches object storage)."""
     cmd = ["bwrap", "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     for d in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/sys"):  # /sys: CPU topology (lscpu)
         cmd += ["--ro-bind-try", d, d]
     for d in [*python_prefixes, *code]:
         cmd += ["--ro-bind", d, d]
-    cmd += ["--bind", scratch, scratch, "--chdir", scratch, "--clearenv"]
+    for d in [*(writable or []), scratch]:
+        cmd += ["--bind", d, d]
+    cmd += ["--chdir", scratch, "--clearenv"]
     for k, v in env.items():
         cmd += ["--setenv", k, str(v)]
     return [*cmd, "--", *argv]

@@ -117,7 +117,7 @@ def test_slurm_script_runs_the_job_runner_once_per_node():
     assert script.startswith("#!/bin/bash")
     for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
                  "#SBATCH --account=ml", "#SBATCH --time=12:00:00", "#SBATCH --ntasks-per-node=1",
-                 "#SBATCH --output=/scratch/%x-%j.out", "mkdir -p /scratch/job1"):
+                 "#SBATCH --output=/scratch/%x-%j.out", "mkdir -p /scratch/job1 /scratch/composer-cache"):
         assert line in script.splitlines()
     srun = script.rstrip().splitlines()[-1]
     assert srun.startswith("srun --kill-on-bad-exit=1 --container-image=nvcr.io/org/composer:1 ")
@@ -132,6 +132,7 @@ def test_isolated_slurm_job_gets_credentials_by_reference(monkeypatch):
     assert "never-in-the-script-123" not in script
     assert '--setenv AWS_SECRET_ACCESS_KEY "${AWS_SECRET_ACCESS_KEY}"' in script
     assert "--bind /scratch/j /scratch/j" in script and "--clearenv" in script
+    assert "--bind /scratch/composer-cache /scratch/composer-cache" in script  # node-local build cache
 
 
 def test_local_command_is_cpu_torchrun():
