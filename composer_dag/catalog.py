@@ -180,7 +180,7 @@ class Catalog:
                     con.execute(f'CREATE TABLE "{table}" AS SELECT * FROM _incoming')
                 else:
                     have = {r[0] for r in con.execute(f'DESCRIBE "{table}"').fetchall()}
-                    for name, kind in con.execute("DESCRIBE SELECT * FROM _incoming").fetchall():
+                    for name, kind, *_ in con.execute("DESCRIBE SELECT * FROM _incoming").fetchall():
                         if name not in have:  # a new column (e.g. a new task source): earlier rows hold NULL
                             con.execute(f'ALTER TABLE "{table}" ADD COLUMN "{name}" {kind}')
                     if where:

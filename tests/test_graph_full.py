@@ -1,12 +1,15 @@
 """The whole graph on a tiny configuration, through Dagster, with every asset check required to
-pass: the design card's "asset checks in CI"."""
+pass (the design card's "asset checks in CI"), its GPU stages as Slurm jobs isolated from this
+process's disk, every artifact on S3; then the promotion gate failing on a worse RL checkpoint."""
+
+import time
 
 import dagster as dg
 import pytest
 
 from composer_dag.catalog import Catalog
 from composer_dag.definitions import DOWNSTREAM_JOBS, build_defs, materialize_all
-from composer_dag.storage import Storage
+from composer_dag.storage import open_storage
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
 from resources.model_settings import ModelSettings
 from resources.cluster import ClusterResource
@@ -25,23 +28,39 @@ TINY_RUN_CONFIG = {
             },
             # the learnable family only: its transcripts are short, so 40 steps teach the behaviour
             "sft_trajectories": {"config": {"max_per_source": {"humaneval": 0, "stdlib-bugfix": 0}}},
-            "sft_checkpoint": {"config": {"max_steps": 40, "eval_every": 20, "save_every": 20, "format_samples": 8}},
+            "sft_checkpoint": {"config": {"max_steps": 60, "eval_every": 30, "save_every": 30, "format_samples": 16,
+                                          "min_format_share": 0.25}},
             "rl_run": {"config": {"steps": 2, "tasks_per_step": 4, "group_size": 4}},
         }
     },
 }
 
 
+GPU_STAGES = {"midtrained_checkpoint": "midtrain", "sft_checkpoint": "sft", "rl_checkpoint": "rl", "rl_rollouts": "rl",
+              "evaluated_model": "eval"}
+
+
 @pytest.fixture(scope="module")
-def graph(tmp_path_factory):
-    """The whole graph materialized once on the tiny configuration (every job of ``make run``);
-    the tests below read it, the last one adds an evaluation run to it."""
+def graph(tmp_path_factory, slurm_cluster, s3_server):
+    """The whole graph materialized once on the tiny configuration (every job of ``make run``),
+    with every artifact on S3 (the moto server) and the GPU stages (mid-training, SFT, RL,
+    evaluation) run as jobs on the one-node Slurm cluster, each under bubblewrap: a job sees its
+    scratch directory, the Python environment and the code, never this process's COMPOSER_HOME,
+    so everything it reads or writes goes through storage URLs. The tests below read it; the
+    last one adds an evaluation run to it."""
+    import boto3
+
     tmp_path = tmp_path_factory.mktemp("graph")
-    # Known fake credentials in the environment of every step, subprocess and sandbox: the scan
-    # at the end proves none reaches logs, metadata, rollouts, checkpoints or the catalog.
+    bucket = f"composer-graph-{time.time_ns()}"
+    boto3.client("s3", endpoint_url=s3_server, aws_access_key_id=FAKE_KEY, aws_secret_access_key=FAKE_SECRET,
+                 region_name="us-east-1").create_bucket(Bucket=bucket)
+    root = f"s3://{bucket}/composer"
+    # Known fake credentials in the environment of every step, subprocess, job and sandbox (they
+    # are the S3 server's): the scans prove none reaches logs, metadata, artifacts or the catalog.
     secrets = {"AWS_ACCESS_KEY_ID": FAKE_KEY, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET, "HF_TOKEN": "hf_fakeFAKEfake0123456789"}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COMPOSER_HOME", str(tmp_path / "home"))
+        mp.setenv("COMPOSER_S3_ENDPOINT_URL", s3_server)
         for k, v in secrets.items():
             mp.setenv(k, v)
         make_source(tmp_path / "src")
@@ -50,21 +69,26 @@ def graph(tmp_path_factory):
             f"sources:\n  - name: local\n    kind: local\n    uri: {tmp_path / 'src'}\n"
             "  - name: python\n    kind: python\n    max_total_mb: 2\n"
         )
-        storage = ArtifactStorage(root=str(tmp_path / "artifacts"))
+        storage = ArtifactStorage(root=root, endpoint_url=s3_server, aws_access_key_id=FAKE_KEY,
+                                  aws_secret_access_key=FAKE_SECRET)
+        scratch = tmp_path / "scratch"
+        scratch.mkdir()
         resources = {
             "artifacts": storage,
             "catalog": CatalogResource(storage=storage, path=str(tmp_path / "catalog.duckdb")),
             "sources": SourceRegistry(storage=storage, sources_file=str(sources)),
-            "model_settings": ModelSettings(config_name="tiny", vocab_size=512, tokenizer_train_mb=2),
-            "cluster": ClusterResource(nproc_per_node=1),
+            "model_settings": ModelSettings(config_name="tiny", vocab_size=8192, tokenizer_train_mb=2),
+            "cluster": ClusterResource(backend="slurm", nproc_per_node=1, isolate=True, scratch_dir=str(scratch),
+                                       poll_seconds=0.5),
         }
         (tmp_path / "dagster_home").mkdir()
         with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
             defs = build_defs(resources)
             results = materialize_all(instance=instance, definitions=defs, log=print, run_config=TINY_RUN_CONFIG)
+            st = open_storage(root)
             yield {"instance": instance, "defs": defs, "results": results, "tmp": tmp_path, "secrets": secrets,
-                   "storage": Storage(str(tmp_path / "artifacts")),
-                   "catalog": Catalog(str(tmp_path / "catalog.duckdb"), Storage(str(tmp_path / "artifacts")))}
+                   "root": root, "scratch": scratch, "storage": st,
+                   "catalog": Catalog(str(tmp_path / "catalog.duckdb"), st)}
 
 
 def _meta(instance, key):
@@ -73,9 +97,9 @@ def _meta(instance, key):
 
 
 @pytest.mark.slow
-def test_whole_graph_tiny(graph):
+def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     instance, results, tmp_path, secrets = graph["instance"], graph["results"], graph["tmp"], graph["secrets"]
-    st, cat = graph["storage"], graph["catalog"]
+    st, cat, root = graph["storage"], graph["catalog"], graph["root"]
     assert [r.success for r in results] == [True] * len(DOWNSTREAM_JOBS)
     checks = check_outcomes(results)
     assert checks and all(checks.values()), {k: v for k, v in checks.items() if not v}
@@ -106,7 +130,23 @@ def test_whole_graph_tiny(graph):
     rollouts = meta("rl_rollouts")
     assert rollouts["dagster/row_count"] == 2 * 4 * 4  # steps x tasks per step x group size
     assert cat.query("SELECT count(*) FROM rollouts WHERE reward IS NOT NULL")[0][0] == rollouts["dagster/row_count"]
-    st.verify_manifest(meta("rl_checkpoint")["dagster/uri"])
+
+    # The GPU stages ran as Slurm jobs that share no disk with this process: every output is on
+    # S3 under the root, and what each job reported is what is there, file by file.
+    for key in GPU_STAGES:
+        m = meta(key)
+        assert m["dagster/uri"].startswith(root + "/"), m["dagster/uri"]
+        if key != "evaluated_model":  # its artifact adds the report to what the job published
+            assert st.manifest_digest(m["dagster/uri"]) == m.get("job_manifest_digest", m["manifest_digest"])
+        st.verify_manifest(m["dagster/uri"])
+    logs = [e.user_message for r in results for e in instance.all_logs(r.run_id)]
+    submitted = [m for m in logs if "[cluster:slurm] submitted job" in m]
+    assert len(submitted) == len(set(GPU_STAGES.values())), submitted  # one job per stage, none retried
+    for stage in set(GPU_STAGES.values()):  # resumable state on S3, not on this disk
+        assert st.find(f"{root}/work/{stage}"), stage
+    assert not (tmp_path / "home" / "work").exists()
+    left = [p.name for p in graph["scratch"].iterdir() if p.is_dir() and p.name != "composer-cache"]
+    assert not left, f"a job's scratch directory was left behind: {left}"
 
     # Each stage does its job. SFT teaches the learnable family's behaviour: pass@1 on held-out
     # words, never seen in training, rises above the mid-trained model's.

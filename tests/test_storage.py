@@ -73,3 +73,13 @@ def test_catalog_reads_parquet_through_storage(storage, tmp_path):
     assert rows == [("a", "r2", 3), ("b", "r1", 3)]
     assert "content" not in [r[0] for r in cat.query("DESCRIBE files")]
     assert cat.query(f"SELECT sum(n) FROM {cat.scan(urls)}")[0][0] == 0 + 1 + 2 + 1 + 2 + 3
+
+
+def test_catalog_records_gain_new_columns(storage, tmp_path):
+    """A record with a column the table lacks (e.g. pass@1 of a new task source) adds the
+    column; earlier rows hold NULL there."""
+    cat = Catalog(str(tmp_path / "cat.duckdb"), storage)
+    cat.insert_records("eval_summaries", [{"checkpoint": "a", "pass_at_1": 0.5}])
+    cat.insert_records("eval_summaries", [{"checkpoint": "b", "pass_at_1": 0.25, "pass_at_1_learnable": 1.0}])
+    assert cat.query("SELECT checkpoint, pass_at_1, pass_at_1_learnable FROM eval_summaries ORDER BY 1") == [
+        ("a", 0.5, None), ("b", 0.25, 1.0)]

@@ -35,11 +35,12 @@ class SFTConfig(MidtrainConfig):
     data_dir: str = Field("", description="where the tokenized transcripts go (default out_dir/data)")
     objective: Literal["lm", "sft"] = "sft"
     seq_len: int = Field(512, description="tokens per transcript; longer ones are cut (and counted)")
-    micro_batch: int = 8
+    micro_batch: int = 16
     lr: float = 2e-3
-    min_lr: float = 2e-4
-    warmup_steps: int = 10
+    min_lr: float = Field(2e-3, description="= lr: constant after the warmup")
+    warmup_steps: int = 3
     weight_decay: float = 0.0
+    beta2: float = 0.999
     max_steps: int = 60
     eval_every: int = 30
     save_every: int = 30
