@@ -97,6 +97,7 @@ def _meta(instance, key):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2700)  # the graph's materialization (the fixture) counts here
 def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     instance, results, tmp_path, secrets = graph["instance"], graph["results"], graph["tmp"], graph["secrets"]
     st, cat, root = graph["storage"], graph["catalog"], graph["root"]
@@ -166,6 +167,7 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_gate_fails_and_blocks_promotion_when_rl_is_worse(graph):
     """RL made worse on purpose (its weights scrambled, published as a new rl_checkpoint): only
     evaluated_model and promoted_model run again, the gate fails for a measured reason, and
