@@ -168,7 +168,7 @@ class _Scripted(Engine):
     def _text(self, i, prompt):
         from composer_dag.rl.learnable import tool_call_text
 
-        m = re.search(r'Write the word "(\w+)"', prompt)
+        m = re.search(r"Write the word (\w+)", prompt)
         if "<|im_start|>" not in prompt:
             return load_problems(["HumanEval/0"])["HumanEval/0"]["canonical_solution"] + "<|endoftext|>"
         calls = []

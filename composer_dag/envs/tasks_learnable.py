@@ -2,10 +2,9 @@
 
 A tiny model can learn it on CPU within minutes, in the real task format with the ordinary
 grader (hidden tests in a sandbox, cheat flags). The user's request is also in the repository
-(``request.txt``), as a ticket would be, so there are two ways to solve a task: copy the word
-from the instructions into an ``edit_file`` call (the word is quoted as in the call's JSON, so it
-tokenizes the same way in both), or move it with the shell (``SOLUTION_COMMAND``, the reference
-procedure SFT demonstrates), which works for any word. Each word is a task's ``source_file``
+(``request.txt``, the word quoted), as a ticket would be, so there are two ways to solve a task:
+copy the word from the instructions into an ``edit_file`` call, or move it with the shell
+(``SOLUTION_COMMAND``, the reference procedure SFT demonstrates), which works for any word. Each word is a task's ``source_file``
 (``learnable:<word>``), so the split by source file puts every word on one side: held-out tasks
 ask for words never seen in training, and pass@1 on them measures the behaviour, not memory.
 """
@@ -66,7 +65,12 @@ LIMITS = TaskLimits(max_turns=3, command_timeout=10.0, test_timeout=30.0)
 
 
 def instructions(word: str) -> str:
-    return f'Write the word "{word}" into a new file {ANSWER_FILE}, then submit.'
+    return f"Write the word {word} into a new file {ANSWER_FILE}, then submit."
+
+
+def request(word: str) -> str:
+    """The ticket in the repository: the word quoted, the only quoted text."""
+    return f'Please write the word "{word}" into a new file {ANSWER_FILE}, then submit.\n'
 
 
 def build_learnable_tasks(out_dir, n: int, seed: int = 0, words=WORD_POOL, limits: TaskLimits = LIMITS,
@@ -93,7 +97,7 @@ def build_learnable_tasks(out_dir, n: int, seed: int = 0, words=WORD_POOL, limit
                   f"    p = Path({ANSWER_FILE!r})\n"
                   f"    assert p.is_file() and p.read_text().strip() == {word!r}\n")
         history = [("Initial commit", {"README.md": readme}),
-                   ("Add the request", {REQUEST_FILE: instructions(word) + "\n"})]
+                   ("Add the request", {REQUEST_FILE: request(word)})]
         return write_task(out / tid, task, history,
                           {"test_answer.py": hidden}, {ANSWER_FILE: word + "\n"}, canaries=canaries)
 
