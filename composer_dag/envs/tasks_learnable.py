@@ -74,30 +74,30 @@ def request(word: str) -> str:
 
 
 def build_learnable_tasks(out_dir, n: int, seed: int = 0, words=WORD_POOL, limits: TaskLimits = LIMITS,
-                          canaries: bool = True, workers: int = 1) -> list[Path]:
+                          canaries: bool = True, workers: int = 1, request_file: bool = True) -> list[Path]:
     """Write ``n`` task directories (``task.json``, ``repo/``, ``hidden_tests/``,
     ``reference/``) under ``out_dir``: every word once (seeded order) before any word twice."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    order: list[str] = []
-    while len(order) < n:  # every word once per cycle, each cycle in a seeded order
-        cycle = list(words)
-        rng.shuffle(cycle)
-        order += cycle
+    # distinct words while there are enough; beyond that the words repeat, in a seeded order
+    order = list(words) if n <= len(words) else list(words) * (n // len(words) + 1)
+    rng.shuffle(order)
 
     def one(i: int, word: str) -> Path:
         tid = f"answer-{seed}-{i:03d}"
         task = {"id": tid, "source": "learnable", "source_file": f"learnable:{word}", "project": PROJECT,
                 "instructions": instructions(word), "limits": limits.to_dict(),
-                "reference": {"files": [ANSWER_FILE], "kind": "answer", "word": word, "command": SOLUTION_COMMAND},
+                "reference": {"files": [ANSWER_FILE], "kind": "answer", "word": word,
+                              **({"command": SOLUTION_COMMAND} if request_file else {})},
                 "sandbox": {"masks": {}}}
         readme = "# notes\n\nScratch space for short answers.\n"
         hidden = ("from pathlib import Path\n\n\ndef test_answer():\n"
                   f"    p = Path({ANSWER_FILE!r})\n"
                   f"    assert p.is_file() and p.read_text().strip() == {word!r}\n")
-        history = [("Initial commit", {"README.md": readme}),
-                   ("Add the request", {REQUEST_FILE: request(word)})]
+        history = [("Initial commit", {"README.md": readme})]
+        if request_file:
+            history.append(("Add the request", {REQUEST_FILE: request(word)}))
         return write_task(out / tid, task, history,
                           {"test_answer.py": hidden}, {ANSWER_FILE: word + "\n"}, canaries=canaries)
 

@@ -123,7 +123,7 @@ def make_learnable_setup(out_dir, n_tasks: int = 8, seed: int = 0, words=WORDS, 
     from ..train.tokenizer import train_tokenizer
 
     out = Path(out_dir)
-    tasks = build_learnable_tasks(out / "tasks", n_tasks, seed, words)
+    tasks = build_learnable_tasks(out / "tasks", n_tasks, seed, words, request_file=False)
     src = os.path.dirname(json.__file__)
     texts = [open(f, encoding="utf-8").read() for f in sorted(glob.glob(src + "/*.py"))]
 
