@@ -196,5 +196,6 @@ def test_gate_fails_and_blocks_promotion_when_rl_is_worse(graph):
     gate = next(e for e in result.get_asset_check_evaluations() if e.check_name == "rl_not_worse_than_sft")
     assert not gate.passed
     reasons = gate.metadata["reasons"].value
-    assert reasons and "pass@1" in reasons[0] and "below the baseline" in reasons[0], reasons
+    # a measured reason: below the parent beyond the noise, or a pass@1 gain under the required one
+    assert reasons and "pass@1" in reasons[0] and "below the" in reasons[0], reasons
     assert instance.get_latest_materialization_event(dg.AssetKey("promoted_model")).storage_id == promoted.storage_id
