@@ -31,8 +31,6 @@ TINY_RUN_CONFIG = {
             "sft_checkpoint": {"config": {"max_steps": 60, "eval_every": 30, "save_every": 30, "format_samples": 16,
                                           "min_format_share": 0.25}},
             "rl_run": {"config": {"steps": 2, "tasks_per_step": 4, "group_size": 4}},
-            # the noise rule alone: two RL steps at lr 1e-5 leave pass@1 where SFT had it, up to sampling noise
-            "evaluated_model": {"config": {"gate": {"required_gain": -1.0}}},
         }
     },
 }
@@ -192,7 +190,11 @@ def test_gate_fails_and_blocks_promotion_when_rl_is_worse(graph):
         "rl_checkpoint", metadata={"dagster/uri": url, "manifest_digest": st.write_manifest(url)}))
     promoted = instance.get_latest_materialization_event(dg.AssetKey("promoted_model"))
 
-    result = graph["defs"].resolve_job_def("evaluate").execute_in_process(instance=instance, raise_on_error=False)
+    # on ten held-out tasks the drop may sit inside the noise rule's two standard errors, so the
+    # gate also asks that RL not lose pass@1 against its parent
+    gate_cfg = {"ops": {"evaluated_model": {"config": {"gate": {"required_gain": 0.0}}}}}
+    result = graph["defs"].resolve_job_def("evaluate").execute_in_process(instance=instance, raise_on_error=False,
+                                                                         run_config=gate_cfg)
     ran = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
     assert ran == {"evaluated_model"}  # nothing upstream re-ran, and promotion did not happen
     gate = next(e for e in result.get_asset_check_evaluations() if e.check_name == "rl_not_worse_than_sft")

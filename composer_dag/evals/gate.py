@@ -9,6 +9,7 @@ are combined as ``sqrt(se_c**2 + se_b**2)`` and the candidate fails when
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from ..runtime.config import StageConfig
 from .metrics import stderr
@@ -17,11 +18,12 @@ from .metrics import stderr
 class GateConfig(StageConfig):
     """The promotion gate: the candidate may not be worse than its parent on pass@1 beyond
     ``noise_sigmas`` standard errors, nor raise its cheat-flag rate by more than
-    ``max_flag_rate_increase``; ``required_gain`` (default 0) asks for a pass@1 gain on top."""
+    ``max_flag_rate_increase``; ``required_gain`` (default None: the noise rule alone) asks for a
+    pass@1 gain on top."""
 
     noise_sigmas: float = 2.0
     max_flag_rate_increase: float = 0.0
-    required_gain: float = 0.0
+    required_gain: Optional[float] = None
 
 # informational rows (never gating): label, summary path
 INFO = (("HumanEval fn-completion pass@1", ("humaneval", "pass@1")),
@@ -146,7 +148,7 @@ def decide(summaries: dict[str, dict], candidate: str, parent: str, cfg: GateCon
     comparisons = [compare(cand, s, **kw, candidate_name=candidate, baseline_name=name) for name, s in baselines]
     gain = (cand.get("pass@1") or 0.0) - (summaries[parent].get("pass@1") or 0.0)
     reasons = list(comparisons[0]["reasons"])
-    if gain < cfg.required_gain:
+    if cfg.required_gain is not None and gain < cfg.required_gain:
         reasons.append(f"pass@1 gain {gain:+.4f} below the required {cfg.required_gain:+.4f}")
     passed = not reasons
     report = ("# Evaluation report\n\n" + report_markdown(comparisons) + "\n## Gate\n\n"
