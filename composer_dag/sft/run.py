@@ -121,7 +121,7 @@ def tokenize(trajectories_dir: str, model_dir: str, out_dir: str, seq_len: int, 
     return summary
 
 
-def format_check(model_dir: str, data_dir: str, trajectories_dir: str, cfg: SFTConfig) -> dict:
+def format_check(model_dir: str, trajectories_dir: str, cfg: SFTConfig) -> dict:
     """Sample the first assistant turn on ``format_samples`` prompts (validation trajectories
     first, then training ones) and count the turns whose text parses as at least one tool call
     with no malformed block."""
@@ -168,7 +168,7 @@ def run(cfg: SFTConfig, rep: Reporter | None = None) -> dict:
     if rank == 0:
         with open(summary_path) as f:
             result["tokenize"] = json.load(f)
-        result["format_check"] = format_check(result["hf_dir"], data_dir, cfg.trajectories_dir, cfg)
+        result["format_check"] = format_check(result["hf_dir"], cfg.trajectories_dir, cfg)
         fc = result["format_check"]
         rep.log(f"sft: {fc['parsed']}/{fc['samples']} sampled first turns parse as tool calls")
         write_json_atomic(os.path.join(cfg.out_dir, "result.json"), result)
