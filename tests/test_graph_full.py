@@ -202,4 +202,5 @@ def test_gate_fails_and_blocks_promotion_when_rl_is_worse(graph):
     reasons = gate.metadata["reasons"].value
     # a measured reason: below the parent beyond the noise, or a pass@1 gain under the required one
     assert reasons and "pass@1" in reasons[0] and "below the" in reasons[0], reasons
-    assert instance.get_latest_materialization_event(dg.AssetKey("promoted_model")).storage_id == promoted.storage_id
+    latest = instance.get_latest_materialization_event(dg.AssetKey("promoted_model"))
+    assert (latest.run_id, latest.timestamp) == (promoted.run_id, promoted.timestamp)
