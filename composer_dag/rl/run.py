@@ -55,6 +55,9 @@ class RLConfig(StageConfig):
     queue_size: Optional[int] = Field(None, description="batches generated ahead (default: max(1, max_staleness))")
     full_every: int = Field(5, description="published weights: a full checkpoint every N versions")
     weights_uri: Optional[str] = Field(None, description="where to publish (default out_dir/weights); s3:// works")
+    publish_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
+        "bfloat16", description="the dtype the weights are published in (what the inference fleet runs); "
+                                "None: as trained")
     save_every: int = Field(1, description="checkpoint every N updates (and at the end)")
     keep_checkpoints: int = 2
     torch_threads: Optional[int] = None
@@ -117,7 +120,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     from .grpo import group_advantages
     from .loop import Batch, RolloutSource
     from .trainer import GRPOTrainer
-    from .weights import WeightPublisher, reconstruct, state_digest
+    from .weights import WeightPublisher, cast_state, reconstruct, state_digest
 
     rep = rep or Reporter()
     cfg = prepare(cfg, rep.log)
@@ -153,7 +156,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     engine = engine_from_config(inference, engine_dir, seed=cfg.seed)
     tok = load_tokenizer(cfg.policy_dir)
     agent = AgentLoop(engine, tok, orch)
-    publisher = WeightPublisher(wstore, wprefix, cfg.full_every)
+    publisher = WeightPublisher(wstore, wprefix, cfg.full_every, cfg.publish_dtype)
 
     lock = threading.Lock()
     live = {"version": trainer.version, "dir": None}     # newest weights for the engine
@@ -253,7 +256,8 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     # the published weights of the final version must equal the trainer's, bit for bit
     t0 = time.perf_counter()
     final_sd = trainer.state_dict()
-    verified = state_digest(reconstruct(wstore, wprefix, trainer.version)) == state_digest(final_sd)
+    verified = (state_digest(reconstruct(wstore, wprefix, trainer.version))
+                == state_digest(cast_state(final_sd, cfg.publish_dtype)))
     apply_s = time.perf_counter() - t0
     if tag is None:
         tag = f"step_{trainer.version:07d}"

@@ -1,0 +1,120 @@
+"""Fleet benchmarks: the size of the published bf16 weight deltas against the full bf16
+checkpoint at RL learning rates, and the time to publish, rebuild and reload a version.
+
+    .venv/bin/python benchmarks/bench_fleet.py deltas --out /tmp/bench_fleet [--model tiny] [--steps 4]
+        [--lrs 1e-6,3e-6,1e-5] [--levels 3,19]
+
+``deltas``: a fresh Llama of the ``--model`` config on a BPE tokenizer trained on the stdlib
+``json`` package, trained with AdamW (betas 0.9/0.99, as the GRPO trainer) on next-token loss
+over the stdlib's source for ``--steps`` updates per learning rate, each update published with
+``WeightPublisher`` in bf16 (version 0 full, the others deltas). Reported per learning rate and
+zstd level: the delta bytes over the full bf16 bytes (mean, max over the updates), the share of
+bf16 values that changed, publish and rebuild (``WeightCache``) seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def deltas(args) -> dict:
+    import torch
+
+    from composer_dag.rl.weights import WeightCache, WeightPublisher, cast_state
+    from composer_dag.storage import Storage
+    from composer_dag.train.model import build_base_model
+    from composer_dag.train.tokenizer import load_tokenizer, train_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    src = os.path.dirname(json.__file__)
+    texts = [open(f, encoding="utf-8").read() for f in sorted(glob.glob(src + "/*.py"))]
+    tok_dir = os.path.join(out, "tok")
+    if not os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+        train_tokenizer(texts, tok_dir, vocab_size=args.vocab)
+    base = os.path.join(out, f"base-{args.model}")
+    if not os.path.exists(os.path.join(base, "config.json")):
+        build_base_model(args.model, tok_dir, base, seed=0)
+    tok = load_tokenizer(tok_dir)
+    corpus = [f for f in sorted(glob.glob(os.path.dirname(os.__file__) + "/*.py"))][:200]
+    ids = []
+    for f in corpus:
+        ids += tok(open(f, encoding="utf-8", errors="replace").read(), add_special_tokens=False).input_ids
+        if len(ids) > args.batch * args.seq * (args.steps + 1):
+            break
+    data = torch.tensor(ids[:args.batch * args.seq * args.steps]).view(args.steps, args.batch, args.seq)
+    rows = []
+    for lr in [float(x) for x in args.lrs.split(",")]:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        n_params = sum(p.numel() for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+        pubs = {lv: WeightPublisher(Storage(os.path.join(out, f"w-{lr:g}-{lv}")), "", full_every=1 << 30,
+                                    dtype="bfloat16", level=lv) for lv in [int(x) for x in args.levels.split(",")]}
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        infos = {lv: [p.publish(0, sd)] for lv, p in pubs.items()}
+        changed = []
+        prev_bf = cast_state(sd, "bfloat16")
+        for s in range(args.steps):
+            x = data[s]
+            loss = model(input_ids=x, labels=x).loss
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            bf = cast_state(sd, "bfloat16")
+            n = sum(v.numel() for v in bf.values())
+            changed.append(sum((bf[k].view(torch.int16) != prev_bf[k].view(torch.int16)).sum().item() for k in bf) / n)
+            prev_bf = bf
+            for lv, p in pubs.items():
+                infos[lv].append(p.publish(s + 1, sd))
+        for lv, p in pubs.items():
+            cache = WeightCache(p.storage, "")
+            cache.get(0)
+            rebuild = []
+            for v in range(1, args.steps + 1):
+                cache.get(v)
+                rebuild.append(cache.last_seconds)
+            d = [i for i in infos[lv] if i["kind"] == "delta"]
+            rows.append({"lr": lr, "zstd_level": lv, "params": n_params, "full_bf16_bytes": infos[lv][0]["bytes"],
+                         "delta_fraction_mean": statistics.mean(i["fraction"] for i in d),
+                         "delta_fraction_max": max(i["fraction"] for i in d),
+                         "delta_bytes_mean": statistics.mean(i["bytes"] for i in d),
+                         "changed_bf16_values": statistics.mean(changed),
+                         "publish_s_mean": statistics.mean(i["seconds"] for i in d),
+                         "rebuild_s_mean": statistics.mean(rebuild)})
+            print(json.dumps(rows[-1]), flush=True)
+    return {"model": args.model, "steps": args.steps, "batch": args.batch, "seq": args.seq, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["deltas"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--lrs", default="1e-6,3e-6,1e-5")
+    ap.add_argument("--levels", default="3,19")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    res = deltas(args)
+    with open(os.path.join(args.out, "deltas.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
