@@ -147,14 +147,17 @@ def slurm_script(command: list[str], name: str = "composer-job", nodes: int = 1,
                  gpus_per_node: int = 0, partition: str | None = None, account: str | None = None,
                  time: str = "04:00:00", output: str = "/tmp/%x-%j.out", chdir: str = "/tmp",
                  container_image: str | None = None, env: dict[str, str] | None = None,
-                 setup: list[str] | None = None) -> str:
+                 setup: list[str] | None = None, sbatch: list[str] | None = None) -> str:
     """An sbatch script: ``srun`` starts ``command`` once per node (the stage's job runner,
     which starts torchrun with c10d rendezvous at the first node of the allocation, exported
     as ``COMPOSER_RDZV_ENDPOINT``). ``container_image`` runs it in a container on sites with
-    pyxis/enroot."""
+    pyxis/enroot. ``sbatch``: more options (``--array=0-7``, ``--cpus-per-task=4``). The job is
+    never requeued by Slurm (``--no-requeue``): a job the scheduler ended fails its step, and the
+    step's retry decides what runs again."""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nodes}",
              "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={time}",
-             f"#SBATCH --output={output}", f"#SBATCH --chdir={chdir}"]
+             f"#SBATCH --output={output}", f"#SBATCH --chdir={chdir}", "#SBATCH --no-requeue"]
+    lines += [f"#SBATCH {opt}" for opt in sbatch or []]
     if partition:
         lines.append(f"#SBATCH --partition={partition}")
     if account:
@@ -236,3 +239,86 @@ def parse_sacct(text: str) -> dict[str, dict[str, str]]:
 
 def is_terminal(state: str) -> bool:
     return normalize_state(state) in TERMINAL
+
+
+def parse_scontrol_records(text: str) -> list[dict[str, str]]:
+    """Every record of ``scontrol show job -o ID`` / ``scontrol show node -o NAME`` output (one
+    line each; an array job gives one line per task) as ``{key: value}`` (``JobState``
+    normalized)."""
+    out = []
+    for line in text.splitlines():
+        rec = dict(re.findall(r"(?:^|\s)([A-Za-z][\w/:]*)=(\S*)", line))
+        if rec:
+            if "JobState" in rec:
+                rec["JobState"] = normalize_state(rec["JobState"])
+            out.append(rec)
+    return out
+
+
+def parse_exit_code(code: str) -> int:
+    """Slurm's ``ExitCode=status:signal`` as one number, as ``subprocess`` gives it: the exit
+    status, or minus the signal that ended the process (``0:15`` -> -15)."""
+    status, _, sig = (code or "0:0").partition(":")
+    return -int(sig) if sig and sig.isdigit() and int(sig) else int(status or 0)
+
+
+# ---- Kubernetes services and indexed jobs ----------------------------------------------
+ARRAY_INDEX_ENV = "COMPOSER_ARRAY_INDEX"
+K8S_COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+
+def _k8s_pod_template(spec: LaunchSpec, argv: list[str], labels: dict[str, str], restart: str,
+                      **pod_kw) -> dict:
+    pod = k8s_pod_spec(spec, **pod_kw)
+    container = pod["spec"]["containers"][0]
+    container["name"] = spec.name
+    container["command"] = list(argv)
+    pod["spec"]["restartPolicy"] = restart
+    return {"metadata": {"labels": {**pod["metadata"]["labels"], **labels}}, "spec": pod["spec"]}
+
+
+def k8s_service_manifests(spec: LaunchSpec, argv: list[str], port: int, health_path: str = "/",
+                          namespace: str = "default", replicas: int = 1, **pod_kw) -> tuple[dict, dict]:
+    """A long-running service: a ``Deployment`` of ``replicas`` pods running ``argv`` (GPUs,
+    image, Secret, node selector and tolerations as for a job's pod) that are ready when
+    ``health_path`` answers on ``port``, and a ``Service`` in front of them
+    (``http://<name>.<namespace>.svc:<port>``). Nothing is shared with other pods."""
+    labels = {"app.kubernetes.io/instance": spec.name, "app.kubernetes.io/component": "service"}
+    template = _k8s_pod_template(spec, argv, labels, "Always", namespace=namespace, **pod_kw)
+    container = template["spec"]["containers"][0]
+    container["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+    container["readinessProbe"] = {"httpGet": {"path": health_path, "port": port},
+                                   "periodSeconds": 5, "failureThreshold": 3}
+    meta = {"name": spec.name, "namespace": namespace, "labels": template["metadata"]["labels"]}
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+        "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "template": template},
+    }
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": meta,
+        "spec": {"selector": labels,
+                 "ports": [{"name": "http", "port": port, "targetPort": port, "protocol": "TCP"}]},
+    }
+    return deployment, service
+
+
+def k8s_indexed_job(spec: LaunchSpec, argv: list[str], count: int, parallelism: int | None = None,
+                    namespace: str = "default", **pod_kw) -> dict:
+    """Map-style work: an Indexed ``Job`` of ``count`` pods, at most ``parallelism`` at once,
+    each with its index in ``COMPOSER_ARRAY_INDEX`` (from the pod's completion-index
+    annotation). A failing index is not retried by Kubernetes (``backoffLimitPerIndex: 0``,
+    the step's retry decides), and does not stop the other indexes."""
+    if count < 1:
+        raise ValueError("an indexed job needs count >= 1")
+    labels = {"app.kubernetes.io/instance": spec.name, "app.kubernetes.io/component": "array"}
+    template = _k8s_pod_template(spec, argv, labels, "Never", namespace=namespace, **pod_kw)
+    template["spec"]["containers"][0]["env"].append(
+        {"name": ARRAY_INDEX_ENV, "valueFrom": {"fieldRef": {"fieldPath": K8S_COMPLETION_INDEX}}})
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"generateName": f"{spec.name}-", "namespace": namespace, "labels": template["metadata"]["labels"]},
+        "spec": {"completionMode": "Indexed", "completions": count,
+                 "parallelism": min(parallelism or count, count),
+                 "backoffLimitPerIndex": 0, "maxFailedIndexes": count,
+                 "template": template},
+    }

@@ -29,7 +29,6 @@ environment and the code (read-only) and a private ``/tmp``: it cannot see this 
 import collections
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -38,14 +37,19 @@ import uuid
 from typing import Any, Literal, Optional
 
 import dagster as dg
-import psutil
 from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._core.pipes.client import PipesContextInjector
 from dagster._core.pipes.utils import PipesBlobStoreMessageReader, open_pipes_session
 
 import composer_dag
 from composer_dag import launch
+from composer_dag.runtime import services
 from composer_dag.runtime.job import error_line
+from composer_dag.runtime.services import (ArrayConfig, ArrayError, ArrayTask, ClusterConfig, ServiceConfig,
+                                           ServiceError, ServiceGroup, ServiceHandle, slurm_state,
+                                           stop_process_group)
+
+__all__ = ["ArrayTask", "ClusterError", "ClusterResource", "ServiceHandle", "slurm_state", "stop_process_group"]
 from resources.base import ClearConfigResource
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(composer_dag.__file__)))
@@ -137,6 +141,7 @@ class ClusterResource(ClearConfigResource):
     poll_seconds: float = 2.0
     # all
     grace_seconds: float = 10.0
+    array_parallelism: Optional[int] = None  # run_array: tasks at once (local default: the CPU count)
 
     # ---- specs -------------------------------------------------------------------------
     def spec(self, entry: str, args: list[str], name: str = "composer-train", launcher: str | None = None) -> launch.LaunchSpec:
@@ -273,8 +278,12 @@ class ClusterResource(ClearConfigResource):
         context.log.info(f"[cluster:slurm] job {job} ended {state['JobState']}")
         if state["JobState"] == "COMPLETED":
             return None, None
+        limit = self.time_limit
+        if state["JobState"] == "TIMEOUT":  # the job's own limit (an operator may have changed it)
+            sc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
+            limit = next(iter(launch.parse_scontrol_records(sc.stdout)), {}).get("TimeLimit", limit)
         what = {"CANCELLED": "was cancelled by the scheduler or an operator (scancel)",
-                "TIMEOUT": f"hit its time limit ({self.time_limit})", "NODE_FAIL": "lost its node (node failure or DOWN)",
+                "TIMEOUT": f"hit its time limit ({limit})", "NODE_FAIL": "lost its node (node failure or DOWN)",
                 "PREEMPTED": "was preempted", "OUT_OF_MEMORY": "ran out of memory"}.get(state["JobState"], "failed")
         return f"in slurm job {job} {what} (state {state['JobState']}, exit code {state.get('ExitCode', '?')})", None
 
@@ -326,6 +335,56 @@ class ClusterResource(ClearConfigResource):
             raise ClusterError(description=f"{entry} finished without reporting a result through Pipes")
         return messages[-1]
 
+    # ---- services and arrays -------------------------------------------------------------
+    def cluster_config(self) -> ClusterConfig:
+        """The engine's view of these settings (``composer_dag.runtime.services``)."""
+        return ClusterConfig.load({k: getattr(self, k) for k in ClusterConfig.model_fields})
+
+    def start_service(self, context, name: str, argv: list[str], env: dict[str, str] | None = None,
+                      port: int | None = None, health_url: str = "http://{host}:{port}/", **settings: Any) -> ServiceHandle:
+        """Start a long-running service (``argv``, ``{port}``/``{host}`` filled in) and return its
+        handle once ``health_url`` answers; ``settings``: the other ``ServiceConfig`` fields
+        (``start_timeout_s``, ``cpus``, ``gpus``, ``memory``, ``time_limit``, ...). Stop it with
+        ``stop``, or start it through ``services(context)`` so that it stops with the step."""
+        cfg = _service_config(name, argv, env, port, health_url, settings)
+        try:
+            return services.start_service(self.cluster_config(), cfg, log=context.log.info)
+        except ServiceError as exc:
+            raise ClusterError(description=str(exc)) from None
+
+    def stop(self, handle: ServiceHandle) -> None:
+        """Stop a service: its process group (local), ``scancel`` of its job (slurm), its
+        Deployment and Service (k8s)."""
+        services.stop(handle)
+
+    @contextlib.contextmanager
+    def services(self, context):
+        """Services that stop with the step: every service started through the group this
+        yields (``group.start(name=..., argv=..., ...)``) is stopped when the block ends, when
+        the step raises, and when the run is cancelled."""
+        group = _DagsterServiceGroup(self.cluster_config(), context.log.info)
+        try:
+            yield group
+        except (DagsterExecutionInterruptedError, KeyboardInterrupt):
+            context.log.warning(f"[cluster:{self.backend}] run cancelled: stopping {len(group.handles)} service(s)")
+            raise
+        finally:
+            group.stop_all()
+
+    def run_array(self, context, argv: list[str], count: int, env: dict[str, str] | None = None,
+                  name: str = "composer-array", parallelism: int | None = None, **settings: Any) -> list[ArrayTask]:
+        """Run ``argv`` once per index ``0..count-1`` (in ``COMPOSER_ARRAY_INDEX``): a process
+        pool here, ``sbatch --array`` on Slurm, an Indexed Job on k8s. Returns every index's
+        ``ArrayTask`` (exit code, state, error line); a failing index fails the step with one
+        line naming it."""
+        try:
+            cfg = ArrayConfig.load({"name": name, "argv": list(argv), "count": count, "env": dict(env or {}),
+                                    "parallelism": parallelism, **settings})
+            return services.run_array(self.cluster_config(), cfg, log=context.log.info)
+        except ArrayError as exc:
+            raise ClusterError(description=str(exc), metadata={"tasks": dg.MetadataValue.json(
+                [vars(t) for t in exc.tasks])}) from None
+
     def _popen(self, context, cmd: list[str], env: dict | None) -> tuple[int, str]:
         # A session of its own: cancelling signals the whole tree (launcher and ranks).
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
@@ -342,23 +401,19 @@ class ClusterResource(ClearConfigResource):
         return proc.returncode, tail.error_line()
 
 
-def slurm_state(job: str) -> dict[str, str]:
-    """``{"JobState", "Reason", "ExitCode"}`` of a Slurm job: ``squeue`` while it is queued or
-    running, then ``scontrol`` (kept ``MinJobAge`` seconds), then ``sacct`` when accounting is
-    on; ``{"JobState": "UNKNOWN"}`` if none knows it."""
-    q = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i %T"], capture_output=True, text=True)
-    state = launch.parse_squeue(q.stdout).get(job)
-    if state and not launch.is_terminal(state):
-        return {"JobState": state}
-    sc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
-    found = launch.parse_scontrol_job(sc.stdout) if sc.returncode == 0 else {}
-    if found.get("JobState"):
-        return found
-    acct = subprocess.run(["sacct", "-j", job, "-P", "-n", "-o", "JobID,State,ExitCode"], capture_output=True, text=True)
-    row = launch.parse_sacct(acct.stdout).get(job) if acct.returncode == 0 else None
-    if row:
-        return {"JobState": row["state"], "ExitCode": row["exit_code"]}
-    return {"JobState": state or "UNKNOWN"}
+def _service_config(name, argv, env, port, health_url, settings) -> ServiceConfig:
+    return ServiceConfig.load({"name": name, "argv": list(argv), "env": dict(env or {}), "port": port,
+                               "health_url": health_url, **settings})
+
+
+class _DagsterServiceGroup(ServiceGroup):
+    """A ``ServiceGroup`` whose failures are the step's one-line ``ClusterError``."""
+
+    def start(self, service=None, **fields: Any) -> ServiceHandle:
+        try:
+            return super().start(service, **fields)
+        except ServiceError as exc:
+            raise ClusterError(description=str(exc)) from None
 
 
 class _StderrTail:
@@ -383,52 +438,3 @@ class _StderrTail:
     def error_line(self) -> str:
         """``SomeError: message`` of the last exception printed, or ''."""
         return error_line(self._lines)
-
-
-def stop_process_group(proc: subprocess.Popen, grace_seconds: float) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left after the grace period: the
-    group and every descendant, since torchrun starts its workers in sessions of their own
-    (a group kill alone would leave a worker that ignores SIGTERM running on)."""
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return
-    tree = _descendants(proc.pid)
-    for sig, wait in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, 5.0)):
-        tree |= _descendants(proc.pid)
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
-        if sig == signal.SIGKILL:
-            for p in tree:
-                with contextlib.suppress(psutil.Error):
-                    p.kill()
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not _group_alive(pgid) and not _any_running(tree):
-                return
-            time.sleep(0.1)
-
-
-def _descendants(pid: int) -> set:
-    try:
-        return set(psutil.Process(pid).children(recursive=True))
-    except psutil.Error:
-        return set()
-
-
-def _any_running(procs) -> bool:
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                return True
-    return False
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False

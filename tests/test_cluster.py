@@ -145,3 +145,212 @@ def test_local_command_is_cpu_torchrun():
 def test_python_launcher_refuses_many_processes():
     with pytest.raises(ValueError, match="one process"):
         ClusterResource(launcher="python", nproc_per_node=2).spec("m", [])
+
+
+# ---- services and arrays on the local backend ------------------------------------------------
+def _marked(marker: str) -> list[int]:
+    """Pids of live (not zombie) processes with ``marker`` in their argv."""
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["cmdline", "status"])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and any(marker in a for a in p.info["cmdline"] or [])]
+
+
+def _web(marker: Path) -> list[str]:
+    """A trivial HTTP service whose argv carries ``marker`` (a directory it serves)."""
+    marker.mkdir(parents=True, exist_ok=True)
+    (marker / "index.html").write_text("ok")
+    return [sys.executable, "-m", "http.server", "{port}", "--bind", "{host}", "--directory", str(marker)]
+
+
+def _first_line(res) -> str:
+    failure = next(e for e in res.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE)
+    return failure.event_specific_data.error.message.splitlines()[0].removeprefix("resources.cluster.ClusterError: ")
+
+
+def test_local_service_answers_and_stop_leaves_no_process(tmp_path):
+    import urllib.request
+
+    marker = tmp_path / "www"
+
+    @dg.asset
+    def served(context: dg.AssetExecutionContext, cluster: ClusterResource):
+        with cluster.services(context) as fleet:
+            h = fleet.start(name="web", argv=_web(marker))
+            body = urllib.request.urlopen(h.url + "/index.html", timeout=5).read().decode()
+            pids = _marked(str(marker))
+            fleet.stop(h)
+            after = _marked(str(marker))
+        return dg.MaterializeResult(metadata={"body": body, "pids": len(pids), "after": len(after), "url": h.url})
+
+    res = dg.materialize([served], resources={"cluster": ClusterResource(scratch_dir=str(tmp_path), grace_seconds=3)})
+    meta = res.get_asset_materialization_events()[0].materialization.metadata
+    assert meta["body"].value == "ok" and meta["url"].value.startswith("http://127.0.0.1:")
+    assert meta["pids"].value == 2  # the supervisor and the server, one process group
+    assert meta["after"].value == 0 and not _marked(str(marker))
+
+
+def test_local_step_that_raises_stops_its_services(tmp_path):
+    markers = [tmp_path / "a", tmp_path / "b"]
+
+    @dg.asset
+    def failing(context: dg.AssetExecutionContext, cluster: ClusterResource):
+        with cluster.services(context) as fleet:
+            for i, m in enumerate(markers):
+                fleet.start(name=f"web-{i}", argv=_web(m))
+            assert all(_marked(str(m)) for m in markers)
+            raise ValueError("planted failure while serving")
+
+    res = dg.materialize([failing], resources={"cluster": ClusterResource(scratch_dir=str(tmp_path), grace_seconds=3)},
+                         raise_on_error=False)
+    failure = next(e for e in res.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE)
+    assert not res.success and "planted failure while serving" in str(failure.event_specific_data.error.cause)
+    assert not any(_marked(str(m)) for m in markers)
+
+
+def test_local_service_that_fails_or_never_answers_is_named_with_its_log(tmp_path):
+    """A service that exits fails the step with its name and exception, then its log's last lines;
+    one that runs but never answers fails after ``start_timeout_s`` and is stopped."""
+    crash = [sys.executable, "-c", "print('loading weights'); raise FileNotFoundError('no model at /models/x')"]
+    hang = [sys.executable, "-c", f"import time; print('loading {tmp_path}'); time.sleep(120)"]
+
+    @dg.asset
+    def crashing(context: dg.AssetExecutionContext, cluster: ClusterResource):
+        cluster.start_service(context, "rollout-0", crash)
+
+    @dg.asset
+    def hanging(context: dg.AssetExecutionContext, cluster: ClusterResource):
+        cluster.start_service(context, "rollout-1", hang, start_timeout_s=1.5)
+
+    cluster = ClusterResource(scratch_dir=str(tmp_path), grace_seconds=2)
+    res = dg.materialize([crashing], resources={"cluster": cluster}, raise_on_error=False)
+    message = next(e for e in res.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE
+                   ).event_specific_data.error.message
+    first = _first_line(res)
+    assert first.startswith("service rollout-0 ended before it answered http://127.0.0.1:"), first
+    assert "exited with code 1" in first and "FileNotFoundError: no model at /models/x" in first, first
+    assert "last lines of its log" in message and "  loading weights" in message
+    res = dg.materialize([hanging], resources={"cluster": cluster}, raise_on_error=False)
+    first = _first_line(res)
+    assert first.startswith("service rollout-1 did not answer") and "within 1.5 s" in first, first
+    assert not _marked(f"loading {tmp_path}")
+
+
+def test_local_service_dies_with_its_parent(tmp_path):
+    """SIGKILL of the process that started a service (no cleanup can run) still ends the service:
+    its supervisor gets PR_SET_PDEATHSIG and stops the whole group."""
+    marker = tmp_path / "www"
+    script = textwrap.dedent(f"""
+        import sys, time
+        from composer_dag.runtime.services import start_service
+        h = start_service({{"scratch_dir": {str(tmp_path)!r}}}, {{"name": "web", "argv": {_web(marker)!r}}})
+        print(h.url, flush=True)
+        time.sleep(120)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    url = parent.stdout.readline().strip()
+    assert url.startswith("http://127.0.0.1:") and _marked(str(marker))
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 15
+    while _marked(str(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _marked(str(marker))
+
+
+def test_local_array_runs_every_index_bounded_and_names_a_failing_one(tmp_path):
+    task = textwrap.dedent(f"""
+        import os, time
+        i = int(os.environ["COMPOSER_ARRAY_INDEX"])
+        open(os.path.join({str(tmp_path)!r}, f"{{i}}.start"), "w").write(repr(time.time()))
+        time.sleep(0.3)
+        open(os.path.join({str(tmp_path)!r}, f"{{i}}.end"), "w").write(repr(time.time()))
+        if i == int(os.environ.get("FAIL_AT", "-1")):
+            raise RuntimeError(f"shard {{i}} is corrupt")
+    """)
+    argv = [sys.executable, "-c", task]
+
+    @dg.asset
+    def mapped(context: dg.AssetExecutionContext, cluster: ClusterResource):
+        tasks = cluster.run_array(context, argv, 5, name="shards", parallelism=2)
+        return dg.MaterializeResult(metadata={"codes": [t.exit_code for t in tasks]})
+
+    @dg.asset
+    def mapped_failing(context: dg.AssetExecutionContext, cluster: ClusterResource):
+        cluster.run_array(context, argv, 4, env={"FAIL_AT": "2"}, name="shards")
+
+    cluster = ClusterResource(scratch_dir=str(tmp_path), array_parallelism=4)
+    res = dg.materialize([mapped], resources={"cluster": cluster})
+    assert res.get_asset_materialization_events()[0].materialization.metadata["codes"].value == [0] * 5
+    spans = [(float((tmp_path / f"{i}.start").read_text()), float((tmp_path / f"{i}.end").read_text())) for i in range(5)]
+    most = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
+    assert most <= 2, f"{most} tasks ran at once with parallelism 2"
+    res = dg.materialize([mapped_failing], resources={"cluster": cluster}, raise_on_error=False)
+    first = _first_line(res)
+    assert first == "array shards: 1 of 4 indexes failed: index 2 failed (exit code 1): RuntimeError: shard 2 is corrupt", first
+
+
+# ---- services and arrays rendered for k8s and Slurm ------------------------------------------
+def test_k8s_service_and_indexed_job_round_trip_through_the_api_models():
+    from composer_dag.runtime.services import ArrayConfig, ServiceConfig, runner
+    from tests.test_train_cluster import _round_trip
+
+    cluster = ClusterResource(backend="k8s", image="registry.example.com/composer:1", namespace="ml",
+                              secret_name="s3-creds", node_selector={"gpu": "h100"})
+    k8s = runner(cluster.cluster_config())
+    svc = ServiceConfig(name="rollout-0", argv=["python", "-m", "vllm.entrypoints.openai.api_server", "--host", "{host}",
+                                                "--port", "{port}", "--model", "/models/x"],
+                        health_url="http://{host}:{port}/health", gpus=1, memory="64Gi", env={"VLLM_LOGGING_LEVEL": "INFO"})
+    deployment, service = k8s.render_service(svc, 8000)
+    assert _round_trip(deployment, "V1Deployment") == deployment
+    assert _round_trip(service, "V1Service") == service
+    pod = deployment["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"][-6:] == ["--host", "0.0.0.0", "--port", "8000", "--model", "/models/x"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and c["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    assert pod["restartPolicy"] == "Always" and pod["nodeSelector"] == {"gpu": "h100"}
+    assert all("emptyDir" in v for v in pod["volumes"])  # nothing shared
+    assert deployment["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    assert service["spec"]["ports"][0]["port"] == 8000 and service["metadata"]["namespace"] == "ml"
+
+    job = k8s.render_array(ArrayConfig(name="shards", argv=["python", "-m", "composer_dag.dedup.shards"], count=16,
+                                       parallelism=4))
+    assert _round_trip(job, "V1Job") == job
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 16
+    assert job["spec"]["parallelism"] == 4 and job["spec"]["backoffLimitPerIndex"] == 0
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["COMPOSER_ARRAY_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    broken = {**job, "spec": {**job["spec"], "completionsMode": "Indexed"}}  # misspelt: the model drops it
+    assert _round_trip(broken, "V1Job") != broken
+
+
+def test_slurm_service_and_array_scripts():
+    from composer_dag.runtime.services import ArrayConfig, ServiceConfig, runner
+
+    slurm = runner(ClusterResource(backend="slurm", partition="gpu", account="ml", scratch_dir="/scratch",
+                                   container_image="nvcr.io/org/composer:1").cluster_config())
+    script = slurm.service_script(ServiceConfig(name="rollout-0", argv=["python", "-m", "http.server", "{port}", "--bind", "{host}"],
+                                                gpus=1, cpus=8, memory="64Gi", time_limit="2-00:00:00"), 8000)
+    lines = script.splitlines()
+    for line in ("#SBATCH --job-name=rollout-0", "#SBATCH --nodes=1", "#SBATCH --gpus-per-node=1", "#SBATCH --cpus-per-task=8",
+                 "#SBATCH --mem=64G", "#SBATCH --time=2-00:00:00", "#SBATCH --no-requeue", "#SBATCH --partition=gpu",
+                 "#SBATCH --output=/scratch/rollout-0-%j.out"):
+        assert line in lines, line
+    assert lines[-1].endswith("python -m http.server 8000 --bind 0.0.0.0")
+    array = slurm.array_script(ArrayConfig(name="shards", argv=["python", "-m", "x"], count=8, parallelism=3))
+    assert "#SBATCH --array=0-7%3" in array.splitlines()
+    assert 'export COMPOSER_ARRAY_INDEX="$SLURM_ARRAY_TASK_ID"' in array.splitlines()
+    assert "#SBATCH --output=/scratch/shards-%A_%a.out" in array.splitlines()
+
+
+def test_service_and_array_configs_refuse_bad_values_in_one_line():
+    from composer_dag.runtime.config import ConfigError
+    from composer_dag.runtime.services import ArrayConfig, ServiceConfig
+
+    with pytest.raises(ConfigError, match=r"^invalid ServiceConfig config: name: .*pattern.*; argv: .*at least 1"):
+        ServiceConfig.load({"name": "Rollout_0", "argv": []})
+    with pytest.raises(ConfigError, match=r"count: .*greater than or equal to 1"):
+        ArrayConfig.load({"argv": ["true"], "count": 0})
