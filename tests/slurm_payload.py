@@ -1,6 +1,7 @@
 """A tiny resumable stage for the cluster-job tests (seconds, not minutes): ``steps`` steps of
 ``step_s`` seconds, each sealed as a checkpoint with the project's checkpoint helpers and
-recorded in ``metrics.jsonl``; resumes from the newest sealed checkpoint in ``out_dir``.
+recorded in ``metrics.jsonl``; resumes from the newest sealed checkpoint in ``out_dir``;
+``hold_after``/``hold_s`` make it wait after a given step (where a test stops it from outside).
 The result says which of ``probe`` paths the process could see (isolation), how many input
 files it got."""
 
@@ -21,6 +22,8 @@ class PayloadConfig(StageConfig):
     steps: int = 5
     step_s: float = 0.2
     fail_at: int = 0
+    hold_after: int = 0   # after sealing this step, wait ``hold_s`` (to be stopped from outside there)
+    hold_s: float = 0.0
     probe: list[str] = []
 
 
@@ -45,6 +48,8 @@ def work(cfg: PayloadConfig, rep) -> dict:
         seal_checkpoint(d)
         write_json_atomic(os.path.join(cfg.out_dir, "latest"), {"tag": f"step_{step:06d}", "step": step})
         rep.progress(f"step {step}")
+        if step == cfg.hold_after:
+            time.sleep(cfg.hold_s)
     os.makedirs(os.path.join(cfg.out_dir, "hf"), exist_ok=True)
     with open(os.path.join(cfg.out_dir, "hf", "weights.txt"), "w") as f:
         f.write(f"steps={cfg.steps}\n")

@@ -105,34 +105,33 @@ def test_slurm_failing_stage_is_named_in_one_line(slurm_cluster, s3_root, tmp_pa
     assert "tests.slurm_payload" in first and "ValueError: planted failure at step 2" in first, first
 
 
-def test_slurm_external_scancel_fails_clearly_and_the_retry_resumes(slurm_cluster, s3_root, tmp_path):
-    """``scancel`` from outside while the job runs: the step fails with a line that says so; the
-    retry submits a new job, which resumes from the last checkpoint synced to S3, and every step
-    is in the metrics exactly once."""
-    key = uuid.uuid4().hex[:8]
-    job = _job(s3_root, key, steps=10, step_s=0.4)
+def _when_step_synced(s3_root: str, key: str, step: int, action) -> tuple[threading.Thread, list[str]]:
+    """A thread that waits until the job's checkpoint of ``step`` is on storage, then calls
+    ``action(job_id)`` once; the list it returns gets the job id it acted on."""
     storage = open_storage(s3_root)
-    cancelled: list[str] = []
+    acted: list[str] = []
 
-    def cancel_after_step_3():
+    def watch():
         latest = f"{s3_root}/work/payload/{key}/latest"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if storage.exists(latest) and storage.read_json(latest)["step"] >= 3:
+            if storage.exists(latest) and storage.read_json(latest)["step"] >= step:
                 jobs = _squeue("composer-payload")
                 if jobs:
                     job_id = next(iter(jobs))
-                    subprocess.run(["scancel", job_id], check=True)
-                    cancelled.append(job_id)
+                    action(job_id)
+                    acted.append(job_id)
                     return
             time.sleep(0.2)
 
-    t = threading.Thread(target=cancel_after_step_3, daemon=True)
+    t = threading.Thread(target=watch, daemon=True)
     t.start()
-    res = dg.materialize([_asset(s3_root, job, retries=1)], resources={"cluster": _cluster(tmp_path / "scratch")},
-                         raise_on_error=False)
-    t.join(timeout=5)
-    assert cancelled, "the job was never cancelled"
+    return t, acted
+
+
+def _failed_then_resumed(res, job_id: str) -> tuple[str, dict]:
+    """The first line of the failure that sent the step to its retry (it names ``job_id``), and
+    the summary of the retry that succeeded."""
     failures = [e for e in res.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
     retries = [e for e in res.all_events if e.event_type == dg.DagsterEventType.STEP_UP_FOR_RETRY]
     assert res.success, [e.message for e in failures]
@@ -140,10 +139,101 @@ def test_slurm_external_scancel_fails_clearly_and_the_retry_resumes(slurm_cluste
     while err.cls_name != "ClusterError" and err.cause is not None:  # the retry request wraps the failure
         err = err.cause
     first = err.message.splitlines()[0]
-    assert f"slurm job {cancelled[0]}" in first and "CANCELLED" in first, first
-    summary = _result(res)["summary"]
+    assert f"slurm job {job_id}" in first, first
+    return first, _result(res)["summary"]
+
+
+def test_slurm_external_scancel_fails_clearly_and_the_retry_resumes(slurm_cluster, s3_root, tmp_path):
+    """``scancel`` from outside while the job runs: the step fails with a line that says so; the
+    retry submits a new job, which resumes from the last checkpoint synced to S3, and every step
+    is in the metrics exactly once."""
+    key = uuid.uuid4().hex[:8]
+    job = _job(s3_root, key, steps=10, step_s=0.4)
+    t, cancelled = _when_step_synced(s3_root, key, 3, lambda job_id: subprocess.run(["scancel", job_id], check=True))
+    res = dg.materialize([_asset(s3_root, job, retries=1)], resources={"cluster": _cluster(tmp_path / "scratch")},
+                         raise_on_error=False)
+    t.join(timeout=5)
+    assert cancelled, "the job was never cancelled"
+    first, summary = _failed_then_resumed(res, cancelled[0])
+    assert "CANCELLED" in first, first
     assert summary["resumed_from"] is not None and int(summary["resumed_from"].split("_")[1]) >= 1, summary
     assert summary["metrics_steps"] == list(range(1, 11)), summary["metrics_steps"]
+
+
+def _scontrol(*args: str) -> None:
+    subprocess.run(["scontrol", *args], check=True, capture_output=True, text=True)
+
+
+def _wait_ended(job_id: str, timeout: float = 60) -> str:
+    from composer_dag.runtime.services import slurm_state
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = slurm_state(job_id).get("JobState", "UNKNOWN")
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return state
+        time.sleep(0.2)
+    raise AssertionError(f"slurm job {job_id} did not end")
+
+
+def _resume_node(node: str) -> None:
+    """The node back in service (``state=resume``; Slurm refuses it when the node already
+    returned by itself), then idle."""
+    subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        out = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True).stdout.strip()
+        if out in ("idle", "mix", "alloc"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"node {node} did not return to service")
+
+
+def test_slurm_node_down_fails_clearly_and_the_retry_resumes(slurm_cluster, s3_root, tmp_path):
+    """The job's node set DOWN while the job holds after step 3 (synced to S3): the job ends
+    NODE_FAIL (never requeued by Slurm), the step fails with a line that says its node was lost,
+    and the retry, once the node is back, resumes from step 3 with no step lost or repeated."""
+    key = uuid.uuid4().hex[:8]
+    job = _job(s3_root, key, steps=6, step_s=0.1, hold_after=3, hold_s=60)
+    node = slurm_cluster.node
+
+    def node_down(job_id: str) -> None:
+        _scontrol("update", f"nodename={node}", "state=down", "reason=test")
+        try:
+            _wait_ended(job_id)
+        finally:
+            _resume_node(node)
+
+    t, downed = _when_step_synced(s3_root, key, 3, node_down)
+    try:
+        res = dg.materialize([_asset(s3_root, job, retries=1)], resources={"cluster": _cluster(tmp_path / "scratch")},
+                             raise_on_error=False)
+        t.join(timeout=30)
+    finally:
+        _resume_node(node)
+    assert downed, "the node was never set down"
+    first, summary = _failed_then_resumed(res, downed[0])
+    assert "lost its node" in first and "NODE_FAIL" in first, first
+    assert summary["resumed_from"] == "step_000003", summary
+    assert summary["metrics_steps"] == list(range(1, 7)), summary["metrics_steps"]
+
+
+def test_slurm_time_limit_fails_clearly_and_the_retry_resumes(slurm_cluster, s3_root, tmp_path):
+    """The job's time limit reached while it holds after step 3: its end time is moved to now
+    (``scontrol update EndTime``; Slurm's own limits are whole minutes) and slurmctld ends it
+    TIMEOUT at its next time-limit check (every 30 s); the step fails saying so, and the retry
+    resumes from step 3 with no step lost or repeated."""
+    key = uuid.uuid4().hex[:8]
+    job = _job(s3_root, key, steps=6, step_s=0.1, hold_after=3, hold_s=90)
+    t, limited = _when_step_synced(s3_root, key, 3, lambda job_id: _scontrol("update", f"jobid={job_id}", "EndTime=now+1"))
+    res = dg.materialize([_asset(s3_root, job, retries=1)], resources={"cluster": _cluster(tmp_path / "scratch")},
+                         raise_on_error=False)
+    t.join(timeout=5)
+    assert limited, "the time limit was never set"
+    first, summary = _failed_then_resumed(res, limited[0])
+    assert "hit its time limit" in first and "TIMEOUT" in first, first
+    assert summary["resumed_from"] == "step_000003", summary
+    assert summary["metrics_steps"] == list(range(1, 7)), summary["metrics_steps"]
 
 
 def test_slurm_cancelling_the_run_scancels_the_job_and_leaves_no_process(slurm_cluster, s3_root, tmp_path):
@@ -173,3 +263,90 @@ def test_slurm_cancelling_the_run_scancels_the_job_and_leaves_no_process(slurm_c
     assert not _job_processes(marker), [p.info["cmdline"] for p in _job_processes(marker)]
     state = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
     assert "JobState=CANCELLED" in state, state
+
+
+# ---- services and arrays on the cluster ------------------------------------------------------
+def _service_cluster(scratch: Path, **kw) -> ClusterResource:
+    scratch.mkdir(parents=True, exist_ok=True)
+    return ClusterResource(backend="slurm", scratch_dir=str(scratch), poll_seconds=0.5, grace_seconds=3, **kw)
+
+
+def _web(marker: Path) -> list[str]:
+    """A trivial HTTP service whose argv carries ``marker`` (the directory it serves)."""
+    marker.mkdir(parents=True, exist_ok=True)
+    (marker / "index.html").write_text("ok")
+    return [sys.executable, "-m", "http.server", "{port}", "--bind", "{host}", "--directory", str(marker)]
+
+
+def _job_state(job_id: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+
+
+def test_slurm_service_answers_its_health_url_and_is_gone_after_stop(slurm_cluster, tmp_path):
+    """A service started as a Slurm job answers on the node scontrol names; ``stop`` scancels it
+    and returns once the job has left the queue with none of its processes left."""
+    import urllib.request
+
+    marker = tmp_path / f"www-{uuid.uuid4().hex[:6]}"
+    seen = {}
+
+    @dg.asset
+    def served(context: dg.AssetExecutionContext, cluster: ClusterResource):
+        with cluster.services(context) as fleet:
+            h = fleet.start(name="composer-web", argv=_web(marker), start_timeout_s=30)
+            seen.update(job=h.job_id, url=h.url, state=_squeue("composer-web").get(h.job_id),
+                        body=urllib.request.urlopen(h.url + "/index.html", timeout=5).read().decode(),
+                        running=len(_job_processes(str(marker))))
+            fleet.stop(h)
+            seen.update(after=_squeue("composer-web").get(h.job_id), left=len(_job_processes(str(marker))))
+
+    assert dg.materialize([served], resources={"cluster": _service_cluster(tmp_path / "scratch")}).success
+    assert seen["state"] == "RUNNING" and seen["body"] == "ok" and seen["running"] >= 1, seen
+    assert seen["url"].startswith("http://127.0.0.1:")  # the node's NodeAddr
+    assert seen["after"] is None and seen["left"] == 0, seen
+    assert "JobState=CANCELLED" in _job_state(seen["job"])
+
+
+def test_slurm_step_that_raises_while_serving_leaves_no_service(slurm_cluster, tmp_path):
+    marker = tmp_path / f"www-{uuid.uuid4().hex[:6]}"
+    jobs: list[str] = []
+
+    @dg.asset
+    def failing(context: dg.AssetExecutionContext, cluster: ClusterResource):
+        with cluster.services(context) as fleet:
+            jobs.append(fleet.start(name="composer-web", argv=_web(marker), start_timeout_s=30).job_id)
+            raise ValueError("planted failure while serving")
+
+    res = dg.materialize([failing], resources={"cluster": _service_cluster(tmp_path / "scratch")}, raise_on_error=False)
+    assert not res.success and jobs
+    assert jobs[0] not in _squeue("composer-web")
+    assert not _job_processes(str(marker)), [p.info["cmdline"] for p in _job_processes(str(marker))]
+    assert "JobState=CANCELLED" in _job_state(jobs[0])
+
+
+def test_slurm_array_runs_every_index_and_names_a_failing_one(slurm_cluster, tmp_path):
+    """``sbatch --array``: each task gets its index in COMPOSER_ARRAY_INDEX; every index's exit code
+    comes back, and a failing index fails the step with its index and exception in one line."""
+    out = tmp_path / "out"
+    out.mkdir()
+    task = ("import os; i = int(os.environ['COMPOSER_ARRAY_INDEX']); "
+            f"open(os.path.join({str(out)!r}, str(i)), 'w').write(os.environ['SLURM_ARRAY_JOB_ID']); "
+            "assert i != 2, f'shard {i} is corrupt'")
+    codes = {}
+
+    @dg.asset
+    def mapped(context: dg.AssetExecutionContext, cluster: ClusterResource):
+        try:
+            cluster.run_array(context, [sys.executable, "-c", task], 4, name="composer-shards", parallelism=2)
+        except dg.Failure as exc:
+            codes.update({t["index"]: t["exit_code"] for t in exc.metadata["tasks"].value})
+            raise
+
+    res = dg.materialize([mapped], resources={"cluster": _service_cluster(tmp_path / "scratch")}, raise_on_error=False)
+    failure = next(e for e in res.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE)
+    first = failure.event_specific_data.error.message.splitlines()[0]
+    assert first.endswith("array composer-shards: 1 of 4 indexes failed: index 2 failed (exit code 1): "
+                          "AssertionError: shard 2 is corrupt"), first
+    assert codes == {0: 0, 1: 0, 2: 1, 3: 0}
+    assert sorted(p.name for p in out.iterdir()) == ["0", "1", "2", "3"]
+    assert len({p.read_text() for p in out.iterdir()}) == 1  # one array job
