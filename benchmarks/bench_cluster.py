@@ -7,6 +7,13 @@ the job runner, the stage's Python start), ``stage end -> step end`` (publishing
 Pipes chunk, the job's end seen by squeue/scontrol, the session's close) and the total.
 
     .venv/bin/python benchmarks/bench_cluster.py --runs 5
+
+``--services``: the fixed cost of a long-running service instead: ``start_service`` of a
+trivial HTTP server (``python -m http.server``) until its health URL answers, and ``stop``
+until none of its processes is left (local: the process group; Slurm: ``scancel`` until the
+job has left ``squeue``), N times on each backend.
+
+    .venv/bin/python benchmarks/bench_cluster.py --services --runs 10
 """
 
 import argparse
@@ -42,10 +49,47 @@ def moto(port: int = 0):
     raise RuntimeError("moto_server did not start")
 
 
+def bench_services(runs: int) -> None:
+    from composer_dag.runtime import services
+    from tests.slurm_cluster import SlurmCluster
+
+    tmp = tempfile.mkdtemp(prefix="composer-bench-")
+    os.chmod(tmp, 0o755)
+    (Path(tmp) / "slurm").mkdir()
+    os.chmod(Path(tmp) / "slurm", 0o755)
+    cluster = SlurmCluster(Path(tmp) / "slurm").start()
+    os.environ.update(cluster.env)
+    argv = [sys.executable, "-m", "http.server", "{port}", "--bind", "{host}", "--directory", tmp]
+    rows = {}
+    try:
+        for backend in ("local", "slurm"):
+            cfg = {"backend": backend, "scratch_dir": tmp, "poll_seconds": 0.5, "grace_seconds": 3}
+            times = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                h = services.start_service(cfg, {"name": "bench-web", "argv": argv})
+                t1 = time.perf_counter()
+                services.stop(h)
+                t2 = time.perf_counter()
+                times.append((t1 - t0, t2 - t1))
+                print(backend, [round(x, 2) for x in times[-1]], flush=True)
+            rows[backend] = times
+    finally:
+        cluster.stop()
+        subprocess.run(["rm", "-rf", tmp])
+    print("\n| backend | start -> healthy s (median, max) | stop -> gone s (median, max) |\n|---|---:|---:|")
+    for label, times in rows.items():
+        a, b = [t[0] for t in times], [t[1] for t in times]
+        print(f"| {label} | {statistics.median(a):.2f} ({max(a):.2f}) | {statistics.median(b):.2f} ({max(b):.2f}) |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--services", action="store_true", help="service start/stop instead of jobs")
     args = p.parse_args()
+    if args.services:
+        return bench_services(args.runs)
     import boto3
     import dagster as dg
 
