@@ -23,6 +23,12 @@ environment and the code (read-only) and a private ``/tmp``: it cannot see this 
 ``COMPOSER_HOME`` or a local artifact root, so it works only through storage URLs.
 
 ``run`` runs a bare entry point locally (no job spec) and returns its last custom message.
+
+Services and arrays (``composer_dag.runtime.services``): ``start_service``/``stop`` and the
+``services(context)`` block (every service started in it stops with the step, on an exception
+or a cancelled run too) run long-running HTTP services with a health check; ``run_array`` runs
+one command per index (a local pool, ``sbatch --array``, an Indexed Job). Failures are a
+``ClusterError`` whose first line names the service or the failing index.
 """
 
 
