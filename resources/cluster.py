@@ -52,7 +52,7 @@ from composer_dag import launch
 from composer_dag.runtime import services
 from composer_dag.runtime.job import error_line
 from composer_dag.runtime.services import (ArrayConfig, ArrayError, ArrayTask, ClusterConfig, ServiceConfig,
-                                           ServiceError, ServiceGroup, ServiceHandle, slurm_state,
+                                           SchedulerError, ServiceError, ServiceGroup, ServiceHandle, slurm_state,
                                            stop_process_group)
 
 __all__ = ["ArrayTask", "ClusterError", "ClusterResource", "ServiceHandle", "slurm_state", "stop_process_group"]
@@ -355,7 +355,7 @@ class ClusterResource(ClearConfigResource):
         cfg = _service_config(name, argv, env, port, health_url, settings)
         try:
             return services.start_service(self.cluster_config(), cfg, log=context.log.info)
-        except ServiceError as exc:
+        except (ServiceError, SchedulerError) as exc:
             raise ClusterError(description=str(exc)) from None
 
     def stop(self, handle: ServiceHandle) -> None:
@@ -390,6 +390,8 @@ class ClusterResource(ClearConfigResource):
         except ArrayError as exc:
             raise ClusterError(description=str(exc), metadata={"tasks": dg.MetadataValue.json(
                 [vars(t) for t in exc.tasks])}) from None
+        except SchedulerError as exc:
+            raise ClusterError(description=f"array {name}: {exc}") from None
 
     def _popen(self, context, cmd: list[str], env: dict | None) -> tuple[int, str]:
         # A session of its own: cancelling signals the whole tree (launcher and ranks).
@@ -418,7 +420,13 @@ class _DagsterServiceGroup(ServiceGroup):
     def start(self, service=None, **fields: Any) -> ServiceHandle:
         try:
             return super().start(service, **fields)
-        except ServiceError as exc:
+        except (ServiceError, SchedulerError) as exc:
+            raise ClusterError(description=str(exc)) from None
+
+    def start_many(self, services: list) -> list[ServiceHandle]:
+        try:
+            return super().start_many(services)
+        except (ServiceError, SchedulerError) as exc:
             raise ClusterError(description=str(exc)) from None
 
 

@@ -208,6 +208,70 @@ def test_local_step_that_raises_stops_its_services(tmp_path):
     assert not any(_marked(str(m)) for m in markers)
 
 
+def test_local_start_many_starts_a_fleet_and_a_failure_stops_the_rest(tmp_path):
+    """``start_many`` starts services at once from worker threads (they still die only with this
+    process, not with those threads); one that fails gives up the others and stops them."""
+    import urllib.request
+
+    fleet_dirs = [tmp_path / "w0", tmp_path / "w1"]
+    crash = [sys.executable, "-c", "raise RuntimeError('CUDA out of memory')"]
+
+    @dg.asset
+    def fleet_ok(context: dg.AssetExecutionContext, cluster: ClusterResource):
+        with cluster.services(context) as fleet:
+            hs = fleet.start_many([{"name": f"rollout-{i}", "argv": _web(d)} for i, d in enumerate(fleet_dirs)])
+            time.sleep(0.5)  # the start threads are gone; the services must not be
+            bodies = [urllib.request.urlopen(h.url + "/index.html", timeout=5).read().decode() for h in hs]
+        return dg.MaterializeResult(metadata={"bodies": bodies})
+
+    @dg.asset
+    def fleet_bad(context: dg.AssetExecutionContext, cluster: ClusterResource):
+        with cluster.services(context) as fleet:
+            fleet.start_many([{"name": "rollout-0", "argv": _web(fleet_dirs[0])}, {"name": "rollout-1", "argv": crash}])
+
+    cluster = ClusterResource(scratch_dir=str(tmp_path), grace_seconds=2)
+    res = dg.materialize([fleet_ok], resources={"cluster": cluster})
+    assert res.get_asset_materialization_events()[0].materialization.metadata["bodies"].value == ["ok", "ok"]
+    assert not any(_marked(str(d)) for d in fleet_dirs)
+    res = dg.materialize([fleet_bad], resources={"cluster": cluster}, raise_on_error=False)
+    first = _first_line(res)
+    assert first.startswith("service rollout-1 ended before it answered") and "RuntimeError: CUDA out of memory" in first, first
+    assert not _marked(str(fleet_dirs[0]))
+
+
+@pytest.mark.slow
+def test_cancelling_the_run_stops_its_services(tmp_path):
+    """Interrupt the Dagster run while its step serves: the ``services`` block stops the service."""
+    marker = tmp_path / "www"
+    script = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        import dagster as dg
+        from resources.cluster import ClusterResource
+        from tests.test_cluster import _web
+
+        @dg.asset
+        def serving(context: dg.AssetExecutionContext, cluster: ClusterResource):
+            with cluster.services(context) as fleet:
+                fleet.start(name="web", argv=_web(Path({str(marker)!r})))
+                time.sleep(600)
+
+        dg.materialize([serving], resources={{"cluster": ClusterResource(scratch_dir={str(tmp_path)!r}, grace_seconds=2)}},
+                       raise_on_error=False)
+    """)
+    log = tmp_path / "run.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while len(_marked(str(marker))) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, "the service never started"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # what a run termination delivers to the step
+    proc.wait(timeout=60)
+    assert "[cluster:local] run cancelled: stopping 1 service(s)" in log.read_text()
+    assert not _marked(str(marker))
+
+
 def test_local_service_that_fails_or_never_answers_is_named_with_its_log(tmp_path):
     """A service that exits fails the step with its name and exception, then its log's last lines;
     one that runs but never answers fails after ``start_timeout_s`` and is stopped."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import concurrent.futures
 import contextlib
 import os
 import re
@@ -68,6 +69,14 @@ Log = Callable[[str], None]
 
 class ServiceError(RuntimeError):
     """A service that did not come up; the first line says which and why, the log tail follows."""
+
+
+class StartAborted(ServiceError):
+    """A start given up because another service of the same ``start_many`` failed, or the step ended."""
+
+
+class SchedulerError(RuntimeError):
+    """The scheduler refused a submission (``sbatch`` failed); one line."""
 
 
 class ArrayError(RuntimeError):
@@ -226,11 +235,27 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+_SPAWNER: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_SPAWNER_LOCK = threading.Lock()
+
+
 def _popen_supervised(argv: list[str], env: dict[str, str], log_path: str, grace: float) -> subprocess.Popen:
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            supervise.command(argv, grace), env={**os.environ, **env, supervise.PARENT_ENV: str(os.getpid())},
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    """Start ``argv`` under the supervisor, from one long-lived thread: Linux sends
+    ``PR_SET_PDEATHSIG`` when the *thread* that forked ends, so a service started from a
+    short-lived worker thread (``start_many``) must not be forked there."""
+    global _SPAWNER
+
+    def spawn() -> subprocess.Popen:
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(
+                supervise.command(argv, grace), env={**os.environ, **env, supervise.PARENT_ENV: str(os.getpid())},
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None:
+            _SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="composer-spawner")
+        spawner = _SPAWNER
+    return spawner.submit(spawn).result()
 
 
 # ---- logs and health ---------------------------------------------------------------------
@@ -272,13 +297,16 @@ def _service_failure(handle: ServiceHandle, what: str, log_path: Optional[str]) 
     return ServiceError(msg)
 
 
-def wait_healthy(handle: ServiceHandle, timeout_s: float, poll_s: float, ended: Callable[[], Optional[str]]) -> None:
+def wait_healthy(handle: ServiceHandle, timeout_s: float, poll_s: float, ended: Callable[[], Optional[str]],
+                 abort: Optional[threading.Event] = None) -> None:
     """Poll ``handle.health_url`` until it answers; ``ServiceError`` (naming the service, why,
-    and its log's last lines) when ``ended()`` says it is gone or ``timeout_s`` passes."""
+    and its log's last lines) when ``ended()`` says it is gone or ``timeout_s`` passes;
+    ``StartAborted`` once ``abort`` is set."""
     deadline = time.monotonic() + timeout_s
     while True:
         if _answers(handle.health_url):
             return
+        _check_abort(handle.name, abort)
         gone = ended()
         if gone:
             raise _service_failure(handle, f"ended before it answered {handle.health_url} ({gone})", handle.log)
@@ -286,6 +314,11 @@ def wait_healthy(handle: ServiceHandle, timeout_s: float, poll_s: float, ended: 
             raise _service_failure(handle, f"did not answer {handle.health_url} within {timeout_s:g} s "
                                            "(it is still running; now stopped)", handle.log)
         time.sleep(poll_s)
+
+
+def _check_abort(name: str, abort: Optional[threading.Event]) -> None:
+    if abort is not None and abort.is_set():
+        raise StartAborted(f"service {name}: start given up (another service failed to start, or the step ended)")
 
 
 def _fill(value: str, host: str, port: int) -> str:
@@ -324,7 +357,7 @@ class LocalRunner:
     def __init__(self, cluster: ClusterConfig, log: Log):
         self.cluster, self.log = cluster, log
 
-    def start(self, cfg: ServiceConfig) -> ServiceHandle:
+    def start(self, cfg: ServiceConfig, abort: Optional[threading.Event] = None) -> ServiceHandle:
         port = cfg.port or launch.free_port()
         host = "127.0.0.1"
         os.makedirs(self.cluster.scratch_dir, exist_ok=True)
@@ -339,7 +372,7 @@ class LocalRunner:
         self.log(f"[service:local] {cfg.name}: pid {proc.pid}, {' '.join(argv)}")
         try:
             wait_healthy(handle, cfg.start_timeout_s, min(self.cluster.poll_seconds, 0.2),
-                         lambda: None if proc.poll() is None else f"it exited with code {proc.returncode}")
+                         lambda: None if proc.poll() is None else f"it exited with code {proc.returncode}", abort)
         except BaseException:
             self.stop(handle)
             raise
@@ -423,7 +456,7 @@ class SlurmRunner:
     def _array_log(self, cfg: ArrayConfig) -> str:
         return os.path.join(self.cluster.scratch_dir, f"{cfg.name}-%A_%a.out")
 
-    def start(self, cfg: ServiceConfig) -> ServiceHandle:
+    def start(self, cfg: ServiceConfig, abort: Optional[threading.Event] = None) -> ServiceHandle:
         port = cfg.port or launch.free_port()
         out = self._service_log(cfg)
         job = sbatch(self.service_script(cfg, port))
@@ -439,6 +472,7 @@ class SlurmRunner:
                                            handle.log)
                 if state.get("JobState") == "RUNNING":
                     break
+                _check_abort(cfg.name, abort)
                 if cfg.queue_timeout_s and time.monotonic() - queued > cfg.queue_timeout_s:
                     raise ServiceError(f"service {cfg.name} (slurm job {job}) waited in the queue for more than "
                                        f"{cfg.queue_timeout_s:g} s ({state.get('Reason', 'no reason given')}); now cancelled")
@@ -452,7 +486,7 @@ class SlurmRunner:
                 st = slurm_state(job)
                 return f"slurm job {job} ended {_slurm_what(st)}" if launch.is_terminal(st.get("JobState", "RUNNING")) else None
 
-            wait_healthy(handle, cfg.start_timeout_s, min(self.cluster.poll_seconds, 0.5), ended)
+            wait_healthy(handle, cfg.start_timeout_s, min(self.cluster.poll_seconds, 0.5), ended, abort)
         except BaseException:
             self.stop(handle)
             raise
@@ -540,7 +574,7 @@ class K8sRunner:
             config.load_kube_config()
         return client
 
-    def start(self, cfg: ServiceConfig) -> ServiceHandle:
+    def start(self, cfg: ServiceConfig, abort: Optional[threading.Event] = None) -> ServiceHandle:
         client = self._api()
         port = cfg.port or 8000
         name = f"{cfg.name}-{uuid.uuid4().hex[:6]}"
@@ -556,6 +590,7 @@ class K8sRunner:
             core.create_namespaced_service(ns, service)
             deadline = time.monotonic() + cfg.start_timeout_s
             while (apps.read_namespaced_deployment_status(name, ns).status.ready_replicas or 0) < 1:
+                _check_abort(cfg.name, abort)
                 if time.monotonic() > deadline:
                     raise ServiceError(f"service {cfg.name} (deployment {ns}/{name}) was not ready within "
                                        f"{cfg.start_timeout_s:g} s; now deleted (kubectl -n {ns} logs deploy/{name})")
@@ -624,11 +659,11 @@ def runner(cluster: ClusterConfig | Mapping | None = None, log: Optional[Log] = 
 
 # ---- the API -------------------------------------------------------------------------------
 def start_service(cluster: ClusterConfig | Mapping | None, service: ServiceConfig | Mapping,
-                  log: Optional[Log] = None) -> ServiceHandle:
+                  log: Optional[Log] = None, abort: Optional[threading.Event] = None) -> ServiceHandle:
     """Start ``service`` on the cluster and return once its health URL answers. On failure
-    (timeout, the service ended, an exception, a cancelled step) it is stopped first, and a
-    ``ServiceError`` names it with the last lines of its log."""
-    return runner(cluster, log).start(ServiceConfig.load(service))
+    (timeout, the service ended, an exception, a cancelled step, ``abort`` set) it is stopped
+    first, and a ``ServiceError`` names it with the last lines of its log."""
+    return runner(cluster, log).start(ServiceConfig.load(service), abort)
 
 
 def stop(handle: ServiceHandle) -> None:
@@ -667,6 +702,33 @@ class ServiceGroup:
         self.handles.append(handle)
         return handle
 
+    def start_many(self, services: list[ServiceConfig | Mapping]) -> list[ServiceHandle]:
+        """Start several services at once (a rollout fleet: each may take minutes to load) and
+        return their handles once every one answers. The first failure gives up the others'
+        starts, stops every one started, and is raised."""
+        cfgs = [ServiceConfig.load(s) for s in services]
+        abort = threading.Event()
+        pool = concurrent.futures.ThreadPoolExecutor(max(1, len(cfgs)), thread_name_prefix="composer-start")
+        futures = [pool.submit(start_service, self.cluster, c, self.log, abort) for c in cfgs]
+        try:
+            for f in concurrent.futures.as_completed(futures):
+                if f.exception() is not None:
+                    abort.set()
+        except BaseException:  # a cancelled step: the starts give up, and the block's exit stops them
+            abort.set()
+            raise
+        finally:
+            pool.shutdown(wait=True)
+            self.handles.extend(f.result() for f in futures if f.exception() is None)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            for f in futures:
+                if f.exception() is None:
+                    with contextlib.suppress(Exception):
+                        self.stop(f.result())
+            raise next((e for e in errors if not isinstance(e, StartAborted)), errors[0])
+        return [f.result() for f in futures]
+
     def stop(self, handle: ServiceHandle) -> None:
         stop(handle)
         if handle in self.handles:
@@ -694,7 +756,7 @@ class ServiceGroup:
 def sbatch(script: str) -> str:
     out = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"sbatch failed: {' '.join(out.stderr.split())[:300]}")
+        raise SchedulerError(f"sbatch failed: {' '.join(out.stderr.split())[:300]}")
     return launch.parse_sbatch_output(out.stdout)
 
 
