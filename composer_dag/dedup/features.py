@@ -8,6 +8,7 @@ each file once and lets all of it run in parallel.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from typing import Any
@@ -15,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from .filters import quality_reason
-from .near import contamination_hits, signatures
-from .secrets import redact
+from .near import contamination_hits, signature_matrix, signatures
+from .secrets import NEEDLES, ON_LOWER, PATTERN_IDS, redact
 from .text import token_hashes
 
 STAGES = ("filter", "exact", "minhash", "decontaminate", "redact")
@@ -33,22 +34,46 @@ def normalised_hash(data: bytes) -> bytes:
 
 
 def ready() -> bool:
-    """A no-op a new worker process runs first, so that it imports this module early."""
+    """A no-op a new worker process runs first, so that it imports this module early (the
+    compiled kernels load on a worker's first task that uses them)."""
     return True
 
 
-def analyse_batch(docs: list[bytes | None], paths: list[str], cfg: Any, contam: np.ndarray) -> dict[str, Any]:
+def native_available() -> bool:
+    """Whether the compiled kernels can be used (numba imports)."""
+    from . import kernels
+
+    return kernels.AVAILABLE
+
+
+def analyse_batch(docs: list[bytes | None], paths: list[str], cfg: Any, contam: np.ndarray,
+                  native: bool | None = None) -> dict[str, Any]:
     """The per-file results of one batch; ``cfg`` has ``DedupConfig``'s fields as attributes
-    (a plain namespace, so a worker imports only this module and what it uses)."""
-    cpu = dict.fromkeys(STAGES, 0.0)
-    t = time.process_time()
+    (a plain namespace, so a worker imports only this module and what it uses). ``native``:
+    use the compiled kernels (``kernels.py``; the default where numba imports) or the plain
+    Python/numpy code; both give the same results."""
+    from . import kernels
 
-    def lap(stage: str) -> None:
-        nonlocal t
+    if native is None:
+        native = kernels.AVAILABLE
+    return (_analyse_native if native else _analyse_plain)(docs, paths, cfg, contam)
+
+
+class _Laps:
+    """CPU seconds by stage."""
+
+    def __init__(self) -> None:
+        self.cpu = dict.fromkeys(STAGES, 0.0)
+        self.t = time.process_time()
+
+    def __call__(self, stage: str) -> None:
         now = time.process_time()
-        cpu[stage] += now - t
-        t = now
+        self.cpu[stage] += now - self.t
+        self.t = now
 
+
+def _analyse_plain(docs: list[bytes | None], paths: list[str], cfg: Any, contam: np.ndarray) -> dict[str, Any]:
+    lap = _Laps()
     verdicts = [None if d is None else quality_reason(d, p or "", cfg) for d, p in zip(docs, paths)]
     live = [j for j, d in enumerate(docs) if d is not None and verdicts[j] is None]
     live_docs = [docs[j] for j in live]
@@ -68,13 +93,66 @@ def analyse_batch(docs: list[bytes | None], paths: list[str], cfg: Any, contam: 
             if counts:
                 redacted[k] = (new, counts)
     lap("redact")
-    return {
-        "verdicts": verdicts,
-        "live": live,
-        "exact": exact,
-        "sig": sig,
-        "has_shingles": has_shingles,
-        "hits": hits,
-        "redacted": redacted,
-        "cpu": cpu,
-    }
+    return {"verdicts": verdicts, "live": live, "exact": exact, "sig": sig, "has_shingles": has_shingles,
+            "hits": hits, "redacted": redacted, "cpu": lap.cpu}
+
+
+@functools.lru_cache(maxsize=1)
+def _secret_needles():
+    """The secret patterns' literals (``secrets.NEEDLES``) as one ``kernels.Needles``, and for
+    each pattern the columns of its literals."""
+    from .kernels import Needles
+
+    literals: list[tuple[bytes, bool]] = []
+    first: list[int] = []
+    for kind, i in PATTERN_IDS:
+        first.append(len(literals))
+        literals += [(lit, kind in ON_LOWER) for lit in NEEDLES[kind][i]]
+    return Needles(literals), np.array(first, np.intp)
+
+
+def _analyse_native(docs: list[bytes | None], paths: list[str], cfg: Any, contam: np.ndarray) -> dict[str, Any]:
+    from . import kernels
+
+    lap = _Laps()
+    present = [j for j, d in enumerate(docs) if d is not None]
+    sizes = np.array([len(docs[j]) for j in present], np.int64)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    buf = np.frombuffer(b"".join([docs[j] for j in present]), np.uint8)
+    stats = kernels.doc_stats(buf, starts, ends, cfg.base64_min_run)
+    verdicts: list = [None] * len(docs)
+    alive = []
+    for k, j in enumerate(present):
+        verdicts[j] = quality_reason(docs[j], paths[j] or "", cfg, stats[k])
+        if verdicts[j] is None:
+            alive.append(k)
+    live = [present[k] for k in alive]
+    sel = np.array(alive, np.int64)
+    starts, ends = starts[sel], ends[sel]
+    lap("filter")
+    out, spans = kernels.normalise(buf, starts, ends)
+    exact = [hashlib.sha256(out[a:b]).digest() for a, b in spans.tolist()]
+    del out
+    lap("exact")
+    flat, offsets = kernels.token_hashes(buf, starts, ends)
+    shingles, counts = kernels.ngrams(flat, offsets, cfg.shingle_size)
+    sig, has_shingles = signature_matrix(shingles, counts, cfg.num_perm, cfg.seed)
+    del shingles
+    lap("minhash")
+    hits = kernels.first_hits(flat, offsets, contam, cfg.decontam_n)
+    del flat
+    lap("decontaminate")
+    redacted = {}
+    if cfg.redact and len(live):
+        needles, first = _secret_needles()
+        # which patterns may match in each file: those with one of their literals in it
+        may = np.logical_or.reduceat(needles.find(buf, starts, ends), first, axis=1)
+        for k in np.flatnonzero(may.any(axis=1)).tolist():
+            only = frozenset(PATTERN_IDS[p] for p in np.flatnonzero(may[k]).tolist())
+            new, counts = redact(docs[live[k]], only)
+            if counts:
+                redacted[k] = (new, counts)
+    lap("redact")
+    return {"verdicts": verdicts, "live": live, "exact": exact, "sig": sig, "has_shingles": has_shingles,
+            "hits": hits, "redacted": redacted, "cpu": lap.cpu}

@@ -15,6 +15,7 @@ signatures' estimated Jaccard (fraction of equal slots) is >= the threshold.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import rensa
@@ -30,14 +31,20 @@ def signatures(
     ``flat``/``starts`` are the documents' token hashes (``text.token_hashes``). A document with
     fewer than ``shingle`` tokens has no shingles (its row is all 0xFFFFFFFF).
     """
-    n_docs = len(starts) - 1
     sh, sh_doc = ngrams_flat(flat, starts, shingle)
-    counts = np.bincount(sh_doc, minlength=n_docs)
+    return signature_matrix(sh, np.bincount(sh_doc, minlength=len(starts) - 1), num_perm, seed)
+
+
+def signature_matrix(shingles: np.ndarray, counts: np.ndarray, num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """MinHash signatures (docs x num_perm u32) of shingle hashes given as one flat array with
+    each document's count, and the has-shingles mask."""
+    n_docs = len(counts)
     offsets = np.zeros(n_docs + 1, dtype=np.uint64)
     np.cumsum(counts, out=offsets[1:])
-    matrix = rensa.RMinHash.digest_matrix_from_flat_token_hashes(sh, offsets, num_perm, seed)
-    sig = np.array(matrix.to_rows(), dtype=np.uint32).reshape(n_docs, num_perm)
-    return sig, counts > 0
+    matrix = rensa.RMinHash.digest_matrix_from_flat_token_hashes(shingles, offsets, num_perm, seed)
+    rows = matrix.to_rows()
+    sig = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.uint32, count=n_docs * num_perm)
+    return sig.reshape(n_docs, num_perm), np.asarray(counts) > 0
 
 
 def contamination_hits(flat: np.ndarray, starts: np.ndarray, contam: np.ndarray, n: int) -> list[tuple[int, int, int]]:

@@ -136,6 +136,10 @@ class DedupConfig(StageConfig):
     workers: int = Field(2, description="processes for the per-file pass")
     parallel_min_input_bytes: int = Field(4_000_000, description="smaller Parquet inputs are analysed in-process")
     batch_bytes: int = Field(4_000_000, description="content per batch of files handed to a process")
+    native_min_bytes: int = Field(
+        16_000_000, description="map tasks with at least this much input (uncompressed) run the per-file pass "
+                                "in compiled kernels (numba, when installed; loading them costs a process about "
+                                "a CPU-second), smaller ones in plain Python/numpy; both give the same output")
 
     task_bytes: int = Field(32_000_000, description="input (uncompressed Parquet) per map task")
     memory_bytes: int = Field(
@@ -664,9 +668,11 @@ def _run(
         map_secs = time.perf_counter() - clock - read_secs
         done(StageCounts("read", seen=n_rows, stats={"inputs": len(inputs), "bytes": n_bytes}),
              f"{n_rows} files, {n_bytes} bytes from {len(inputs)} input file(s)", read_secs)
-        done(StageCounts("analyse", seen=n_rows, stats={"tasks": len(tasks), "batches": sum(s["batches"] for s in stats)}),
-             f"{len(tasks)} tasks, {sum(s['batches'] for s in stats)} batches, {processes} process(es), "
-             f"cpu seconds {_fmt(cpu)}", map_secs)
+        compiled = sum(bool(s.get("native")) for s in stats)
+        done(StageCounts("analyse", seen=n_rows, stats={"tasks": len(tasks), "batches": sum(s["batches"] for s in stats),
+                                                        "compiled_tasks": compiled}),
+             f"{len(tasks)} tasks ({compiled} compiled), "
+             f"{sum(s['batches'] for s in stats)} batches, {processes} process(es), cpu seconds {_fmt(cpu)}", map_secs)
         features = [t["features"] for t in tasks] + ([prior[0]] if prior else [])
         db = _Reduce(storage, features, [t["bands"] for t in tasks] + ([prior[1]] if prior else []), cfg, spill)
         counts = _filter(db)

@@ -66,6 +66,28 @@ SECRET_PATTERNS: dict[str, tuple[re.Pattern[bytes], ...]] = {
     ),
 }
 ON_LOWER = frozenset({"aws_secret_key", "password", "api_key"})
+# kind -> for each of its patterns, literals of which every match contains one (in the text the
+# pattern runs on: the lower-cased text for ON_LOWER kinds). A file containing none of a
+# pattern's literals has no match of it, so ``secret_spans`` skips that pattern (see ``NEEDLES``).
+NEEDLES: dict[str, tuple[tuple[bytes, ...], ...]] = {
+    "private_key": ((b"-----BEGIN ",),),
+    "aws_access_key": ((b"AKIA",), (b"ASIA",)),
+    "aws_secret_key": ((b"awssecret", b"aws_secret"),),
+    "github_token": ((b"ghp_", b"gho_", b"ghu_", b"ghs_", b"ghr_"), (b"github_pat_",)),
+    "slack_token": ((b"xox",),),
+    "google_api_key": ((b"AIza",),),
+    "password": ((b"password", b"passwd", b"passphrase"),),
+    "api_key": (
+        (b"apikey", b"api_key", b"apitoken", b"api_token"),
+        (b"secret",),
+        (b"accesstoken", b"access_token"),
+        (b"authtoken", b"auth_token"),
+        (b"privatekey", b"private_key"),
+    ),
+    "email": ((b"@",),),
+}
+PATTERN_IDS: tuple[tuple[str, int], ...] = tuple(
+    (kind, i) for kind, patterns in SECRET_PATTERNS.items() for i in range(len(patterns)))
 _EMAIL_LOCAL = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._%+-")
 
 PLACEHOLDERS: dict[str, bytes] = {
@@ -86,13 +108,18 @@ def _b(text: str | bytes) -> bytes:
     return text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
 
 
-def secret_spans(data: bytes) -> list[tuple[int, int, str]]:
-    """Non-overlapping ``(start, end, kind)`` byte spans to replace, sorted by start."""
-    lower = data.lower()
+def secret_spans(data: bytes, only: frozenset[tuple[str, int]] | None = None) -> list[tuple[int, int, str]]:
+    """Non-overlapping ``(start, end, kind)`` byte spans to replace, sorted by start.
+
+    ``only``: the ``(kind, pattern index)`` pairs to run, where the caller knows the others
+    cannot match (none of their ``NEEDLES`` is in ``data``); None runs every pattern."""
+    lower = data.lower() if only is None or any(kind in ON_LOWER for kind, _ in only) else data
     spans: list[tuple[int, int, str]] = []
     for kind, patterns in SECRET_PATTERNS.items():
         text = lower if kind in ON_LOWER else data
-        for pat in patterns:
+        for i, pat in enumerate(patterns):
+            if only is not None and (kind, i) not in only:
+                continue
             for m in pat.finditer(text):
                 if kind == "email":  # the pattern starts at '@': extend over the local part
                     start = m.start()
@@ -118,9 +145,10 @@ def find_secrets(text: str | bytes) -> list[str]:
     return [kind for _, _, kind in secret_spans(_b(text))]
 
 
-def redact(data: bytes) -> tuple[bytes, dict[str, int]]:
-    """``data`` with every secret replaced by its placeholder, and the count per kind."""
-    spans = secret_spans(data)
+def redact(data: bytes, only: frozenset[tuple[str, int]] | None = None) -> tuple[bytes, dict[str, int]]:
+    """``data`` with every secret replaced by its placeholder, and the count per kind
+    (``only`` as for ``secret_spans``)."""
+    spans = secret_spans(data, only)
     if not spans:
         return data, {}
     parts, counts, last = [], {}, 0

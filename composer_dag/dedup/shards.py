@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..storage import ArtifactError, Storage, open_storage
-from .features import STAGES, analyse_batch
+from .features import STAGES, analyse_batch, native_available
 from .near import band_keys, optimal_bands
 from .secrets import SECRET_KINDS
 from .text import tokens
@@ -116,11 +116,11 @@ def _column(batch: pa.RecordBatch, name: str, typ: pa.DataType) -> list:
 
 
 def _features(batch: pa.RecordBatch, first_row: int, cfg: Any, contam: np.ndarray,
-              lsh: tuple[int, int]) -> tuple[pa.Table, pa.Table, dict[str, float], int]:
+              lsh: tuple[int, int], native: bool = False) -> tuple[pa.Table, pa.Table, dict[str, float], int]:
     """One batch's features and band rows, the CPU seconds by stage, and its content bytes."""
     docs = _column(batch, "content", pa.binary())
     paths = _column(batch, "path", pa.string())
-    r = analyse_batch(docs, paths, cfg, contam)
+    r = analyse_batch(docs, paths, cfg, contam, native=native)
     n = len(docs)
     rows = np.arange(first_row, first_row + n, dtype=np.int64)
     reason = [None if v is None else v[0] for v in r["verdicts"]]
@@ -189,16 +189,20 @@ def run_task(storage: Storage, spec: dict, index: int) -> dict:
     pf = open_parquet(storage, task["input"])
     meta = pf.metadata
     size = batch_rows(meta, task["row_groups"], cfg.batch_bytes)
-    stats = {"rows": 0, "bytes": 0, "batches": 0, "cpu": dict.fromkeys(STAGES, 0.0)}
+    task_bytes = sum(meta.row_group(g).total_byte_size for g in task["row_groups"])
+    native = task_bytes >= getattr(cfg, "native_min_bytes", 0) and native_available()
+    stats = {"rows": 0, "bytes": 0, "batches": 0, "native": native, "cpu": dict.fromkeys(STAGES, 0.0)}
     row = task["first_row"]
     with storage.open_atomic(task["features"]) as ff, storage.open_atomic(task["bands"]) as bf:
-        fw = pq.ParquetWriter(ff, FEATURES_SCHEMA, compression="none")
-        bw = pq.ParquetWriter(bf, BANDS_SCHEMA, compression="none")
+        # read once by the reduce: no compression, dictionaries or statistics to spend time on
+        plain = {"compression": "none", "use_dictionary": False, "write_statistics": False}
+        fw = pq.ParquetWriter(ff, FEATURES_SCHEMA, **plain)
+        bw = pq.ParquetWriter(bf, BANDS_SCHEMA, **plain)
         try:
             batches = pf.iter_batches(batch_size=size, row_groups=task["row_groups"],
                                       columns=["id", "source", "path", "content"])
             for batch in batches:
-                features, bands, cpu, nbytes = _features(batch, row, cfg, contam, lsh)
+                features, bands, cpu, nbytes = _features(batch, row, cfg, contam, lsh, native)
                 fw.write_table(features)
                 bw.write_table(bands)
                 row += batch.num_rows
