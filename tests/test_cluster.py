@@ -254,6 +254,7 @@ def test_cancelling_the_run_stops_its_services(tmp_path):
         def serving(context: dg.AssetExecutionContext, cluster: ClusterResource):
             with cluster.services(context) as fleet:
                 fleet.start(name="web", argv=_web(Path({str(marker)!r})))
+                Path({str(tmp_path / "serving")!r}).touch()
                 time.sleep(600)
 
         dg.materialize([serving], resources={{"cluster": ClusterResource(scratch_dir={str(tmp_path)!r}, grace_seconds=2)}},
@@ -263,9 +264,10 @@ def test_cancelling_the_run_stops_its_services(tmp_path):
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
-    while len(_marked(str(marker))) < 2:
+    while not (tmp_path / "serving").exists():
         assert time.monotonic() < deadline and proc.poll() is None, "the service never started"
         time.sleep(0.2)
+    assert len([pid for pid in _marked(str(marker)) if pid != proc.pid]) == 2  # supervisor and server
     proc.send_signal(signal.SIGINT)  # what a run termination delivers to the step
     proc.wait(timeout=60)
     assert "[cluster:local] run cancelled: stopping 1 service(s)" in log.read_text()
