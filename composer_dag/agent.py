@@ -165,8 +165,11 @@ class AgentLoop:
         prompt = self._encode(render_prompt(self.tok, user, self.cfg.system_style))
         return _Run(Path(task_dir), group_id, sample, ep, prompt, min(self.cfg.max_turns, ep.max_turns), msgs)
 
-    def run(self, jobs: list[tuple[str, str, int]], version: int, seed: int = 0) -> list[dict]:
-        """``jobs``: (task_dir, group_id, sample_index). Every job becomes one rollout."""
+    def run(self, jobs: list[tuple[str, str, int]], version: int, seed: int = 0,
+            engine: Engine | None = None) -> list[dict]:
+        """``jobs``: (task_dir, group_id, sample_index). Every job becomes one rollout.
+        ``engine`` replaces the loop's own for this call (a rollout server chosen per episode)."""
+        engine = engine or self.engine
         runs = list(self.pool.map(lambda j: self._start(*j), jobs))
         grading = []
         active = runs
@@ -181,7 +184,7 @@ class AgentLoop:
                 if not active:
                     break
                 t0 = time.perf_counter()
-                outs = self.engine.generate(
+                outs = engine.generate(
                     [r.prompt_ids + r.ids for r in active],
                     Sampling(1, self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens,
                              self.stops, seed + 7919 * turn))
@@ -281,6 +284,7 @@ def rollout_schema():
             ("finish", pa.string()), ("generated_tokens", pa.int32()), ("gen_seconds", pa.float64()),
             ("tool_seconds", pa.float64()), ("grade_seconds", pa.float64()), ("episode_seconds", pa.float64()),
             ("step", pa.int64()), ("advantage", pa.float64()), ("staleness", pa.int64()),
+            ("server_id", pa.string()), ("infra_error", pa.string()), ("attempts", pa.int32()),
         ])
     return _SCHEMA
 

@@ -9,17 +9,21 @@ import torch
 
 
 def group_advantages(rewards: list[float], group_ids: list[str], normalize_std: bool = True,
-                     eps: float = 1e-6) -> list[float]:
-    """reward - mean of its group, divided by the group's std unless ``normalize_std`` is off."""
+                     eps: float = 1e-6, include: list[bool] | None = None) -> list[float]:
+    """reward - mean of its group, divided by the group's std unless ``normalize_std`` is off.
+    ``include[i]`` False (an infrastructure failure) leaves rollout i out of its group's
+    statistics and gives it advantage 0."""
+    include = include if include is not None else [True] * len(rewards)
     groups = defaultdict(list)
-    for r, g in zip(rewards, group_ids):
-        groups[g].append(r)
+    for r, g, ok in zip(rewards, group_ids, include):
+        if ok:
+            groups[g].append(r)
     stats = {}
     for g, rs in groups.items():
         t = torch.tensor(rs, dtype=torch.float64)
         stats[g] = (t.mean().item(), t.std(unbiased=False).item())
-    return [(r - stats[g][0]) / ((stats[g][1] + eps) if normalize_std else 1.0)
-            for r, g in zip(rewards, group_ids)]
+    return [(r - stats[g][0]) / ((stats[g][1] + eps) if normalize_std else 1.0) if ok else 0.0
+            for r, g, ok in zip(rewards, group_ids, include)]
 
 
 def pack(rollouts: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from ..agent import AgentConfig
 from ..inference.engine import InferenceConfig
 from ..pipes import Reporter, entry_point
 from ..runtime.config import StageConfig
+from .fleet.config import FleetConfig
 from .trainer import TrainerConfig
 
 
@@ -66,6 +67,8 @@ class RLConfig(StageConfig):
     trainer: TrainerConfig = TrainerConfig()
     orchestrator: AgentConfig = AgentConfig()
     inference: InferenceConfig = InferenceConfig()
+    fleet: Optional[FleetConfig] = Field(None, description="distributed mode: rollout servers, orchestrator and "
+                                                           "trainer as separate processes (rl/fleet/)")
 
 
 LEARNABLE_RUN = {"steps": 16, "tasks_per_step": 2, "group_size": 8, "async_generation": False, "torch_threads": 1,
@@ -124,6 +127,10 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
 
     rep = rep or Reporter()
     cfg = prepare(cfg, rep.log)
+    if cfg.fleet is not None:
+        from .fleet.launch import run_distributed
+
+        return run_distributed(cfg, rep)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     out = Path(cfg.out_dir)

