@@ -159,7 +159,11 @@ def run_one(code: str, inputs: list[str], out: str, config: dict) -> None:
                       "files_in": r["files_in"], "mb_in": round(r["bytes_in"] / 1e6, 1),
                       "files_kept": r["files_kept"], "mb_kept": round(r["bytes_kept"] / 1e6, 1),
                       "dropped": {k: v for k, v in r["dropped"].items() if v}, "clusters": r["clusters"],
-                      "stage_seconds": r["stage_seconds"], "candidate_pairs": r["extra"]["candidate_pairs"]}))
+                      "stage_seconds": r["stage_seconds"], "candidate_pairs": r["extra"]["candidate_pairs"]}),
+          flush=True)
+    # the figures are out: skip interpreter teardown, where a native library's thread at times
+    # aborts the process ("terminate called without an active exception") after a complete run
+    os._exit(0)
 
 
 def measured(code: str, inputs: list[str], out: str, config: dict) -> dict:
