@@ -34,6 +34,7 @@ one command per index (a local pool, ``sbatch --array``, an Indexed Job). Failur
 
 import collections
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +44,7 @@ import uuid
 from typing import Any, Literal, Optional
 
 import dagster as dg
+from dagster_pipes import PIPES_PROTOCOL_VERSION, PIPES_PROTOCOL_VERSION_FIELD
 from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._core.pipes.client import PipesContextInjector
 from dagster._core.pipes.utils import PipesBlobStoreMessageReader, open_pipes_session
@@ -96,6 +98,13 @@ class StorageMessageReader(PipesBlobStoreMessageReader):
     def __init__(self, storage, prefix: str, interval: float = 1.0):
         super().__init__(interval=interval)
         self.storage, self.prefix = storage, prefix
+        self._ended = threading.Event()
+
+    def job_ended(self) -> None:
+        """The job's processes are gone: no chunk can come after those on storage now. A job the
+        scheduler killed never writes Pipes' ``closed``; without this the reader would wait
+        Dagster's 10 s for one before the step could fail."""
+        self._ended.set()
 
     @contextlib.contextmanager
     def get_params(self):
@@ -113,6 +122,9 @@ class StorageMessageReader(PipesBlobStoreMessageReader):
         while (chunk := self.download_messages_chunk(self.counter, params)) is not None:
             chunks.append(chunk)
             self.counter += 1
+        if not chunks and self._ended.is_set():  # end the stream as the job would have
+            return self.counter, json.dumps({PIPES_PROTOCOL_VERSION_FIELD: PIPES_PROTOCOL_VERSION,
+                                             "method": "closed", "params": None})
         return (self.counter, "\n".join(chunks)) if chunks else None
 
     def no_messages_debug_text(self) -> str:
@@ -232,11 +244,14 @@ class ClusterResource(ClearConfigResource):
         with open_pipes_session(
             context=context,
             context_injector=StorageContextInjector(storage, prefix),
-            message_reader=StorageMessageReader(storage, prefix),
+            message_reader=(reader := StorageMessageReader(storage, prefix)),
         ) as session:
             env = session.get_bootstrap_env_vars()
             launched = {"local": self._launch_local, "slurm": self._launch_slurm, "k8s": self._launch_k8s}[self.backend]
-            failure, why = launched(context, spec_url, name, env)
+            try:
+                failure, why = launched(context, spec_url, name, env)
+            finally:  # each launcher returns (or raises) once the job's processes are gone
+                reader.job_ended()
         messages = session.get_custom_messages()
         error = next((m["error"] for m in reversed(messages) if isinstance(m, dict) and m.get("error")), why)
         if failure or error:

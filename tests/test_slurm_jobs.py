@@ -225,7 +225,15 @@ def test_slurm_time_limit_fails_clearly_and_the_retry_resumes(slurm_cluster, s3_
     resumes from step 3 with no step lost or repeated."""
     key = uuid.uuid4().hex[:8]
     job = _job(s3_root, key, steps=6, step_s=0.1, hold_after=3, hold_s=90)
-    t, limited = _when_step_synced(s3_root, key, 3, lambda job_id: _scontrol("update", f"jobid={job_id}", "EndTime=now+1"))
+
+    def end_now(job_id: str) -> None:
+        for ahead in (1, 3, 5):  # an end time already past when slurmctld reads it is refused
+            if subprocess.run(["scontrol", "update", f"jobid={job_id}", f"EndTime=now+{ahead}"],
+                              capture_output=True).returncode == 0:
+                return
+        raise AssertionError(f"scontrol refused a new end time for job {job_id}")
+
+    t, limited = _when_step_synced(s3_root, key, 3, end_now)
     res = dg.materialize([_asset(s3_root, job, retries=1)], resources={"cluster": _cluster(tmp_path / "scratch")},
                          raise_on_error=False)
     t.join(timeout=5)
@@ -350,3 +358,20 @@ def test_slurm_array_runs_every_index_and_names_a_failing_one(slurm_cluster, tmp
     assert codes == {0: 0, 1: 0, 2: 1, 3: 0}
     assert sorted(p.name for p in out.iterdir()) == ["0", "1", "2", "3"]
     assert len({p.read_text() for p in out.iterdir()}) == 1  # one array job
+
+
+def test_slurm_service_that_exits_is_named_with_its_log(slurm_cluster, tmp_path):
+    crash = [sys.executable, "-c", "print('loading weights', flush=True); raise FileNotFoundError('no model at /models/x')"]
+
+    @dg.asset
+    def crashing(context: dg.AssetExecutionContext, cluster: ClusterResource):
+        cluster.start_service(context, "composer-crash", crash, start_timeout_s=30)
+
+    res = dg.materialize([crashing], resources={"cluster": _service_cluster(tmp_path / "scratch")}, raise_on_error=False)
+    failure = next(e for e in res.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE)
+    message = failure.event_specific_data.error.message
+    first = message.splitlines()[0]
+    assert "service composer-crash" in first and "FileNotFoundError: no model at /models/x" in first, first
+    assert "slurm job" in first, first
+    assert "  loading weights" in message  # the log's last lines, read from the node's scratch
+    assert not _squeue("composer-crash")
