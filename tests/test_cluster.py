@@ -420,3 +420,70 @@ def test_service_and_array_configs_refuse_bad_values_in_one_line():
         ServiceConfig.load({"name": "Rollout_0", "argv": []})
     with pytest.raises(ConfigError, match=r"count: .*greater than or equal to 1"):
         ArrayConfig.load({"argv": ["true"], "count": 0})
+
+
+def test_k8s_runner_drives_the_api_as_rendered(monkeypatch):
+    """The k8s calls with a stand-in for the ``kubernetes`` client (no cluster here): the service's
+    Deployment and Service are created from the rendered manifests, waited on until ready, and
+    deleted by ``stop``; an Indexed Job's failed index is named with its pod's last log line, and
+    the Job is deleted."""
+    from types import SimpleNamespace as NS
+
+    from composer_dag.runtime import services
+    from composer_dag.runtime.services import ArrayError
+
+    calls = []
+
+    class ApiException(Exception):
+        pass
+
+    class Apps:
+        def create_namespaced_deployment(self, ns, body):
+            calls.append(("create", body["kind"], body["metadata"]["name"]))
+
+        def read_namespaced_deployment_status(self, name, ns):
+            calls.append(("poll", name))
+            return NS(status=NS(ready_replicas=1 if sum(c[0] == "poll" for c in calls) > 1 else None))
+
+        def delete_namespaced_deployment(self, name, ns, propagation_policy=None):
+            calls.append(("delete", "Deployment", name))
+
+    class Core:
+        def create_namespaced_service(self, ns, body):
+            calls.append(("create", body["kind"], body["metadata"]["name"]))
+
+        def delete_namespaced_service(self, name, ns):
+            calls.append(("delete", "Service", name))
+
+        def list_namespaced_pod(self, ns, label_selector):
+            return NS(items=[NS(metadata=NS(name=f"shards-x-{i}", annotations={
+                "batch.kubernetes.io/job-completion-index": str(i)})) for i in range(4)])
+
+        def read_namespaced_pod_log(self, name, ns, tail_lines):
+            return "reading shard\nValueError: shard 2 has no rows\n"
+
+    class Batch:
+        def create_namespaced_job(self, ns, body):
+            calls.append(("create", body["kind"], body["spec"]["completions"]))
+            return NS(metadata=NS(name="shards-x"))
+
+        def read_namespaced_job_status(self, name, ns):
+            return NS(status=NS(completed_indexes="0-1,3", failed_indexes="2"))
+
+        def delete_namespaced_job(self, name, ns, propagation_policy=None):
+            calls.append(("delete", "Job", name))
+
+    fake = NS(AppsV1Api=Apps, CoreV1Api=Core, BatchV1Api=Batch, exceptions=NS(ApiException=ApiException))
+    monkeypatch.setattr(services.K8sRunner, "_api", lambda self: fake)
+    cluster = {"backend": "k8s", "image": "img:1", "namespace": "ml", "poll_seconds": 0.01}
+    h = services.start_service(cluster, {"name": "rollout-0", "argv": ["serve", "--port", "{port}"], "port": 8000})
+    name = calls[0][2]
+    assert name.startswith("rollout-0-") and calls[:2] == [("create", "Deployment", name), ("create", "Service", name)]
+    assert h.url == f"http://{name}.ml.svc:8000" and h.k8s == {"namespace": "ml", "deployment": name, "service": name}
+    services.stop(h)
+    assert calls[-2:] == [("delete", "Service", name), ("delete", "Deployment", name)]
+    with pytest.raises(ArrayError) as err:
+        services.run_array(cluster, {"name": "shards", "argv": ["python", "-m", "x"], "count": 4})
+    assert str(err.value) == "array shards: 1 of 4 indexes failed: index 2 failed (exit code 1): ValueError: shard 2 has no rows"
+    assert [t.exit_code for t in err.value.tasks] == [0, 0, 1, 0]
+    assert calls[-1] == ("delete", "Job", "shards-x")
