@@ -1,5 +1,7 @@
 """The cluster resource: the local backend for real (torchrun through Dagster Pipes, cancellation
-stops the whole process tree); k8s and Slurm by rendering their specs (no cluster here)."""
+stops the whole process tree; services with a health check that stop with their step, their run
+or their parent process; arrays as a bounded process pool); k8s and Slurm by rendering their
+specs (the Slurm backend runs for real in ``test_slurm_jobs.py``)."""
 
 import os
 import signal

@@ -1,8 +1,10 @@
 """Cluster jobs on a real one-node Slurm cluster, with a tiny resumable payload (seconds): the
 job shares no disk with Dagster (bubblewrap; inputs, outputs, state and Pipes on a moto S3
 server), a failing stage is named in one line, an external ``scancel`` fails the step clearly
-and the retry resumes from the last sealed checkpoint, and cancelling the run ``scancel``s the
-job and leaves none of its processes."""
+and the retry resumes from the last sealed checkpoint (also after a node set DOWN and a time
+limit), and cancelling the run ``scancel``s the job and leaves none of its processes. Services
+(a trivial HTTP server) answer on the node and leave no job or process after stop or a failing
+step; an array job reports every index."""
 
 import signal
 import subprocess
