@@ -3,6 +3,7 @@ checkpoint at RL learning rates, and the time to publish, rebuild and reload a v
 
     .venv/bin/python benchmarks/bench_fleet.py deltas --out /tmp/bench_fleet [--model tiny] [--steps 4]
         [--lrs 1e-6,3e-6,1e-5] [--levels 3,19]
+    .venv/bin/python benchmarks/bench_fleet.py run --out /tmp/bench_fleet [--steps 4]
 
 ``deltas``: a fresh Llama of the ``--model`` config on a BPE tokenizer trained on the stdlib
 ``json`` package, trained with AdamW (betas 0.9/0.99, as the GRPO trainer) on next-token loss
@@ -98,9 +99,62 @@ def deltas(args) -> dict:
     return {"model": args.model, "steps": args.steps, "batch": args.batch, "seq": args.seq, "rows": rows}
 
 
+def run(args) -> dict:
+    """The same RL config (learnable tasks, the small test policy, vLLM) once in one process and
+    once in the distributed mode (2 rollout servers started by the run); the step time split."""
+    import subprocess
+
+    import torch
+
+    from composer_dag.rl.learnable import make_learnable_setup
+
+    out = os.path.abspath(args.out)
+    setup = os.path.join(out, "learnable")
+    if not os.path.exists(os.path.join(setup, "policy", "config.json")):
+        torch.set_num_threads(1)
+        make_learnable_setup(setup, n_tasks=8, seed=0, words=("red", "blue"), warmup_steps=60)
+    base = {"policy_dir": os.path.join(setup, "policy"), "tasks_dir": os.path.join(setup, "tasks"),
+            "steps": args.steps, "tasks_per_step": 2, "group_size": 4, "torch_threads": 1, "max_staleness": 1,
+            "full_every": 5, "trainer": {"lr": 1e-5, "micro_batch": 8},
+            "orchestrator": {"max_turns": 2, "max_new_tokens": 24, "max_context": 512, "system_style": "compact",
+                             "workers": 2},
+            "inference": {"engine": "vllm", "max_model_len": 1024, "kv_cache_mb": 64}}
+    res = {}
+    for mode in ("one_process", "fleet"):
+        cfg = {**base, "out_dir": os.path.join(out, mode)}
+        if mode == "fleet":
+            cfg["fleet"] = {"servers": 2, "max_sandboxes": 4}
+        import shutil
+
+        shutil.rmtree(cfg["out_dir"], ignore_errors=True)
+        path = os.path.join(out, f"{mode}.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "composer_dag.rl.run", "--config", path], capture_output=True,
+                           text=True)
+        if r.returncode:
+            raise SystemExit(f"{mode}: {r.stderr[-2000:]}")
+        with open(os.path.join(cfg["out_dir"], "result.json")) as f:
+            result = json.load(f)
+        res[mode] = {"wall_s": time.perf_counter() - t0,
+                     "step_seconds": {k: v.get("mean") for k, v in result["step_seconds"].items()},
+                     "reward_curve": result["reward_curve"]}
+        if mode == "fleet":
+            res[mode]["reload_s"] = {sid: [x["reload_s"] for x in s["reloads"]]
+                                     for sid, s in result["fleet"]["servers"].items()}
+            res[mode]["probe_diff_max"] = max(x["probe_diff"] for s in result["fleet"]["servers"].values()
+                                              for x in s["reloads"])
+            res[mode]["servers_per_step"] = [b["servers"] for b in result["fleet"]["batches"]]
+        else:
+            res[mode]["reload_s"] = result["weight_sync_seconds"]
+        print(json.dumps({mode: res[mode]}), flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["deltas"])
+    ap.add_argument("what", choices=["deltas", "run"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--vocab", type=int, default=4096)
@@ -111,8 +165,8 @@ def main() -> None:
     ap.add_argument("--levels", default="3,19")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    res = deltas(args)
-    with open(os.path.join(args.out, "deltas.json"), "w") as f:
+    res = deltas(args) if args.what == "deltas" else run(args)
+    with open(os.path.join(args.out, f"{args.what}.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 

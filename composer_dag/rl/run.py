@@ -116,7 +116,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     import torch
 
     from ..inference import engine_from_config, fit_to_model
-    from ..storage import Storage
+    from ..storage import Storage, open_storage
     from ..runtime.checkpoint import resume_checkpoint, trim_metrics, write_json_atomic
     from ..train.tokenizer import load_tokenizer
     from ..agent import AgentLoop, rollouts_to_table
@@ -137,7 +137,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     for d in ("rollouts", "checkpoints", "sync"):
         (out / d).mkdir(parents=True, exist_ok=True)
     store = Storage(str(out))
-    wstore = Storage(cfg.weights_uri) if cfg.weights_uri else store
+    wstore = open_storage(cfg.weights_uri) if cfg.weights_uri else store
     wprefix = wstore.root if cfg.weights_uri else store.url("weights")
     metrics_path, ckpt_root = out / "metrics.jsonl", str(out / "checkpoints")
     tasks = find_tasks(cfg.tasks_dir, cfg.task_sources)

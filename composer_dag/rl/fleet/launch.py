@@ -91,9 +91,10 @@ def run_distributed(cfg, rep: Reporter | None = None) -> dict:
             raise SystemExit(f"fleet run failed in the {failed}: {_last_line(out / f'{failed}.err')}")
         result = json.loads((out / "result.json").read_text())
         ex_dir = fc.exchange_uri or str(out / "exchange")
-        from ...storage import Storage
+        from ...storage import open_storage
 
-        orch = Storage(ex_dir).read_json(Storage(ex_dir).url("orchestrator.json"))
+        ex = open_storage(ex_dir)
+        orch = ex.read_json(ex.url("orchestrator.json"))
         result.update(fleet={"servers": orch["servers"], "batches": orch["batches"],
                              "wall_s": time.perf_counter() - t0})
         write_json_atomic(str(out / "result.json"), result)

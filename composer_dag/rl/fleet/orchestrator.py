@@ -155,13 +155,13 @@ def build(cfg, rep: Reporter | None = None):
 
     from ...agent import AgentLoop
     from ...inference.engine import fit_to_model
-    from ...storage import Storage
+    from ...storage import Storage, open_storage
     from ...train.tokenizer import load_tokenizer
     from ..run import find_tasks
 
     log = rep.log if rep else print
     out = Path(cfg.out_dir)
-    wstore = Storage(cfg.weights_uri) if cfg.weights_uri else Storage(str(out))
+    wstore = open_storage(cfg.weights_uri) if cfg.weights_uri else Storage(str(out))
     wprefix = wstore.root if cfg.weights_uri else wstore.url("weights")
     inference = fit_to_model(cfg.inference, cfg.policy_dir)
     orch = cfg.orchestrator
@@ -175,11 +175,11 @@ def build(cfg, rep: Reporter | None = None):
 
 def run(cfg, rep: Reporter | None = None) -> dict:
     """Produce the batches of steps ``start..steps-1`` (``start``: the first without a sealed batch)."""
-    from ...storage import Storage
+    from ...storage import Storage, open_storage
     from ..weights import latest_version
 
     rep = rep or Reporter()
-    ex = Storage(cfg.fleet.exchange_uri or str(Path(cfg.out_dir) / "exchange"))
+    ex = open_storage(cfg.fleet.exchange_uri or str(Path(cfg.out_dir) / "exchange"))
     o = build(cfg, rep)
     fleet, stats = o.fleet, []
     try:

@@ -3,7 +3,7 @@
 ``Fleet`` holds the orchestrator's view of its servers: which version each one serves (after
 its probe check passed), whether it is up, how many episodes it runs. One ``_Sync`` thread per
 server polls ``latest.json`` (and the server's own ``/weight_info``); when either says the
-server is behind, it rebuilds that version (``WeightCache``: full + deltas, sha256 and digest
+server is behind, it rebuilds the next version (the latest for a server that holds none) (``WeightCache``: full + deltas, sha256 and digest
 checked) into ``work_dir/v<version>/model.safetensors`` (once for all servers), has the server
 reload it in place, then scores the fixed probe sequence on the server and compares with the
 reference logprobs of the same bf16 weights computed here with transformers on CPU. A
@@ -187,10 +187,11 @@ class Fleet:
                 save_file(state, tmp, metadata={"format": "pt"})
                 os.replace(tmp, os.path.join(d, "model.safetensors"))
                 self._dirs[version] = d
-                for v in sorted(self._dirs)[:-2]:  # keep the last two on disk
-                    import shutil
+                import shutil
 
-                    shutil.rmtree(self._dirs.pop(v), ignore_errors=True)
+                held = [x.version for x in self.servers if x.version is not None]
+                for v in [v for v in self._dirs if held and v < min(held) and v != version]:
+                    shutil.rmtree(self._dirs.pop(v), ignore_errors=True)  # no server needs it any more
             return d, state
 
     def _sync(self, s: Server) -> None:
@@ -214,6 +215,10 @@ class Fleet:
                             self.cond.notify_all()
                     self._stop.wait(cfg.poll_seconds)
                     continue
+                # one version at a time (each one is served and probe-checked); a server that
+                # knows no version yet, or lost it (restarted), goes straight to the latest
+                fresh = s.version is None or reported != str(s.version)
+                latest = latest if fresh else min(latest, s.version + 1)
                 d, state = self._weights_dir(latest)
                 if skip == (s.index, latest):  # fault injection: claim the version, keep the old weights
                     s.client._call("/update_weight_version", {"new_version": str(latest)})

@@ -28,13 +28,20 @@ def _stats(xs):
     return {"mean": sum(xs) / len(xs), "max": max(xs), "min": min(xs), "n": len(xs)} if xs else {"n": 0}
 
 
+def advantages(rows: list[dict], normalize_std: bool = True) -> list[float]:
+    """Group advantages over the rollouts without ``infra_error``; those get 0 (and are not trained on)."""
+    from ..grpo import group_advantages
+
+    return group_advantages([r["reward"] for r in rows], [r["group_id"] for r in rows], normalize_std,
+                            include=[r.get("infra_error") is None for r in rows])
+
+
 def run(cfg, rep: Reporter | None = None) -> dict:
     import torch
 
     from ...agent import rollouts_to_table
     from ...runtime.checkpoint import resume_checkpoint, trim_metrics, write_json_atomic
-    from ...storage import Storage
-    from ..grpo import group_advantages
+    from ...storage import Storage, open_storage
     from ..trainer import GRPOTrainer
     from ..weights import WeightPublisher, cast_state, latest_version, reconstruct, state_digest
 
@@ -45,9 +52,9 @@ def run(cfg, rep: Reporter | None = None) -> dict:
     for d in ("rollouts", "checkpoints"):
         (out / d).mkdir(parents=True, exist_ok=True)
     store = Storage(str(out))
-    wstore = Storage(cfg.weights_uri) if cfg.weights_uri else store
+    wstore = open_storage(cfg.weights_uri) if cfg.weights_uri else store
     wprefix = wstore.root if cfg.weights_uri else store.url("weights")
-    ex = Storage(cfg.fleet.exchange_uri or str(out / "exchange"))
+    ex = open_storage(cfg.fleet.exchange_uri or str(out / "exchange"))
     metrics_path, ckpt_root = out / "metrics.jsonl", str(out / "checkpoints")
     trainer = GRPOTrainer(cfg.policy_dir, cfg.trainer, batch_size=cfg.tasks_per_step * cfg.group_size,
                           temperature=cfg.orchestrator.temperature, seed=cfg.seed)
@@ -72,8 +79,7 @@ def run(cfg, rep: Reporter | None = None) -> dict:
         secs = ex.read_json(batch_url(ex, step, "json"))
         rs = ex.read_parquet(batch_url(ex, step, "parquet")).to_pylist()
         ok = [r["infra_error"] is None for r in rs]
-        for r, a in zip(rs, group_advantages([r["reward"] for r in rs], [r["group_id"] for r in rs],
-                                             cfg.trainer.normalize_std, include=ok)):
+        for r, a in zip(rs, advantages(rs, cfg.trainer.normalize_std)):
             r["advantage"], r["step"], r["staleness"] = a, step, step - r["policy_version"]
         if max(r["staleness"] for r in rs) > cfg.max_staleness:
             raise RuntimeError(f"batch {step} holds rollouts of versions {secs['policy_versions']}, beyond "

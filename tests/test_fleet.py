@@ -1,0 +1,213 @@
+"""The distributed RL mode: two vLLM OpenAI servers (started once for the module), the trainer and
+the orchestrator as processes, weights through the moto S3 server; a server killed mid-episode;
+a server that skips a reload; an injected sandbox failure kept out of the advantages."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from composer_dag.rl.fleet.server import ServerProcess
+from tests.conftest import _free_port
+
+pytestmark = pytest.mark.slow
+
+ORCH = {"max_turns": 1, "max_new_tokens": 8, "max_context": 512, "system_style": "compact", "workers": 2}
+
+
+class Servers:
+    def __init__(self, policy_dir, logs):
+        self.procs = [ServerProcess(policy_dir, _free_port(), log_path=str(logs / f"server_{i}.log"), cpu=i % 2,
+                                    max_model_len=1024, kv_cache_mb=32) for i in range(2)]
+
+    @property
+    def urls(self):
+        return [p.url for p in self.procs]
+
+    def start(self, timeout=600):
+        for p in self.procs:
+            p.start()
+        for p in self.procs:
+            p.wait_ready(timeout)
+        return self
+
+    def stop(self):
+        for p in self.procs:
+            p.stop()
+
+
+@pytest.fixture(scope="session")
+def servers(learnable_base, tmp_path_factory):
+    """One pair of rollout servers on the tiny test policy, shared by every test here."""
+    s = Servers(learnable_base["policy_dir"], tmp_path_factory.mktemp("servers"))
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
+def _cfg(setup, out, urls, **kw):
+    from composer_dag.rl.run import RLConfig
+
+    fleet = {"urls": urls, "max_sandboxes": 2, "version_timeout": 240, **kw.pop("fleet", {})}
+    return RLConfig.load({"policy_dir": setup["policy_dir"], "tasks_dir": setup["tasks_dir"], "out_dir": str(out),
+                          "steps": 3, "tasks_per_step": 1, "group_size": 2, "torch_threads": 1, "full_every": 2,
+                          "max_staleness": 1, "trainer": {"lr": 1e-3, "micro_batch": 2}, "orchestrator": ORCH,
+                          "fleet": fleet, **kw})
+
+
+def _publish_v0(cfg):
+    from safetensors.torch import load_file
+
+    from composer_dag.rl.weights import WeightPublisher
+    from composer_dag.storage import Storage
+
+    st = Storage(cfg.out_dir)
+    pub = WeightPublisher(st, st.url("weights"), cfg.full_every, "bfloat16")
+    state = load_file(os.path.join(cfg.policy_dir, "model.safetensors"))
+    pub.publish(0, state)
+    return pub, state
+
+
+def test_fleet_distributed_run(learnable_base, servers, s3_bucket, tmp_path):
+    b = s3_bucket["bucket"]
+    cfg = _cfg(learnable_base, tmp_path / "run", servers.urls, weights_uri=f"s3://{b}/weights",
+               fleet={"exchange_uri": f"s3://{b}/exchange"})
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    r = subprocess.run([sys.executable, "-m", "composer_dag.rl.run", "--config", str(path)], capture_output=True,
+                       text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert res["mode"] == "fleet" and res["steps"] == 3 and res["weights_verified"]
+    assert [p["version"] for p in res["published"]] == [0, 1, 2, 3]
+    assert [p["kind"] for p in res["published"]] == ["full", "delta", "full", "delta"]
+    assert res["weights_uri"].startswith(f"s3://{b}/weights")
+    for s in res["fleet"]["servers"].values():  # every server served every version, probe-checked
+        assert s["versions_served"] == [0, 1, 2, 3] and s["alive"]
+        assert all(x["probe_diff"] <= cfg.fleet.probe_tolerance for x in s["reloads"])
+    rows = [pq.read_table(tmp_path / "run" / "rollouts" / f"step_{i:04d}.parquet").to_pylist() for i in range(3)]
+    assert [len(x) for x in rows] == [2, 2, 2]
+    assert {r["server_id"] for x in rows for r in x} == {"s0", "s1"}
+    for i, x in enumerate(rows):
+        assert all(0 <= i - r["policy_version"] <= cfg.max_staleness and r["staleness"] == i - r["policy_version"]
+                   and r["infra_error"] is None for r in x)
+        assert len({(r["group_id"], r["sample_index"]) for r in x}) == 2
+    assert res["staleness"]["max"] <= 1
+    print("fleet result", json.dumps({k: res[k] for k in ("step_seconds", "published", "staleness")}))
+
+
+@pytest.fixture
+def orchestrator(learnable_base, servers, tmp_path):
+    """An orchestrator in this process on the shared servers, version 0 published locally."""
+    from composer_dag.rl.fleet.orchestrator import build
+
+    made = []
+
+    def make(**kw):
+        cfg = _cfg(learnable_base, tmp_path / f"o{len(made)}", servers.urls, **kw)
+        pub, state = _publish_v0(cfg)
+        o = build(cfg)
+        made.append(o)
+        return o, pub, state
+
+    yield make
+    for o in made:
+        o.fleet.stop()
+        o.close()
+
+
+def test_fleet_infra_failure_is_masked(orchestrator, monkeypatch):
+    import composer_dag.agent as agent_mod
+    from composer_dag.envs.tools import Episode
+    from composer_dag.rl.fleet.trainer import advantages
+
+    o, _, _ = orchestrator(group_size=3)
+    o.fleet.wait_serving(0, o.fleet.servers)
+    made = {"n": 0}
+    lock = threading.Lock()
+
+    def flaky(task_dir, config):  # the first sandbox of the batch cannot start
+        with lock:
+            made["n"] += 1
+            first = made["n"] == 1
+        if first:
+            raise OSError("bwrap: cannot create the sandbox")
+        return Episode(task_dir, config)
+
+    monkeypatch.setattr(agent_mod, "Episode", flaky)
+    rows, secs = o.batch(0, 0)
+    assert len(rows) == 3 and secs["infra_errors"] == 1
+    bad = [r for r in rows if r["infra_error"]]
+    assert len(bad) == 1 and "cannot create the sandbox" in bad[0]["infra_error"] and bad[0]["completion_ids"] == []
+    good = [r for r in rows if not r["infra_error"]]
+    good[0]["reward"], good[1]["reward"] = 1.0, 0.0
+    adv = dict(zip([id(r) for r in rows], advantages(rows, normalize_std=False)))
+    assert adv[id(bad[0])] == 0.0  # out of the group: not a zero reward pulling the mean down
+    assert sorted(adv[id(r)] for r in good) == [-0.5, 0.5]
+
+    # a host error after the policy's first action that the reference solution does not
+    # reproduce (grading raised for this episode only) is the policy's: no infra mark
+    monkeypatch.setattr(agent_mod, "Episode", Episode)
+    monkeypatch.setattr(Episode, "grade", lambda self: (_ for _ in ()).throw(RuntimeError("grader crashed")))
+    rows, secs = o.batch(1, 0)
+    assert secs["infra_errors"] == 0 and all(r["finish"] == "error" and r["reward"] == 0 for r in rows)
+
+
+def test_fleet_probe_stops_a_server_that_skipped_a_reload(orchestrator):
+    from composer_dag.rl.fleet.sync import ProbeMismatch
+
+    o, pub, state = orchestrator(fleet={"skip_reload": [1, 1]})
+    o.fleet.wait_serving(0, o.fleet.servers)
+    g = torch.Generator().manual_seed(0)
+    pub.publish(1, {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()})
+    with pytest.raises(ProbeMismatch) as e:
+        o.fleet.wait_serving(1, o.fleet.servers, timeout=120)
+    msg = str(e.value)
+    assert "\n" not in msg and "probe check failed" in msg and "s1" in msg and "version 1" in msg
+    deadline = time.monotonic() + 60
+    while o.fleet.servers[0].version != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert o.fleet.servers[0].version == 1  # the other server loaded it and passed
+    with pytest.raises(ProbeMismatch):  # and no episode starts any more
+        o.fleet.acquire(0)
+
+
+def test_fleet_server_killed_mid_episode_then_rejoins(orchestrator, servers, monkeypatch):
+    from composer_dag.rl.fleet import server as server_mod
+
+    o, _, _ = orchestrator(group_size=4, orchestrator={**ORCH, "max_turns": 2})
+    o.fleet.wait_serving(0, o.fleet.servers)
+    victim = servers.procs[1]
+    real = server_mod.ServerClient.complete
+    killed = threading.Event()
+
+    def complete(self, *a, **kw):  # the victim dies right after its first completion of the batch
+        out = real(self, *a, **kw)
+        if self.url == victim.url and not killed.is_set():
+            killed.set()
+            victim.kill()
+        return out
+
+    monkeypatch.setattr(server_mod.ServerClient, "complete", complete)
+    rows, secs = o.batch(0, 0)
+    assert killed.is_set() and not victim.alive()
+    assert len(rows) == 4 and len({(r["group_id"], r["sample_index"]) for r in rows}) == 4  # none lost, none twice
+    assert all(r["infra_error"] is None for r in rows)
+    retried = [r for r in rows if r["attempts"] > 1]
+    assert retried and all(r["server_id"] == "s0" for r in retried) and secs["retried"] == len(retried)
+    assert o.fleet.servers[1].deaths == 1 and not o.fleet.servers[1].alive
+
+    victim.start()  # the restarted server is reloaded to the current version and takes episodes again
+    victim.wait_ready(600)
+    o.fleet.wait_serving(0, o.fleet.servers, timeout=120)
+    assert o.fleet.servers[1].alive and o.fleet.servers[1].version == 0
+    monkeypatch.setattr(server_mod.ServerClient, "complete", real)
+    rows, secs = o.batch(1, 0)
+    assert "s1" in secs["servers"] and len(rows) == 4
