@@ -130,20 +130,30 @@ def test_fleet_infra_failure_is_masked(orchestrator, monkeypatch):
 
     o, _, _ = orchestrator(group_size=3)
     o.fleet.wait_serving(0, o.fleet.servers)
-    made = {"n": 0}
+    made, live = {"n": 0}, {"n": 0, "peak": 0}
     lock = threading.Lock()
 
-    def flaky(task_dir, config):  # the first sandbox of the batch cannot start
-        with lock:
-            made["n"] += 1
-            first = made["n"] == 1
-        if first:
-            raise OSError("bwrap: cannot create the sandbox")
-        return Episode(task_dir, config)
+    class Flaky(Episode):  # the first sandbox of the batch cannot start; the others are counted
+        def __init__(self, task_dir, config):
+            with lock:
+                made["n"] += 1
+                first = made["n"] == 1
+            if first:
+                raise OSError("bwrap: cannot create the sandbox")
+            super().__init__(task_dir, config)
+            with lock:
+                live["n"] += 1
+                live["peak"] = max(live["peak"], live["n"])
 
-    monkeypatch.setattr(agent_mod, "Episode", flaky)
+        def close(self):
+            super().close()
+            with lock:
+                live["n"] -= 1
+
+    monkeypatch.setattr(agent_mod, "Episode", Flaky)
     rows, secs = o.batch(0, 0)
     assert len(rows) == 3 and secs["infra_errors"] == 1
+    assert 1 <= live["peak"] <= 2 and live["n"] == 0  # admission control: max_sandboxes 2
     bad = [r for r in rows if r["infra_error"]]
     assert len(bad) == 1 and "cannot create the sandbox" in bad[0]["infra_error"] and bad[0]["completion_ids"] == []
     good = [r for r in rows if not r["infra_error"]]

@@ -98,9 +98,9 @@ class Orchestrator:
                 "grade_seconds": 0.0, "episode_seconds": 0.0, "server_id": server_id, "infra_error": why[:500],
                 "attempts": attempts}
 
-    def episode(self, job, min_version: int, seed: int) -> dict:
-        """One job to one row, whatever fails."""
-        t_q = time.perf_counter()
+    def episode(self, job, min_version: int, seed: int, t_q: float | None = None) -> dict:
+        """One job to one row, whatever fails. Queue time counts from ``t_q`` (submission)."""
+        t_q = time.perf_counter() if t_q is None else t_q
         with self.slots:
             queue_s = time.perf_counter() - t_q
             attempts, last = 0, None
@@ -136,13 +136,14 @@ class Orchestrator:
     def batch(self, index: int, min_version: int) -> tuple[list[dict], dict]:
         t0 = time.perf_counter()
         jobs = self.jobs(index)
-        futs = [self.pool.submit(self.episode, j, min_version, self.cfg.seed * 7_919 + index * 131 + k)
-                for k, j in enumerate(jobs)]
+        futs = [self.pool.submit(self.episode, j, min_version, self.cfg.seed * 7_919 + index * 131 + k,
+                                 time.perf_counter()) for k, j in enumerate(jobs)]
         rows = [f.result() for f in futs]
         assert len(rows) == len(jobs) and len({(r["group_id"], r["sample_index"]) for r in rows}) == len(jobs)
         return rows, {
             "generate": sum(r["gen_seconds"] for r in rows), "queue": sum(r["queue_seconds"] for r in rows),
             "tools": sum(r["tool_seconds"] for r in rows), "grade": sum(r["grade_seconds"] for r in rows),
+            "sandbox": sum(r["episode_seconds"] for r in rows),
             "generated_tokens": sum(r["generated_tokens"] for r in rows), "wall": time.perf_counter() - t0,
             "infra_errors": sum(r["infra_error"] is not None for r in rows),
             "retried": sum(r["attempts"] > 1 for r in rows),

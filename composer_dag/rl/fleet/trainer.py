@@ -6,8 +6,8 @@ storage, updates the policy with GRPO, publishes every version to ``weights_uri`
 Version 0 (the starting policy, in the published dtype) is published first, so the servers run
 exactly the published weights from the start. Then for each step ``s``: wait for the sealed
 batch ``s``, compute the group advantages without the rollouts marked ``infra_error``, write the
-rollouts under ``out_dir/rollouts`` as the one-process run does, train, publish version
-``s + 1`` (full every ``full_every``, else a delta), checkpoint. Writes ``metrics.jsonl`` and
+rollouts under ``out_dir/rollouts`` as the one-process run does, train, checkpoint, publish
+version ``s + 1`` (full every ``full_every``, else a delta). Writes ``metrics.jsonl`` and
 ``result.json`` like the one-process run; a restarted trainer resumes from its last sealed
 checkpoint while the servers keep serving the last published version.
 """
@@ -65,7 +65,8 @@ def run(cfg, rep: Reporter | None = None) -> dict:
         rep.log(f"trainer resumed from {resumed} at version {trainer.version}")
     publisher = WeightPublisher(wstore, wprefix, cfg.full_every, cfg.publish_dtype)
     pubs = []
-    if latest_version(wstore, wprefix) is None or not resumed:
+    latest = latest_version(wstore, wprefix)
+    if not resumed or latest is None or latest < trainer.version:  # (a kill between checkpoint and publish)
         pubs.append(publisher.publish(trainer.version, trainer.state_dict()))
     tag = resumed
     while trainer.version < cfg.steps:
@@ -87,6 +88,14 @@ def run(cfg, rep: Reporter | None = None) -> dict:
         store.write_parquet(rollouts_to_table(rs), store.url("rollouts", f"step_{step:04d}.parquet"))
         ts = trainer.train_step([r for r, k in zip(rs, ok) if k])
         version = trainer.version
+        # checkpoint first, then publish: a version number is never published twice with
+        # different weights (a trainer killed in between publishes it when it resumes)
+        if version % cfg.save_every == 0 or version == cfg.steps:
+            tag = f"step_{version:07d}"
+            trainer.save_checkpoint(ckpt_root, tag, cfg.policy_dir, {"step": version})
+            write_json_atomic(str(out / "latest"), {"tag": tag, "step": version})
+            for old in sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))[:-cfg.keep_checkpoints]:
+                shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
         pub = publisher.publish(version, trainer.state_dict())
         pubs.append(pub)
         used = [r for r, k in zip(rs, ok) if k]
@@ -97,16 +106,10 @@ def run(cfg, rep: Reporter | None = None) -> dict:
                "flag_rate": sum(bool(r["flags"]) for r in used) / n,
                "infra_errors": len(rs) - len(used), "retried": secs["retried"], "servers": secs["servers"],
                "generated_tokens": secs["generated_tokens"], "generate_s": secs["generate"], "queue_s": secs["queue"],
-               "tools_s": secs["tools"], "grade_s": secs["grade"], "rollout_wall_s": secs["wall"],
+               "tools_s": secs["tools"], "grade_s": secs["grade"], "sandbox_s": secs["sandbox"], "rollout_wall_s": secs["wall"],
                "wait_s": wait_s, "train_s": ts["train_seconds"], "publish_s": pub["seconds"],
                "publish_kind": pub["kind"], "publish_fraction": pub["fraction"],
                **{k: ts[k] for k in ("loss", "clip_frac", "kl", "grad_norm", "nan_skipped", "train_tokens")}}
-        if version % cfg.save_every == 0 or version == cfg.steps:
-            tag = f"step_{version:07d}"
-            trainer.save_checkpoint(ckpt_root, tag, cfg.policy_dir, {"step": version})
-            write_json_atomic(str(out / "latest"), {"tag": tag, "step": version})
-            for old in sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))[:-cfg.keep_checkpoints]:
-                shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
         rec["step_s"] = time.perf_counter() - t_step
         with open(metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -127,7 +130,7 @@ def run(cfg, rep: Reporter | None = None) -> dict:
         "infra_errors": [h["infra_errors"] for h in hist], "retried": [h["retried"] for h in hist],
         "staleness": {**_stats([h["staleness"] for h in hist])}, "max_staleness": cfg.max_staleness,
         "step_seconds": {k2: _stats([h[k2] for h in hist]) for k2 in
-                         ("generate_s", "queue_s", "tools_s", "grade_s", "rollout_wall_s", "wait_s", "train_s",
+                         ("generate_s", "queue_s", "tools_s", "grade_s", "sandbox_s", "rollout_wall_s", "wait_s", "train_s",
                           "publish_s", "step_s")},
         "published": [{k2: p[k2] for k2 in ("version", "kind", "bytes", "fraction", "seconds")} for p in pubs],
         "delta_fraction": _stats([p["fraction"] for p in pubs if p["kind"] == "delta"]),
