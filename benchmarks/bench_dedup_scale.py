@@ -296,7 +296,7 @@ def main() -> None:
     base = baseline_code(a.work, a.baseline_rev) if a.baseline_fractions else None
     for frac in [float(f) for f in a.fractions.split(",") if f]:
         rep = {"fraction": frac, "load": os.getloadavg()[0], "ours": measured(REPO, part(frac), out, {"workers": 2})}
-        if base and f"{frac:g}" in a.baseline_fractions.split(","):
+        if base and frac in [float(f) for f in a.baseline_fractions.split(",") if f]:
             rep["baseline"] = measured(base, part(frac), out, {"workers": 2})
             rep["speed_vs_baseline"] = round(rep["baseline"]["wall_s"] / rep["ours"]["wall_s"], 2)
             rep["cpu_vs_baseline"] = round(rep["ours"]["cpu_s"] / rep["baseline"]["cpu_s"], 2)

@@ -42,7 +42,8 @@ new kept files only.
 
 Memory: the process tree (this process, the map workers, DuckDB) stays under ``memory_bytes``:
 DuckDB gets a quarter of it and spills beyond; workers hold one batch each, and their number is
-cut to what the rest allows (``WORKER_BYTES`` each); the write pass holds one shard.
+cut to what the rest allows (``WORKER_BYTES`` each); they exit once the map is done, before
+DuckDB's reduce; the write pass holds one shard.
 """
 
 from __future__ import annotations
@@ -662,6 +663,8 @@ def _run(
     tasks = plan([(i.url, i.meta) for i in inputs], cfg.task_bytes, work)
     try:
         stats = _map(tasks, storage, work, cfg, index.hashes, pool, run_tasks)
+        if pool is not None:  # the workers' memory (interpreter, kernels, a batch) goes back before the reduce
+            pool.shutdown()
         n_rows, n_bytes = sum(s["rows"] for s in stats), sum(s["bytes"] for s in stats)
         cpu = {stage: sum(s["cpu"][stage] for s in stats) for stage in STAGES}
         processes = "run_tasks" if run_tasks else workers_for(cfg) if pool is not None and len(tasks) > 1 else 1
