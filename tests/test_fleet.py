@@ -77,7 +77,10 @@ def _publish_v0(cfg):
 
 def test_fleet_distributed_run(learnable_base, servers, s3_bucket, tmp_path):
     b = s3_bucket["bucket"]
+    # The untrained policy earns no reward, so the GRPO loss is 0; AdamW's decoupled weight decay
+    # still moves every weight, enough to change the bf16 values: each version really differs.
     cfg = _cfg(learnable_base, tmp_path / "run", servers.urls, weights_uri=f"s3://{b}/weights",
+               trainer={"lr": 0.05, "weight_decay": 0.5, "micro_batch": 2},
                fleet={"exchange_uri": f"s3://{b}/exchange"})
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg.to_dict()))
@@ -88,6 +91,7 @@ def test_fleet_distributed_run(learnable_base, servers, s3_bucket, tmp_path):
     assert res["mode"] == "fleet" and res["steps"] == 3 and res["weights_verified"]
     assert [p["version"] for p in res["published"]] == [0, 1, 2, 3]
     assert [p["kind"] for p in res["published"]] == ["full", "delta", "full", "delta"]
+    assert all(p["fraction"] > 0.05 for p in res["published"])  # versions differ
     assert res["weights_uri"].startswith(f"s3://{b}/weights")
     for s in res["fleet"]["servers"].values():  # every server served every version, probe-checked
         assert s["versions_served"] == [0, 1, 2, 3] and s["alive"]
