@@ -39,11 +39,20 @@ def ready() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1)
 def native_available() -> bool:
-    """Whether the compiled kernels can be used (numba imports)."""
+    """Whether the compiled kernels can be used in this process: numba imports and the kernels
+    compile (or load from the cache) and run; otherwise the plain code runs, with the same
+    results."""
     from . import kernels
 
-    return kernels.AVAILABLE
+    if not kernels.AVAILABLE:
+        return False
+    try:
+        kernels.warm()
+    except Exception:  # a broken numba/LLVM install: the plain code gives the same output
+        return False
+    return True
 
 
 def analyse_batch(docs: list[bytes | None], paths: list[str], cfg: Any, contam: np.ndarray,
@@ -52,10 +61,8 @@ def analyse_batch(docs: list[bytes | None], paths: list[str], cfg: Any, contam: 
     (a plain namespace, so a worker imports only this module and what it uses). ``native``:
     use the compiled kernels (``kernels.py``; the default where numba imports) or the plain
     Python/numpy code; both give the same results."""
-    from . import kernels
-
     if native is None:
-        native = kernels.AVAILABLE
+        native = native_available()
     return (_analyse_native if native else _analyse_plain)(docs, paths, cfg, contam)
 
 

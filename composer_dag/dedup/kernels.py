@@ -61,7 +61,12 @@ IS_WORD[list(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 
 
 def _njit(fn):
-    return numba.njit(cache=True, nogil=True)(fn) if numba is not None else fn
+    if numba is None:
+        return fn
+    try:
+        return numba.njit(cache=True, nogil=True)(fn)
+    except RuntimeError:  # no writable place for the cache (a read-only install): compile per process
+        return numba.njit(nogil=True)(fn)
 
 
 @_njit
