@@ -3,7 +3,10 @@
 ``analyse_batch`` returns each file's filter verdict and, for files that pass the filters, the
 exact-dedup hash, the MinHash signature, the first contaminated n-gram and the redacted text.
 The pipeline then applies these in stage order; computing them together reads and tokenises
-each file once and lets all of it run in parallel.
+each file once and lets all of it run in parallel. Two implementations give the same results:
+the compiled byte loops of ``kernels.py`` over a batch joined into one buffer (``_analyse_native``,
+for map tasks of at least ``native_min_bytes``) and the plain Python/numpy code
+(``_analyse_plain``: ``filters``, ``normalised_hash``, ``text``, ``near``, ``secrets``).
 """
 
 from __future__ import annotations
