@@ -237,3 +237,33 @@ def test_digest_mismatch_is_detected(tmp_path):
     st.write_bytes(prefix + "/v00000000.full.safetensors", bytes(blob))
     with pytest.raises(DigestMismatch):
         reconstruct(st, prefix, 1)
+
+
+def test_bf16_publication_and_weight_cache(tmp_path):
+    from composer_dag.rl.weights import WeightCache, cast_state, latest_version
+
+    st = Storage(str(tmp_path))
+    prefix = st.url("w")
+    states = [{k: v for k, v in sd.items() if k != "i"} for sd in _states(5)]
+    pub = WeightPublisher(st, prefix, full_every=3, dtype="bfloat16")
+    infos = [pub.publish(v, sd) for v, sd in enumerate(states)]
+    assert [i["kind"] for i in infos] == ["full", "delta", "delta", "full", "delta"]
+    assert infos[0]["full_bytes"] == sum(v.numel() * 2 for v in states[0].values())  # bf16 on storage
+    assert latest_version(st, prefix) == 4 and st.read_json(prefix + "/latest.json")["digest"] == infos[4]["digest"]
+    cache = WeightCache(st, prefix)
+    for v in (0, 2, 1, 4):  # forward steps apply only the new deltas; going back rebuilds from a full
+        got = cache.get(v)
+        assert all(t.dtype == torch.bfloat16 for t in got.values())
+        assert state_digest(got) == state_digest(cast_state(states[v], "bfloat16"))
+    assert states[0]["w"].dtype == torch.float32  # the caller's tensors are left as they were
+    blob = bytearray(st.read_bytes(prefix + "/v00000004.delta.zst"))
+    blob[-1] ^= 1  # a corrupt delta blob fails its manifest's sha256
+    st.write_bytes(prefix + "/v00000004.delta.zst", bytes(blob))
+    with pytest.raises(DigestMismatch, match="sha256"):
+        WeightCache(st, prefix).get(4)
+
+
+def test_group_advantages_leave_out_infrastructure_failures():
+    adv = group_advantages([1.0, 0.0, 0.0, 5.0], ["g", "g", "g", "h"], normalize_std=False,
+                           include=[True, True, False, False])
+    assert adv == [0.5, -0.5, 0.0, 0.0]  # the failed one is neither a zero reward nor trained on
