@@ -193,6 +193,19 @@ def test_fleet_probe_stops_a_server_that_skipped_a_reload(orchestrator):
         o.fleet.acquire(0)
 
 
+def test_fleet_run_stops_in_one_line_when_a_server_skips_a_reload(learnable_base, servers, tmp_path):
+    cfg = _cfg(learnable_base, tmp_path / "run", servers.urls, steps=2,
+               trainer={"lr": 0.05, "weight_decay": 0.5, "micro_batch": 2}, fleet={"skip_reload": [1, 1]})
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    r = subprocess.run([sys.executable, "-m", "composer_dag.rl.run", "--config", str(path)], capture_output=True,
+                       text=True, timeout=300)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith("fleet run failed in the orchestrator: probe check failed: "
+                                                 "rollout server s1"), r.stderr[-3000:]
+    assert "after loading version 1" in last and "Traceback" not in r.stderr
+
+
 def test_fleet_server_killed_mid_episode_then_rejoins(orchestrator, servers, monkeypatch):
     from composer_dag.rl.fleet import server as server_mod
 
