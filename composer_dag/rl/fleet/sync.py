@@ -254,3 +254,15 @@ class Fleet:
     def summary(self) -> dict:
         return {s.id: {"url": s.client.url, "version": s.version, "alive": s.alive, "deaths": s.deaths,
                        "versions_served": s.versions_served, "reloads": s.reloads} for s in self.servers}
+
+
+def role_main(description: str, run, argv=None) -> dict:
+    """Entry point of a fleet role's process (trainer, orchestrator): the RL config in, and a
+    fleet failure (probe mismatch, stopped fleet, timeout) as one line with exit status 1."""
+    from ...pipes import entry_point
+    from ..run import RLConfig
+
+    try:
+        return entry_point(RLConfig, description, run, argv)
+    except (ProbeMismatch, FleetStopped, TimeoutError) as e:
+        raise SystemExit(str(e)) from None

@@ -142,15 +142,9 @@ def run(cfg, rep: Reporter | None = None) -> dict:
 
 
 def main(argv=None) -> dict:
-    from ...pipes import entry_point
-    from ..run import RLConfig
+    from .sync import role_main
 
-    from .sync import FleetStopped, ProbeMismatch
-
-    try:
-        return entry_point(RLConfig, "the RL trainer (fleet mode)", run, argv)
-    except (ProbeMismatch, FleetStopped, TimeoutError) as e:  # one line, exit status 1
-        raise SystemExit(str(e)) from None
+    return role_main("the RL trainer (fleet mode)", run, argv)
 
 
 if __name__ == "__main__":
