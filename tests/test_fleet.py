@@ -42,9 +42,10 @@ class Servers:
             p.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def servers(learnable_base, tmp_path_factory):
-    """One pair of rollout servers on the tiny test policy, shared by every test here."""
+    """One pair of rollout servers on the tiny test policy, shared by every test here and
+    stopped after the last of them (the rest of the session does not pay for them)."""
     s = Servers(learnable_base["policy_dir"], tmp_path_factory.mktemp("servers"))
     try:
         yield s.start()
