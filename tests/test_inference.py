@@ -5,6 +5,8 @@ import glob
 import json
 import os
 
+import sys
+
 import pytest
 
 from composer_dag.inference import HFEngine, Sampling, make_engine
@@ -48,6 +50,12 @@ def test_hf_engine_interface(models):
 @pytest.mark.slow
 def test_vllm_matches_hf_and_reloads_weights(models, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: faster start
+    # vLLM's in-process kernel override scans every module's namespace and trips on llvmlite's ffi
+    # `lib` (any attribute of it, `__dict__` included, is a foreign function). The dedup tests load
+    # it into this process through numba; jobs run vLLM in processes that never import numba, so
+    # here those modules are out of sys.modules for the test's duration.
+    for name in [n for n in sys.modules if n.split(".")[0] in ("llvmlite", "numba")]:
+        monkeypatch.delitem(sys.modules, name)
     hf_a, hf_b = HFEngine(models[0]), HFEngine(models[1])
     eng = make_engine("vllm", models[0], max_model_len=256, kv_cache_bytes=64 << 20, seed=0)
     try:

@@ -12,6 +12,7 @@ import re
 import shutil
 import sysconfig
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,9 +28,20 @@ _BIN_SWAP = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.Flo
              ast.LShift: ast.RShift, ast.RShift: ast.LShift}
 
 
+# CPython 3.11's parser keeps its recursion-depth counter per interpreter, not per thread: modules
+# built in parallel threads can fail with "AST constructor recursion depth mismatch". Parse under
+# one lock.
+_AST_LOCK = threading.Lock()
+
+
+def _parse(source: str) -> ast.AST:
+    with _AST_LOCK:
+        return ast.parse(source)
+
+
 def mutation_sites(source: str) -> list[tuple[str, ast.AST]]:
     """Candidate mutations inside function bodies: (kind, node), in source order."""
-    tree = ast.parse(source)
+    tree = _parse(source)
     lines = source.splitlines()
     sites = []
     for fn in ast.walk(tree):
@@ -106,7 +118,7 @@ def _preamble(module: str) -> str:
 
 
 def _with_preamble(test_src: str, module: str) -> str:
-    tree = ast.parse(test_src)
+    tree = _parse(test_src)
     at = 0
     for stmt in tree.body:
         if isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__" or (
@@ -175,7 +187,7 @@ def _bugfix_module(module: str, out: Path, cfg: TaskBuildConfig) -> tuple[list[P
                 break
             mutant = apply_mutation(original, kind, node)
             try:
-                if ast.dump(ast.parse(mutant)) == ast.dump(ast.parse(original)) or mutant in seen:
+                if ast.dump(_parse(mutant)) == ast.dump(_parse(original)) or mutant in seen:
                     stats["rejected"]["no_change"] = stats["rejected"].get("no_change", 0) + 1
                     continue
             except SyntaxError:
