@@ -82,7 +82,8 @@ def publish_dir(storage, local_dir: str, url: str, extra: dict | None = None) ->
 
 def run_stage(context, storage, cluster, stage: str, model, params, inputs: list[str],
               fields: Callable[[dict[str, str], str], dict], entry: str,
-              outputs: dict[str, list[list[str]]], launcher: str | None = None, copy_inputs: bool = True):
+              outputs: dict[str, list[list[str]]], launcher: str | None = None, copy_inputs: bool = True,
+              state_inputs: list[str] | None = None, state_exclude: tuple[str, ...] = ()):
     """Run one stage's engine entry point as a job on the cluster resource: config -> launch ->
     verified result. The job shares no disk with this process.
 
@@ -92,6 +93,9 @@ def run_stage(context, storage, cluster, stage: str, model, params, inputs: list
     newest artifact and checks it against the manifest digest recorded here; its resumable state
     lives at ``<root>/work/<stage>/<key>`` (key: the inputs' digests and the settings), so a retry
     or a re-run with the same inputs resumes from the last sealed checkpoint, on any node.
+    ``state_inputs`` (default: all of ``inputs``) and ``state_exclude`` (settings left out) narrow
+    that key for a stage that tells its own inputs apart (evaluation keeps one result per
+    candidate checkpoint and redoes only those whose digest changed).
     ``outputs`` maps each output asset key to the files to publish (``[dest, src]``, ``src``
     relative to the stage's ``out_dir``, see ``composer_dag.runtime.job``); each goes to
     ``<root>/<asset key>/<run id>``.
@@ -103,8 +107,9 @@ def run_stage(context, storage, cluster, stage: str, model, params, inputs: list
     from composer_dag.runtime.job import SCRATCH
 
     metas = {key: latest_metadata(context.instance, key) or {} for key in inputs}
-    digests = [str(metas[key].get("manifest_digest")) for key in inputs]
-    state_key = hashlib.sha256("\0".join([stage, *digests, json.dumps(params.model_dump(), sort_keys=True)]).encode()).hexdigest()[:16]
+    digests = [str(metas[key].get("manifest_digest")) for key in (inputs if state_inputs is None else state_inputs)]
+    settings = {k: v for k, v in params.model_dump().items() if k not in state_exclude}
+    state_key = hashlib.sha256("\0".join([stage, *digests, json.dumps(settings, sort_keys=True)]).encode()).hexdigest()[:16]
     dirs = {key: f"{SCRATCH}/inputs/{key}" for key in inputs}
     cfg = engine_config(model, params, **fields(dirs, SCRATCH))
     job = {

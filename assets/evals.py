@@ -49,7 +49,10 @@ def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artif
         context, storage, cluster, "eval", EvalRunConfig, config, [*CANDIDATES, "eval_tasks", "token_shards"],
         lambda d, wd: {"checkpoints": {k: d[k] for k in CANDIDATES}, "tasks_dir": d["eval_tasks"],
                        "val_dir": d["token_shards"], "out_dir": os.path.join(wd, "out")},
-        "composer_dag.evals.run", launcher="python", outputs={"evaluated_model": [[k, k] for k in CANDIDATES]})
+        "composer_dag.evals.run", launcher="python", outputs={"evaluated_model": [[k, k] for k in CANDIDATES]},
+        # one result per candidate, kept across runs: only a candidate whose digest changed is
+        # evaluated again (the gate's settings are applied here, not in the job)
+        state_inputs=["eval_tasks", "token_shards"], state_exclude=("gate",))
     summaries = job["summary"]
     url, job_digest = job["outputs"]["evaluated_model"]["url"], job["outputs"]["evaluated_model"]["digest"]
 

@@ -314,6 +314,17 @@ def test_evaluate_many_shares_one_engine_and_matches_separate_runs(setup, tmp_pa
         assert starts == [setup["base_dir"]]  # one engine for both
         again = evaluate_many(ckpts, setup["tasks_dir"], tmp_path / "shared", cfg)
         assert len(starts) == 1 and again == shared  # both were finished: nothing sampled again
+        assert json.loads((tmp_path / "shared" / "latest").read_text()) == {k: shared[k]["checkpoint_digest"] for k in ckpts}
+        # a candidate that changed (a new RL checkpoint) is evaluated again; the other is kept
+        changed = tmp_path / "changed"
+        shutil.copytree(other, changed)
+        save_file({k: v * 0.5 if v.ndim == 2 else v for k, v in sd.items()}, str(changed / "model.safetensors"))
+        shutil.copytree(tmp_path / "shared", tmp_path / "third")
+        n = len(starts)
+        third = evaluate_many({"a": setup["base_dir"], "b": str(changed)}, setup["tasks_dir"], tmp_path / "third", cfg)
+        assert starts[n:] == [str(changed)]  # one engine, for the changed candidate only
+        assert third["a"] == shared["a"] and third["b"]["checkpoint_digest"] != shared["b"]["checkpoint_digest"]
+        assert not (tmp_path / "third" / "b" / "progress").exists()
         alone = {k: evaluate(d, setup["tasks_dir"], tmp_path / "alone" / k, cfg) for k, d in ckpts.items()}
     finally:
         inference.engine_from_config = real

@@ -368,13 +368,22 @@ def _same_architecture(a: str, b: str) -> bool:
     return sig(a) == sig(b)
 
 
+def _mark_done(out_dir: Path, summaries: dict[str, dict]) -> None:
+    tmp = out_dir / ".latest.tmp"
+    tmp.write_text(json.dumps({k: v.get("checkpoint_digest") for k, v in summaries.items()}, indent=1))
+    os.replace(tmp, out_dir / "latest")
+
+
 def evaluate_many(checkpoints: dict[str, str], tasks_dir, out_dir, config: EvalConfig | dict | None = None,
                   rep=None) -> dict[str, dict]:
     """``evaluate`` each named checkpoint into ``out_dir/<name>``, sharing one engine: a
     checkpoint of the same architecture as the engine's model is loaded into it in place (a
     second vLLM start costs about a minute of CPU here; a weight reload a fraction of a second).
-    A checkpoint whose ``summary.json`` and manifest are already there (a retried job) is not
-    evaluated again."""
+    A checkpoint whose ``summary.json`` and manifest are already there for the same checkpoint
+    digest (a retried job, or a later run whose other candidates changed: the job's state is
+    keyed by the tasks and settings, not by the checkpoints) is not evaluated again; one whose
+    digest changed is. After each checkpoint, ``out_dir/latest`` lists the finished ones (name:
+    digest), which marks the directory as a state a job resumes from."""
     from ..inference import engine_from_config, fit_to_model
     from ..storage import ArtifactError, Storage
 
@@ -388,10 +397,16 @@ def evaluate_many(checkpoints: dict[str, str], tasks_dir, out_dir, config: EvalC
                 try:
                     done = Storage(str(out))
                     done.verify_manifest(done.root)
-                    summaries[name] = json.loads((out / "summary.json").read_text())
-                    summaries[name]["manifest_digest"] = done.manifest_digest(done.root)
-                    log(f"eval: {name} was evaluated already")
-                    continue
+                    prior = json.loads((out / "summary.json").read_text())
+                    if prior.get("checkpoint_digest") == checkpoint_digest(ckpt):
+                        prior["manifest_digest"] = done.manifest_digest(done.root)
+                        summaries[name] = prior
+                        # batches a state copy may have brought back are not part of the result
+                        shutil.rmtree(out / "progress", ignore_errors=True)
+                        log(f"eval: {name} was evaluated already (checkpoint {prior['checkpoint_digest'][:12]})")
+                        _mark_done(Path(out_dir), summaries)
+                        continue
+                    log(f"eval: {name} changed since its last evaluation: evaluating it again")
                 except (ArtifactError, OSError, ValueError):
                     pass
             if engine is not None and not _same_architecture(engine_dir, ckpt):
@@ -402,6 +417,7 @@ def evaluate_many(checkpoints: dict[str, str], tasks_dir, out_dir, config: EvalC
                 engine, engine_dir = engine_from_config(inference, ckpt, seed=cfg.seed), ckpt
             log(f"eval: {name}")
             summaries[name] = evaluate(ckpt, tasks_dir, out, cfg, rep, engine=engine)
+            _mark_done(Path(out_dir), summaries)
     finally:
         if engine is not None:
             engine.close()
