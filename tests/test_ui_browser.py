@@ -101,9 +101,12 @@ def _stop_schedules(base: str) -> list[str]:
     return stopped
 
 
-@pytest.fixture
-def dagster_ui(tmp_path):
-    """`dagster dev` on 127.0.0.1 with a fresh instance and one tiny local source."""
+@pytest.fixture(scope="module")
+def dagster_ui(tmp_path_factory):
+    """`dagster dev` on 127.0.0.1 with a fresh instance and two tiny local sources, started once
+    for the tests of this module (in file order: the browser's one-partition run, then the
+    two-partition backfill)."""
+    tmp_path = tmp_path_factory.mktemp("dagster_ui")
     src = tmp_path / "src"
     src.mkdir()
     (src / "shapes.py").write_text("def area(w, h):\n    return w * h\n")
