@@ -35,7 +35,7 @@ class SFTConfig(MidtrainConfig):
     data_dir: str = Field("", description="where the tokenized transcripts go (default out_dir/data)")
     objective: Literal["lm", "sft"] = "sft"
     seq_len: int = Field(512, description="tokens per transcript; longer ones are cut (and counted)")
-    micro_batch: int = 16
+    micro_batch: int = 8
     lr: float = 2e-3
     min_lr: float = Field(2e-3, description="= lr: constant after the warmup")
     warmup_steps: int = 3
