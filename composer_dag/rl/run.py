@@ -48,7 +48,7 @@ class RLConfig(StageConfig):
     task_sources: Optional[list[str]] = Field(
         ["learnable"], description="train on tasks of these sources only (None: every task); the default fits the "
                                    "tiny CPU model, which solves no HumanEval or bug-fix task yet")
-    steps: int = Field(3, description="policy updates")
+    steps: int = Field(2, description="policy updates")
     tasks_per_step: int = 4
     group_size: int = Field(4, description="samples per task (a GRPO group)")
     max_staleness: int = Field(1, description="versions a batch may lag the trainer")
