@@ -29,11 +29,13 @@ def setup_distributed() -> tuple[int, int, "torch.device"]:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
 
-    if not cuda and int(os.environ["WORLD_SIZE"]) == 1:
+    if not cuda and os.environ.get("COMPOSER_DS_SHM_COMM", "0") != "1":
         # DeepSpeed's CPU backend builds its shared-memory all-reduce kernel (a C++ compile of
-        # about a minute on 2 cores, repeated wherever the build cache is new) when its process
-        # group starts; one process has no peer to share memory with, so it is left out there.
-        # DeepSpeed keeps this probe's result in one module-level dict, meant to be edited.
+        # about a minute on 2 cores, repeated wherever the build cache is new: every isolated
+        # job's scratch) when its process group starts. CPU training here is the embedded default
+        # and its tests, where gloo's all-reduce of a small model costs milliseconds; set
+        # COMPOSER_DS_SHM_COMM=1 to build and use it. DeepSpeed keeps this probe's result in one
+        # module-level dict, meant to be edited. GPUs use NCCL and never build it.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     local_rank = int(os.environ["LOCAL_RANK"])
