@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 export COMPOSER_HOME ?= $(CURDIR)/.composer
 export DAGSTER_HOME ?= $(COMPOSER_HOME)/dagster_home
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (0: one process); modules stay whole on one worker
+PYTEST_WORKERS ?= 2
 
 .PHONY: install system-deps run test dev bench clean
 
@@ -45,7 +47,7 @@ run: install $(DAGSTER_HOME)/dagster.yaml
 test: install $(DAGSTER_HOME)/dagster.yaml
 	@mkdir -p tests/artifacts
 	$(VENV)/bin/dagster definitions validate -w workspace.yaml
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 dev: install $(DAGSTER_HOME)/dagster.yaml
 	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000

@@ -21,6 +21,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Modules whose tests take minutes: started first, so that the two workers of `make test` end
+# together rather than one waiting for the other's last long module.
+LONG_FIRST = ("tests.test_fleet", "tests.test_rl_learn", "tests.test_ui_browser", "tests.test_faults_kill",
+              "tests.test_train_midtrain", "tests.test_sft")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Grouping for pytest-xdist's ``--dist loadgroup`` (what ``make test`` runs): each module runs
+    whole on one worker, so its module fixtures (a pair of vLLM servers, `dagster dev`) start
+    once; every module that uses the Slurm cluster runs on the same worker, so the session starts
+    one cluster; and the longest groups go first (the Slurm group holds the whole-graph run)."""
+    slurm = {item.module.__name__ for item in items if "slurm_cluster" in getattr(item, "fixturenames", ())}
+
+    def group(item) -> str:
+        return "slurm" if item.module.__name__ in slurm else item.module.__name__
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    order = ["slurm", *LONG_FIRST]
+    items.sort(key=lambda it: order.index(group(it)) if group(it) in order else len(order))
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """moto in server mode, a separate process serving the S3 API over HTTP on loopback."""
