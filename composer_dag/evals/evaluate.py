@@ -53,7 +53,7 @@ class EvalConfig(StageConfig):
     samples_per_task: int = Field(2, ge=1, description="n: samples per task (pass@k needs k <= n)")
     ks: list[int] = [1, 2]
     task_ids: Optional[list[str]] = Field(None, description="a subset of tasks_dir (default: every task)")
-    max_tasks: Optional[int] = Field(6, description="the first N tasks (by id) after task_ids, of the sources "
+    max_tasks: Optional[int] = Field(3, description="the first N tasks (by id) after task_ids, of the sources "
                                                     "not in every_task_of")
     every_task_of: list[str] = Field(["learnable"], description="task sources evaluated in full, whatever max_tasks")
     batch_tasks: Optional[int] = Field(16, description="tasks per agent-loop batch (all their samples together)")

@@ -68,7 +68,7 @@ class MidtrainConfig(StageConfig):
     warmup_steps: int = 20
     schedule: Literal["cosine", "wsd"] = Field("cosine", description="wsd: warmup, stable, linear decay")
     decay_frac: float = Field(0.2, description="wsd: the last fraction of steps that decays")
-    max_steps: int = Field(60, description="optimizer steps")
+    max_steps: int = Field(100, description="optimizer steps")
     max_tokens: Optional[int] = Field(None, description="if set, also stop after this many tokens")
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -76,9 +76,9 @@ class MidtrainConfig(StageConfig):
     grad_clip: float = 1.0
     zero_stage: int = 2
     bf16: Optional[bool] = Field(None, description="None: bf16 on a GPU with bf16, fp32 otherwise")
-    eval_every: int = Field(20, description="steps; validation also runs at step 0 and at the end")
+    eval_every: int = Field(50, description="steps; validation also runs at step 0 and at the end")
     eval_batches: int = Field(8, description="micro-batches per rank per validation")
-    save_every: int = Field(30, description="steps; a checkpoint is also written at the end")
+    save_every: int = Field(50, description="steps; a checkpoint is also written at the end")
     keep_checkpoints: int = 2
     log_every: int = 10
     shuffle: bool = Field(True, description="shuffle sample order per epoch (seeded)")
