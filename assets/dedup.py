@@ -90,6 +90,12 @@ def _map_runner(context, cluster: ClusterResource, artifacts: ArtifactStorage):
         return None
     python = "python" if cluster.backend == "k8s" else sys.executable  # the image's / the shared environment's
     env = {"COMPOSER_S3_ENDPOINT_URL": artifacts.endpoint_url} if artifacts.endpoint_url else {}
+    root = artifacts.get().root
+    if root.startswith("file://"):
+        context.log.warning(f"map tasks on {cluster.backend} read and write {root}: every node must mount it at that path")
+    if cluster.isolate:
+        context.log.info("map tasks run without the bubblewrap sandbox (they execute no corpus code; "
+                         "they reach the artifacts through storage only)")
 
     def run_tasks(spec_url: str, count: int) -> None:
         cluster.run_array(context, [python, "-m", "composer_dag.dedup.shards", spec_url], count, env=env, name=MAP_ARRAY)

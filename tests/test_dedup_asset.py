@@ -93,6 +93,9 @@ def test_incremental_asset_dedups_only_the_new_source(tmp_path):
         kept = _kept(storage, inc["dagster/uri"])  # old and new kept files, in one output
         assert _files(kept) == {("a", p) for p in a} | {("b", p) for p in b if p != "copy_of_m2.py"}
         assert kept.num_rows == len(set(kept.column("id").to_pylist()))
+        content = [storage.read_parquet(u, columns=["content"]) for u in storage.find(inc["dagster/uri"])
+                   if u.rsplit("/", 1)[-1].startswith("shard-")]
+        assert inc["bytes_kept"] == sum(len(t.encode()) for c in content for t in c.column("content").to_pylist())
         dropped = storage.read_parquet(inc["dagster/uri"] + "/dropped.parquet").to_pylist()
         assert [(d["path"], d["reason"]) for d in dropped] == [("copy_of_m2.py", "exact_duplicate")]
         assert "(a:m2.py)" in dropped[0]["detail"]  # the file already kept wins
