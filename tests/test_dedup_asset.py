@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from assets._common import latest_uri
-from composer_dag.dedup import DedupConfig, dedup
+from composer_dag.dedup import DedupConfig, dedup, plan_increment, work_url
 from composer_dag.dedup.shards import main as map_main
 from composer_dag.definitions import build_defs, materialize_all
 from composer_dag.storage import Storage
@@ -63,6 +63,36 @@ def test_map_task_index_comes_from_the_array_environment(tmp_path, monkeypatch, 
     assert map_main([spec]) == 1  # index 3 taken, then the missing spec named in one line
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"dedup task 3 of {spec} failed: missing artifact file"), err
+
+
+def test_increment_plan_says_why_it_rebuilds(tmp_path):
+    storage = Storage(str(tmp_path))
+    url = storage.url("deduped_shards", "run-1")
+    storage.write_json(url + "/manifest.json", {"files": {}})
+    storage.write_json(work_url(url) + "/index.json", {"files": 0})
+    cfg = DedupConfig(incremental=True)
+    latest = {"url": url, "config": cfg.to_dict(), "sources": {"a": "da"}, "contamination": "c"}
+
+    def plan(sources=None, run_cfg=cfg, contamination="c", **latest_changes):
+        return plan_increment(storage, run_cfg, sources or {"a": "da", "b": "db"}, contamination,
+                              {**latest, **latest_changes})
+
+    got = plan()
+    assert (got.mode, got.previous, got.new_sources) == ("increment", url, ["b"])
+    assert plan(run_cfg=cfg.replace(workers=1, task_bytes=1000, shard_bytes=1000)).mode == "increment"
+    assert plan({"a": "da"}).mode == "unchanged"
+    for why, got in [
+        ("a re-ingested with other content", plan({"a": "new", "b": "db"})),
+        ("a no longer in the corpus", plan({"b": "db"})),
+        ("settings changed since the latest output: threshold", plan(run_cfg=cfg.replace(threshold=0.8))),
+        ("decontamination set changed", plan(contamination="other")),
+        ("not made in incremental mode", plan(config=DedupConfig().to_dict())),
+        ("incremental mode is off", plan(run_cfg=cfg.replace(incremental=False))),
+    ]:
+        assert got.mode == "full" and why in got.why, (why, got)
+    assert plan_increment(storage, cfg, {"a": "da"}, "c", None).why == "no earlier output to build on"
+    storage.fs.rm_file(storage._path(work_url(url) + "/index.json"))
+    assert "has no index of kept files" in plan().why
 
 
 def test_incremental_asset_dedups_only_the_new_source(tmp_path):
