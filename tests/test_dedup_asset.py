@@ -62,7 +62,7 @@ def test_map_task_index_comes_from_the_array_environment(tmp_path, monkeypatch, 
     monkeypatch.setenv("COMPOSER_ARRAY_INDEX", "3")
     assert map_main([spec]) == 1  # index 3 taken, then the missing spec named in one line
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"dedup task 3 of {spec} failed: missing artifact file"), err
+    assert err[-1].startswith(f"DedupTaskError: dedup task 3 of {spec} failed: missing artifact file"), err
 
 
 def test_increment_plan_says_why_it_rebuilds(tmp_path):
@@ -175,3 +175,26 @@ def test_slurm_dedup_map_runs_as_a_job_array(slurm_cluster, s3_bucket, tmp_path)
         sorted(zip(here.column("id").to_pylist(), here.column("sha256").to_pylist()))
     assert meta["files_kept"] == local.files_kept == 10 and meta["files_in"] == 12
     assert meta["manifest_digest"] != "" and storage.verify_manifest(meta["dagster/uri"])
+
+
+def test_slurm_dedup_map_failure_names_the_index(slurm_cluster, tmp_path):
+    """A map task that fails on the cluster fails the step with one line naming the array, the
+    index and the task's own error (not the scheduler's last words)."""
+    from assets.dedup import _map_runner
+    from resources import ArtifactStorage
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    cluster = ClusterResource(backend="slurm", scratch_dir=str(scratch), poll_seconds=0.5, grace_seconds=3)
+    spec = f"file://{tmp_path}/art/spec.json"  # never written
+
+    @dg.asset
+    def mapped(context):
+        _map_runner(context, cluster, ArtifactStorage(root=str(tmp_path / "art")))(spec, 1)
+
+    res = dg.materialize([mapped], raise_on_error=False)
+    failure = next(e for e in res.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE)
+    lines = failure.event_specific_data.error.message.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(
+        f"array dedup-map: 1 of 1 indexes failed: index 0 failed (exit code 1): DedupTaskError: dedup task 0 of "
+        f"{spec} failed: missing artifact file: {spec}"), lines

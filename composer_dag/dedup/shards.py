@@ -241,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = storage.read_json(spec_url)
         storage = open_storage(spec["root"])
         run_task(storage, spec, index)
-    except Exception as exc:  # one line for the job's log, never a traceback
-        print(f"dedup task {index} of {spec_url} failed: {' '.join(str(exc).split())[:500]}", file=sys.stderr)
+    except Exception as exc:  # one line for the job's log, never a traceback; shaped as an exception
+        why = " ".join(str(exc).split())[:500] or type(exc).__name__  # line, so run_array names it
+        print(f"DedupTaskError: dedup task {index} of {spec_url} failed: {why}", file=sys.stderr)
         return 1
     return 0
 
