@@ -11,10 +11,10 @@ import pyarrow as pa
 import pytest
 
 from assets._common import latest_uri
-from composer_dag.dedup import DedupConfig, dedup, plan_increment, work_url
+from composer_dag.dedup import DedupConfig, carry_shards, check_carried, dedup, plan_increment, work_url
 from composer_dag.dedup.shards import main as map_main
 from composer_dag.definitions import build_defs, materialize_all
-from composer_dag.storage import Storage
+from composer_dag.storage import ArtifactError, Storage
 from resources.cluster import ClusterResource
 from tests.test_dedup import _code
 from tests.test_graph_data import check_outcomes, resources_for
@@ -93,6 +93,27 @@ def test_increment_plan_says_why_it_rebuilds(tmp_path):
     assert plan_increment(storage, cfg, {"a": "da"}, "c", None).why == "no earlier output to build on"
     storage.fs.rm_file(storage._path(work_url(url) + "/index.json"))
     assert "has no index of kept files" in plan().why
+
+
+def test_carried_shards_are_copied_on_s3_and_checked(s3_bucket):
+    """The earlier output's shards (its own carried ones first) copied server-side on S3, counted
+    from their footers, and checked against its manifest once the new one is written."""
+    storage = Storage(f"s3://{s3_bucket['bucket']}/root", s3_bucket["options"])
+    old, new = storage.url("deduped_shards", "run-1"), storage.url("deduped_shards", "run-2")
+    for name, n in (("shard-00000.parquet", 2), ("shard-c00000.parquet", 3)):
+        storage.write_parquet(pa.table({"id": [f"{name}-{i}" for i in range(n)]}), f"{old}/{name}")
+    storage.write_parquet(pa.table({"id": ["x"]}), f"{old}/dropped.parquet")
+    storage.write_manifest(old)
+    carried = carry_shards(storage, old, new)
+    assert [u.rsplit("/", 1)[1] for u in carried.urls] == ["shard-c00000.parquet", "shard-c00001.parquet"]
+    assert carried.files == 5
+    assert storage.read_parquet(carried.urls[0]).column("id").to_pylist()[0] == "shard-c00000.parquet-0"
+    storage.write_manifest(new)
+    check_carried(storage, carried, new)
+    storage.write_parquet(pa.table({"id": ["changed"]}), carried.urls[1])
+    storage.write_manifest(new)
+    with pytest.raises(ArtifactError, match="shard-c00001.parquet"):
+        check_carried(storage, carried, new)
 
 
 def test_incremental_asset_dedups_only_the_new_source(tmp_path):
