@@ -1,5 +1,34 @@
-"""deduped_shards: every source's files filtered, deduplicated, decontaminated and redacted."""
+"""deduped_shards: every source's files filtered, deduplicated, decontaminated and redacted.
 
+Where the map runs: with the ``cluster`` resource's backend ``local``, the engine's own process
+pool on this machine (small inputs in this process). With ``slurm`` or ``k8s``, the engine's map
+tasks run as one job array through ``cluster.run_array`` (``sbatch --array``, an indexed Job):
+element ``i`` runs ``python -m composer_dag.dedup.shards SPEC_URL`` with ``i`` in
+``COMPOSER_ARRAY_INDEX``; a failing element fails the step with one line naming it. The reduce
+runs here. Array tasks share nothing with this process but storage: the job spec, the inputs and
+the map's output are storage URLs, so the artifact storage must be reachable from the nodes:
+S3 (or any object store over HTTP; the endpoint travels in ``COMPOSER_S3_ENDPOINT_URL``, the
+keys in the job's environment as for every cluster job, never in the job script), or local
+files only on a filesystem every node mounts at the same path. The array tasks are not run
+under bubblewrap even with ``isolate``: they run only this project's code over file contents as
+bytes (nothing from the corpus is executed), and a sandbox would hide a ``file://`` storage root
+(only the code, the Python environment and the scratch directory are bound into it; object
+storage stays reachable, the network is not unshared).
+
+Incremental mode (``incremental: true``): when the latest materialization was itself made in
+incremental mode with the same settings and decontamination set, and every source it used still
+has the same ``code_corpus`` content (the corpus manifest digest of each source is recorded in
+``source_digests``), only the sources new since then are deduplicated, against the index of every
+file kept so far; a file already kept wins over a new copy. The earlier shards are copied into
+the new output (``shard-c*.parquet``), so it still holds every kept file; ``files_carried`` and
+``bytes_carried`` count them, and ``files_in + files_carried = kept + dropped``. A source that
+changed or disappeared, other settings or no usable earlier output mean a full rebuild (logged
+with the reason); nothing new at all re-reports the latest output as it is.
+See ``composer_dag/dedup/increment.py``.
+"""
+
+import contextlib
+import sys
 
 import dagster as dg
 
@@ -8,34 +37,70 @@ from assets.corpus import code_corpus, sources_partitions
 from assets.envs import eval_task_texts
 from composer_dag import dedup as engine
 from resources import ArtifactStorage, CatalogResource
+from resources.cluster import ClusterResource
 from resources.dagster_config import dagster_config, engine_config
 
 ASSET = "deduped_shards"
+MAP_ARRAY = "dedup-map"
 
 
 DedupParams = dagster_config(engine.DedupConfig, module=__name__)
 """Near-dedup defaults follow BigCode's: 256 permutations, Jaccard 0.7, 5-gram shingles."""
 
 
-def corpus_inputs(context: dg.AssetExecutionContext | dg.AssetCheckExecutionContext, storage) -> tuple[list[str], list[str]]:
-    """Parquet files of the newest materialization of every ``code_corpus`` partition."""
+def corpus_sources(context: dg.AssetExecutionContext | dg.AssetCheckExecutionContext, storage) -> dict[str, tuple[list[str], str]]:
+    """For every ``code_corpus`` partition with a materialization: the Parquet files of its
+    newest one and that artifact's manifest digest."""
     partitions = sorted(context.instance.get_dynamic_partitions(sources_partitions.name))
-    urls, used = [], []
+    found: dict[str, tuple[list[str], str]] = {}
     for p in partitions:
         if latest_metadata(context.instance, "code_corpus", p) is None:
             context.log.warning(f"source {p!r} has no code_corpus materialization yet; left out")
             continue
         base = latest_uri(context.instance, "code_corpus", p)
         storage.verify_manifest(base)  # never read a half-written or changed artifact
-        urls += [u for u in storage.find(base) if u.rsplit("/", 1)[-1].startswith("files-")]
-        used.append(p)
-    if not urls:
+        urls = [u for u in storage.find(base) if u.rsplit("/", 1)[-1].startswith("files-")]
+        found[p] = (urls, storage.manifest_digest(base))
+    if not any(urls for urls, _ in found.values()):
         raise dg.Failure(description="no code_corpus partition has been materialized: nothing to deduplicate", allow_retries=False)
-    return urls, used
+    return found
+
+
+def corpus_inputs(context: dg.AssetExecutionContext | dg.AssetCheckExecutionContext, storage) -> tuple[list[str], list[str]]:
+    """Parquet files of the newest materialization of every ``code_corpus`` partition."""
+    found = corpus_sources(context, storage)
+    return [u for urls, _ in found.values() for u in urls], list(found)
 
 
 def _has_eval_tasks(context) -> bool:
     return latest_metadata(context.instance, "eval_tasks") is not None
+
+
+def _latest_entries(instance: dg.DagsterInstance) -> dict | None:
+    """The newest materialization's metadata entries, as recorded (values with their types)."""
+    records = instance.fetch_materializations(dg.AssetKey(ASSET), limit=1).records
+    mat = records[0].asset_materialization if records else None
+    return dict(mat.metadata or {}) if mat else None
+
+
+def _map_runner(context, cluster: ClusterResource, artifacts: ArtifactStorage):
+    """None on the ``local`` backend (the engine's process pool); otherwise the engine's
+    ``run_tasks``: every map task one element of a job array on the cluster."""
+    if cluster.backend == "local":
+        return None
+    python = "python" if cluster.backend == "k8s" else sys.executable  # the image's / the shared environment's
+    env = {"COMPOSER_S3_ENDPOINT_URL": artifacts.endpoint_url} if artifacts.endpoint_url else {}
+    root = artifacts.get().root
+    if root.startswith("file://"):
+        context.log.warning(f"map tasks on {cluster.backend} read and write {root}: every node must mount it at that path")
+    if cluster.isolate:
+        context.log.info("map tasks run without the bubblewrap sandbox (they execute no corpus code; "
+                         "they reach the artifacts through storage only)")
+
+    def run_tasks(spec_url: str, count: int) -> None:
+        cluster.run_array(context, [python, "-m", "composer_dag.dedup.shards", spec_url], count, env=env, name=MAP_ARRAY)
+
+    return run_tasks
 
 
 @dg.asset(
@@ -53,10 +118,11 @@ def deduped_shards(
     config: DedupParams,
     artifacts: ArtifactStorage,
     catalog: CatalogResource,
+    cluster: ClusterResource,
 ) -> dg.MaterializeResult:
     storage = artifacts.get()
-    inputs, used = corpus_inputs(context, storage)
-    context.log.info(f"deduplicating {len(inputs)} Parquet files from sources {used}")
+    found = corpus_sources(context, storage)
+    digests = {name: digest for name, (_, digest) in found.items()}
     out_url = storage.url(ASSET, context.run.run_id)
     contamination = None
     if _has_eval_tasks(context):
@@ -65,35 +131,84 @@ def deduped_shards(
     else:
         context.log.warning("eval_tasks not materialized yet: decontaminating against HumanEval only")
     cfg = engine_config(engine.DedupConfig, config)
-    result = engine.dedup(inputs, storage, out_url, cfg, contamination=contamination, progress=progress_logger(context))
+    contam_digest = engine.contamination_digest(contamination)
+
+    plan, prev_entries, prev = engine.Increment("full", "incremental mode is off"), None, {}
+    if cfg.incremental:
+        prev_entries = _latest_entries(context.instance)
+        prev = {k: v.value for k, v in (prev_entries or {}).items()}
+        record = prev and {"url": prev.get("dagster/uri"), "config": prev.get("config"),
+                           "sources": prev.get("source_digests"), "contamination": prev.get("decontamination_digest")}
+        plan = engine.plan_increment(storage, cfg, digests, contam_digest, record or None)
+        context.log.info(f"incremental mode: {plan.mode} ({plan.why})")
+        if plan.mode == "unchanged":  # the latest output is still the whole answer
+            return dg.MaterializeResult(metadata={**prev_entries, "incremental_mode": plan.mode,
+                                                  "incremental_why": plan.why})
+    sources = plan.new_sources if plan.mode == "increment" else list(found)
+    inputs = [u for name in sources for u in found[name][0]]
+    context.log.info(f"deduplicating {len(inputs)} Parquet files from sources {sources}")
+
+    carried = None
+    if plan.mode == "increment":
+        carried = engine.carry_shards(storage, plan.previous, out_url)
+        if carried.files != int(prev.get("files_kept", -1)):
+            raise dg.Failure(description=f"the shards of {plan.previous} hold {carried.files} files, its "
+                             f"materialization reports {prev.get('files_kept')} kept", allow_retries=False)
+        context.log.info(f"carried {len(carried.urls)} shard(s), {carried.files} kept files, from {plan.previous}")
+    run_tasks = _map_runner(context, cluster, artifacts)
+    try:
+        result = engine.dedup(inputs, storage, out_url, cfg, contamination=contamination,
+                              progress=progress_logger(context), run_tasks=run_tasks,
+                              previous=plan.previous if carried else None)
+        if carried:
+            engine.check_carried(storage, carried, out_url)
+    except BaseException:
+        for url in carried.urls if carried else []:  # no half output left behind
+            with contextlib.suppress(OSError):
+                storage.fs.rm_file(storage._path(url))
+        raise
+    files_carried = carried.files if carried else 0
+    bytes_carried = int(prev.get("bytes_kept", 0)) if carried else 0
+    shard_urls = (carried.urls if carried else []) + result.shard_urls
 
     cat = catalog.get()
     extra = {"run_id": context.run.run_id}
-    cat.replace_rows("shard_files", result.shard_urls, extra=extra)
-    cat.replace_rows("dedup_clusters", [result.clusters_url], extra=extra)
-    cat.replace_rows("dedup_dropped", [result.dropped_url], extra=extra)
+    cat.replace_rows("shard_files", shard_urls, extra=extra)
+    # an increment adds its clusters and drops to the earlier runs' (the carried files' own)
+    keep = {"where": extra} if carried else {}
+    cat.replace_rows("dedup_clusters", [result.clusters_url], extra=extra, **keep)
+    cat.replace_rows("dedup_dropped", [result.dropped_url], extra=extra, **keep)
 
-    return dg.MaterializeResult(
-        metadata={
-            "dagster/uri": out_url,
-            "dagster/row_count": result.files_kept,
-            "manifest_digest": result.manifest_digest,
-            "sources": ", ".join(used),
-            "files_in": result.files_in,
-            "files_kept": result.files_kept,
-            "bytes_in": result.bytes_in,
-            "bytes_kept": result.bytes_kept,
-            "clusters": result.clusters,
-            "shards": len(result.shard_urls),
-            "map_tasks": result.extra["map_tasks"],
-            "dropped_by_reason": counts_table({k: v for k, v in result.dropped.items() if v}, "reason"),
-            "decontamination_set": "HumanEval + eval_tasks" if contamination else "HumanEval",
-            "redactions": counts_table(result.redactions, "kind", "count"),
-            "stage_seconds": dg.MetadataValue.json({k: round(v, 3) for k, v in result.stage_seconds.items()}),
-            "MB_per_s": round(result.bytes_in / 1e6 / max(sum(result.stage_seconds.values()), 1e-9), 2),
-            "config": dg.MetadataValue.json(cfg.to_dict()),
-        }
-    )
+    metadata = {
+        "dagster/uri": out_url,
+        "dagster/row_count": result.files_kept + files_carried,
+        "manifest_digest": result.manifest_digest,
+        "sources": ", ".join(found),
+        "source_digests": dg.MetadataValue.json(digests),
+        "files_in": result.files_in,
+        "files_carried": files_carried,
+        "files_kept": result.files_kept + files_carried,
+        "bytes_in": result.bytes_in,
+        "bytes_carried": bytes_carried,
+        "bytes_kept": result.bytes_kept + bytes_carried,
+        "clusters": result.clusters,
+        "shards": len(shard_urls),
+        "map_backend": cluster.backend if run_tasks else "local",
+        "map_tasks": result.extra["map_tasks"],
+        "dropped_by_reason": counts_table({k: v for k, v in result.dropped.items() if v}, "reason"),
+        "decontamination_set": "HumanEval + eval_tasks" if contamination else "HumanEval",
+        "decontamination_digest": contam_digest,
+        "redactions": counts_table(result.redactions, "kind", "count"),
+        "stage_seconds": dg.MetadataValue.json({k: round(v, 3) for k, v in result.stage_seconds.items()}),
+        "MB_per_s": round(result.bytes_in / 1e6 / max(sum(result.stage_seconds.values()), 1e-9), 2),
+        "config": dg.MetadataValue.json(cfg.to_dict()),
+    }
+    if cfg.incremental:
+        metadata.update({"incremental_mode": plan.mode, "incremental_why": plan.why,
+                         "sources_deduplicated": ", ".join(sources)})
+    if carried:
+        metadata["previous"] = plan.previous
+    return dg.MaterializeResult(metadata=metadata)
 
 
 def _shards(context: dg.AssetCheckExecutionContext, storage) -> tuple[str, list[str]]:
@@ -140,7 +255,7 @@ def no_secrets(context: dg.AssetCheckExecutionContext, artifacts: ArtifactStorag
     return dg.AssetCheckResult(passed=not found, metadata={"secrets_found": dg.MetadataValue.json(found)})
 
 
-@dg.asset_check(asset=deduped_shards, description="Files in = files kept + files dropped (by reason), recounted from the artifacts.", blocking=True)
+@dg.asset_check(asset=deduped_shards, description="Files in + files carried from the earlier output (incremental) = files kept + files dropped (by reason), recounted from the artifacts.", blocking=True)
 def files_accounted(context: dg.AssetCheckExecutionContext, artifacts: ArtifactStorage, catalog: CatalogResource):
     storage = artifacts.get()
     base, shards = _shards(context, storage)
@@ -148,7 +263,8 @@ def files_accounted(context: dg.AssetCheckExecutionContext, artifacts: ArtifactS
     kept = sum(storage.read_parquet(u, columns=["id"]).num_rows for u in shards)
     dropped = storage.read_parquet(base.rstrip("/") + "/dropped.parquet", columns=["id"]).num_rows
     files_in = int(meta.get("files_in", -1))
+    carried = int(meta.get("files_carried", 0))  # kept by earlier runs, copied into this output
     return dg.AssetCheckResult(
-        passed=files_in == kept + dropped,
-        metadata={"files_in": files_in, "kept": kept, "dropped": dropped},
+        passed=files_in + carried == kept + dropped,
+        metadata={"files_in": files_in, "files_carried": carried, "kept": kept, "dropped": dropped},
     )

@@ -351,6 +351,20 @@ class Storage:
             self._discard(sent, url)
             raise
 
+    def copy(self, src_url: str, dst_url: str) -> None:
+        """Copy one file within this storage, atomically: streamed through a temporary name
+        (local), a server-side copy (object stores: the bytes never come here)."""
+        try:
+            if self.protocol == "file":
+                with self.open(src_url) as src, self.open_atomic(dst_url) as dst:
+                    while chunk := src.read(1 << 20):
+                        dst.write(chunk)
+            else:
+                with self._guard("copy", src_url):
+                    self.fs.copy(self._path(src_url), self._path(dst_url))
+        except FileNotFoundError as exc:
+            raise ArtifactError(f"missing artifact file: {src_url}") from exc
+
     def _discard(self, urls: list[str], under: str) -> None:
         """Best-effort removal of files written by a failed step (and, locally, of the
         directories under ``under`` that this leaves empty)."""

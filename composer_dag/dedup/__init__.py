@@ -15,6 +15,12 @@ _EXPORTS = {
     "check_shards": "decontam",
     "default_index": "decontam",
     "humaneval_texts": "decontam",
+    "Carried": "increment",
+    "Increment": "increment",
+    "carry_shards": "increment",
+    "check_carried": "increment",
+    "contamination_digest": "increment",
+    "plan_increment": "increment",
     "DROP_REASONS": "pipeline",
     "DedupConfig": "pipeline",
     "DedupResult": "pipeline",
@@ -33,6 +39,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from .decontam import ContaminationIndex, check_shards, default_index, humaneval_texts
+    from .increment import Carried, Increment, carry_shards, check_carried, contamination_digest, plan_increment
     from .pipeline import DROP_REASONS, DedupConfig, DedupResult, dedup, inspect_inputs, work_url
     from .secrets import PLACEHOLDERS, SECRET_KINDS, SECRET_PATTERNS, find_secrets, redact
     from .text import ngram_hashes, tokens

@@ -38,7 +38,8 @@ same output, byte for byte, whatever the number of tasks or processes.
 (signatures, band and exact hashes) in its work directory. A later run given ``previous=`` that
 output deduplicates only its own inputs (a new source) against the index, without recomputing
 the older signatures; a file already kept always wins over a new one, and the output holds the
-new kept files only.
+new kept files only (``increment.py`` decides when a stage may build on an earlier output and
+carries that output's shards into the new one, so the stage's output still holds every kept file).
 
 Memory: the process tree (this process, the map workers, DuckDB) stays under ``memory_bytes``:
 DuckDB gets a quarter of it and spills beyond; workers hold one batch each, and their number is

@@ -20,11 +20,13 @@ a local process pool, or on any machine that reaches the storage as
 
     python -m composer_dag.dedup.shards SPEC_URL INDEX
 
-which is one element of a Slurm job array or of a Kubernetes indexed Job.
+which is one element of a Slurm job array or of a Kubernetes indexed Job (``INDEX`` may be left
+out: it is then read from ``$COMPOSER_ARRAY_INDEX``, which ``run_array`` sets).
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
 import sys
 from types import SimpleNamespace
@@ -34,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..launch import ARRAY_INDEX_ENV
 from ..storage import ArtifactError, Storage, open_storage
 from .features import STAGES, analyse_batch, native_available
 from .near import band_keys, optimal_bands
@@ -222,10 +225,15 @@ def run_task(storage: Storage, spec: dict, index: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m composer_dag.dedup.shards SPEC_URL INDEX``: run one task of a job spec."""
-    args = sys.argv[1:] if argv is None else argv
+    """``python -m composer_dag.dedup.shards SPEC_URL [INDEX]``: run one task of a job spec;
+    without ``INDEX``, the task is ``$COMPOSER_ARRAY_INDEX`` (what ``run_array`` sets for each
+    element of a Slurm job array or a k8s indexed Job)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) == 1 and os.environ.get(ARRAY_INDEX_ENV, "").strip():
+        args.append(os.environ[ARRAY_INDEX_ENV].strip())
     if len(args) != 2 or not args[1].isdigit():
-        print("usage: python -m composer_dag.dedup.shards SPEC_URL INDEX", file=sys.stderr)
+        print(f"usage: python -m composer_dag.dedup.shards SPEC_URL [INDEX] (or the index in ${ARRAY_INDEX_ENV})",
+              file=sys.stderr)
         return 2
     spec_url, index = args[0], int(args[1])
     try:
@@ -233,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = storage.read_json(spec_url)
         storage = open_storage(spec["root"])
         run_task(storage, spec, index)
-    except Exception as exc:  # one line for the job's log, never a traceback
-        print(f"dedup task {index} of {spec_url} failed: {' '.join(str(exc).split())[:500]}", file=sys.stderr)
+    except Exception as exc:  # one line for the job's log, never a traceback; shaped as an exception
+        why = " ".join(str(exc).split())[:500] or type(exc).__name__  # line, so run_array names it
+        print(f"DedupTaskError: dedup task {index} of {spec_url} failed: {why}", file=sys.stderr)
         return 1
     return 0
 
