@@ -10,9 +10,10 @@ import os
 
 import dagster as dg
 
-from assets._common import plot_md, run_stage
+from assets._common import md_table, plot_md, run_stage
 from assets.sft import sft_checkpoint
 from assets.train import CHECKPOINT_FILES
+from composer_dag.rl.report import rl_summary
 from composer_dag.rl.run import RLConfig
 from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
@@ -22,6 +23,58 @@ RLParams = dagster_config(RLConfig, module=__name__)
 """GRPO settings: ``trainer`` (the update), ``orchestrator`` (the agent episodes), ``inference``
 (the engine). ``environment: learnable`` runs the small task family a tiny model learns on CPU
 within minutes (see ``composer_dag.rl.run.LEARNABLE_RUN``)."""
+
+
+ROW_COLUMNS = ["reward", "flags", "staleness", "step", "policy_version", "server_id", "infra_error", "attempts"]
+
+
+def _num(x, digits: int = 4):
+    """A number as Dagster metadata (a float rounded, ``None`` as null)."""
+    if x is None:
+        return dg.MetadataValue.null()
+    return dg.MetadataValue.int(x) if isinstance(x, int) else dg.MetadataValue.float(round(float(x), digits))
+
+
+def summary_metadata(sm: dict) -> tuple[dict, dict]:
+    """``rl_summary``'s dict as the metadata of rl_rollouts and of rl_checkpoint."""
+    fleet = sm["mode"] == "fleet"
+    names = [s["server"] for s in sm["servers"]]
+    rollouts = {
+        "rl_mode": sm["mode"],
+        "staleness_max": _num(sm["staleness_max"]),
+        "staleness_mean": _num(sm["staleness_mean"]),
+        "retried_episodes": _num(sm["retried_episodes"]),
+        "infra_masked_episodes": _num(sm["infra_masked_episodes"]),
+        "episodes_per_step": md_table(
+            ["step", "rollouts", "infra-masked", "retried", "max staleness", "policy versions"] + names,
+            [[x["step"], x["rollouts"], x["infra_masked"], x["retried"], x["staleness_max"],
+              ", ".join(map(str, x["policy_versions"]))] + [x["servers"].get(n, 0) for n in names]
+             for x in sm["steps"]], "_no steps_"),
+    }
+    checkpoint = {
+        "full_checkpoint_bytes": _num(sm["full_bytes"]),
+        "delta_bytes_mean": _num(sm["delta_bytes_mean"], 1),
+        "delta_share_mean": _num(sm["delta_share_mean"]),
+        "delta_share_max": _num(sm["delta_share_max"]),
+        "published_weights": md_table(["version", "kind", "bytes", "share of full"],
+                                      [[p["version"], p["kind"], p["bytes"], p["fraction"]] for p in sm["published"]],
+                                      "_no published versions recorded_"),
+        "reload_seconds_by_version": md_table(
+            ["version"] + (names or ["engine"]) + (["rebuild s", "probe diff max"] if fleet else []),
+            [[x["version"]] + [x["reload_s"].get(n) for n in (names or ["engine"])]
+             + ([x["rebuild_s"], x["probe_diff_max"]] if fleet else []) for x in sm["reloads"]],
+            "_no reloads recorded_"),
+    }
+    if fleet:
+        rollouts["rollout_servers"] = md_table(
+            ["server", "url", "up at the end", "deaths", "versions served", "episodes", "retried", "infra-masked",
+             "reload s (mean)", "probe diff max"],
+            [[s["server"], s["url"], "yes" if s["alive"] else "no", s["deaths"],
+              ", ".join(map(str, s["versions_served"])), s["episodes"], s["retried"], s["infra_masked"],
+              s["reload_s_mean"], s["probe_diff_max"]] for s in sm["servers"]])
+        rollouts["servers_serving_every_version"] = _num(sum(
+            set(s["versions_served"]) >= {p["version"] for p in sm["published"]} for s in sm["servers"]))
+    return rollouts, checkpoint
 
 
 @dg.multi_asset(
@@ -71,7 +124,11 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
     phases = ("generate_s", "grade_s", "train_s", "sync_s")
     split_md = "| step | " + " | ".join(p[:-2] for p in phases) + " | wall |\n|---|" + "---:|" * (len(phases) + 1) + "\n" + "\n".join(
         f"| {h['step']} | " + " | ".join(f"{h.get(p, 0.0):.2f}" for p in phases) + f" | {h.get('step_s', 0.0):.2f} |" for h in hist)
-    rows = [r for u in urls for r in storage.read_parquet(u, columns=["reward", "flags", "staleness"]).to_pylist()]
+    try:
+        rows = [r for u in urls for r in storage.read_parquet(u, columns=ROW_COLUMNS).to_pylist()]
+    except Exception:  # noqa: BLE001 - rollouts written before the fleet columns existed
+        rows = [r for u in urls for r in storage.read_parquet(u, columns=["reward", "flags", "staleness"]).to_pylist()]
+    rollouts_md, checkpoint_md = summary_metadata(rl_summary(result, rows, hist))
     n = len(rows)
     flag_rate = sum(bool(r["flags"]) for r in rows) / n if n else 0.0
     try:
@@ -100,7 +157,8 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
             "step_time_split_s": dg.MetadataValue.md(split_md),
             "dropped_stale_rollouts": int(result.get("dropped_stale_rollouts") or 0),
             "environment": cfg.environment,
-            "engine": str(result.get("engine")),
+            "engine": str(result.get("engine", "vllm servers" if cfg.fleet else None)),
+            **rollouts_md,
         },
     )
     yield dg.MaterializeResult(
@@ -109,10 +167,12 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
             "dagster/uri": ckpt_url,
             "manifest_digest": ckpt_digest,
             "policy_version": int(result["steps"]),
-            "weight_sync_seconds_mean": round(float(result["weight_sync_seconds"].get("mean", 0.0)), 4),
-            "delta_fraction_mean": round(float(result["delta_fraction"].get("mean", 1.0)), 4),
-            "publish_seconds_mean": round(float(result["publish_seconds"].get("mean", 0.0)), 4),
+            "weight_sync_seconds_mean": round(float((result.get("weight_sync_seconds") or {}).get("mean", 0.0)), 4),
+            "delta_fraction_mean": round(float((result.get("delta_fraction") or {}).get("mean", 1.0)), 4),
+            "publish_seconds_mean": round(float((result.get("publish_seconds") or
+                                                 (result.get("step_seconds") or {}).get("publish_s") or {}).get("mean", 0.0)), 4),
             "resumed_from": str(result.get("resumed_from")),
+            **checkpoint_md,
         },
     )
     yield dg.AssetCheckResult(asset_key="rl_rollouts", check_name="every_rollout_has_reward",
