@@ -60,9 +60,9 @@ def summary_metadata(sm: dict) -> tuple[dict, dict]:
                                       [[p["version"], p["kind"], p["bytes"], p["fraction"]] for p in sm["published"]],
                                       "_no published versions recorded_"),
         "reload_seconds_by_version": md_table(
-            ["version"] + (names or ["engine"]) + (["rebuild s", "probe diff max"] if fleet else []),
+            ["version"] + (names or ["engine"]) + (["rebuild s", "lag s (max)", "probe diff max"] if fleet else []),
             [[x["version"]] + [x["reload_s"].get(n) for n in (names or ["engine"])]
-             + ([x["rebuild_s"], x["probe_diff_max"]] if fleet else []) for x in sm["reloads"]],
+             + ([x["rebuild_s"], x["lag_s_max"], x["probe_diff_max"]] if fleet else []) for x in sm["reloads"]],
             "_no reloads recorded_"),
     }
     if fleet:

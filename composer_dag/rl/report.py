@@ -20,8 +20,10 @@ Returned keys (absent data gives empty lists and ``None``, never an error):
 - ``published``: per version ``{"version", "kind", "bytes", "fraction"}``; ``full_bytes``
   (the size of a full checkpoint), ``delta_bytes_mean``, ``delta_share_mean``,
   ``delta_share_max`` (delta bytes over full bytes)
-- ``reloads``: per version ``{"version", "reload_s": {server: s}, "rebuild_s", "probe_diff_max"}``
-  (fleet: every server's reload of that version; one process: the engine's in-place reload)
+- ``reloads``: per version ``{"version", "reload_s": {server: s}, "rebuild_s", "lag_s_max",
+  "probe_diff_max"}`` (fleet: every server's reload of that version, ``None`` where the server
+  reloaded by itself, ``weight_sync: server``; lag: from the version's first sight on
+  ``latest.json`` to the server's probe check passing; one process: the engine's reloads)
 """
 
 from __future__ import annotations
@@ -113,14 +115,17 @@ def rl_summary(result: dict, rows: list[dict] | None = None, metrics: list[dict]
     for s in servers:
         for x in (fleet["servers"][s["server"]].get("reloads") or []):
             v = per_version.setdefault(int(x["version"]), {"version": int(x["version"]), "reload_s": {},
-                                                          "rebuild_s": None, "probe_diff_max": None})
+                                                          "rebuild_s": None, "lag_s_max": None,
+                                                          "probe_diff_max": None})
             v["reload_s"][s["server"]] = x.get("reload_s")
+            if x.get("lag_s") is not None:
+                v["lag_s_max"] = max(v["lag_s_max"] or 0.0, x["lag_s"])
             if x.get("rebuild_s") is not None:
                 v["rebuild_s"] = max(v["rebuild_s"] or 0.0, x["rebuild_s"])
             if x.get("probe_diff") is not None:
                 v["probe_diff_max"] = max(v["probe_diff_max"] or 0.0, x["probe_diff"])
     for x in result.get("weight_syncs") or []:  # one process: the engine's reloads
         per_version[int(x["version"])] = {"version": int(x["version"]), "reload_s": {"engine": x.get("seconds")},
-                                          "rebuild_s": None, "probe_diff_max": None}
+                                          "rebuild_s": None, "lag_s_max": None, "probe_diff_max": None}
     out["reloads"] = [per_version[v] for v in sorted(per_version)]
     return out
