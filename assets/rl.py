@@ -1,18 +1,25 @@
 """RL: vLLM rollouts in the sandboxes, GRPO updates, weight sync -> rl_rollouts + rl_checkpoint.
 
 One RL run is one job on the cluster resource (``python -m composer_dag.rl.run``); rank 0's
-summary comes back through Pipes and becomes the two materializations.
+summary comes back through Pipes and becomes the two materializations. With ``fleet`` settings
+(and no ``fleet.urls``) the rollout servers are the cluster's services for the step
+(``cluster.services``: local process groups, Slurm jobs, k8s Deployments; stopped with the step
+or a cancelled run), each following the weights the job publishes on artifact storage by itself
+(``weight_sync: server``, ``composer_dag.rl.fleet.serve``), and the job gets their URLs.
 """
 
+import contextlib
 import json
 import math
 import os
 
 import dagster as dg
 
-from assets._common import md_table, plot_md, run_stage
+from assets._common import latest_uri, md_table, plot_md, run_stage
 from assets.sft import sft_checkpoint
 from assets.train import CHECKPOINT_FILES
+from composer_dag.rl.fleet.config import FleetConfig
+from composer_dag.rl.fleet.launch import server_services
 from composer_dag.rl.report import rl_summary
 from composer_dag.rl.run import RLConfig
 from resources import ArtifactStorage, CatalogResource
@@ -100,11 +107,26 @@ def summary_metadata(sm: dict) -> tuple[dict, dict]:
 def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: ArtifactStorage,
            catalog: CatalogResource, cluster: ClusterResource):
     storage = artifacts.get()
-    cfg, job = run_stage(
-        context, storage, cluster, "rl", RLConfig, config, ["sft_checkpoint", "rl_tasks"],
-        lambda d, wd: {"policy_dir": d["sft_checkpoint"], "tasks_dir": d["rl_tasks"], "out_dir": os.path.join(wd, "run")},
-        "composer_dag.rl.run", launcher="python", copy_inputs=config.environment == "tasks",
-        outputs={"rl_rollouts": [["", "rollouts/step_*.parquet"]], "rl_checkpoint": CHECKPOINT_FILES})
+    fleet = config.model_dump().get("fleet")
+    with contextlib.ExitStack() as stack:
+        given = {}
+        if fleet and not fleet.get("urls"):  # the distributed mode: the rollout servers are services
+            if config.environment != "tasks":
+                raise dg.Failure(description="fleet settings need environment 'tasks': the rollout servers load "
+                                             "sft_checkpoint before the RL job starts", allow_retries=False)
+            weights_uri = config.weights_uri or storage.url("work", "rl-fleet", context.run.run_id, "weights")
+            servers = stack.enter_context(cluster.services(context)).start_many(server_services(
+                FleetConfig.load(fleet), latest_uri(context.instance, "sft_checkpoint"), weights_uri,
+                config.inference.max_model_len, config.seed))
+            context.log.info(f"rl: {len(servers)} rollout servers up: {', '.join(h.url for h in servers)}")
+            given = {"weights_uri": weights_uri,
+                     "fleet": {**fleet, "urls": [h.url for h in servers], "weight_sync": "server"}}
+        cfg, job = run_stage(
+            context, storage, cluster, "rl", RLConfig, config, ["sft_checkpoint", "rl_tasks"],
+            lambda d, wd: {"policy_dir": d["sft_checkpoint"], "tasks_dir": d["rl_tasks"],
+                           "out_dir": os.path.join(wd, "run"), **given},
+            "composer_dag.rl.run", launcher="python", copy_inputs=config.environment == "tasks",
+            outputs={"rl_rollouts": [["", "rollouts/step_*.parquet"]], "rl_checkpoint": CHECKPOINT_FILES})
     result = job["summary"]
 
     run_id = context.run.run_id

@@ -334,6 +334,16 @@ def test_fleet_serve_takes_the_model_from_storage(learnable_base, s3_bucket, tmp
     assert cmd[1:5] == ["-m", "composer_dag.rl.fleet.serve", "--weights-uri", "s3://b/w"]
     vllm = cmd[cmd.index("--") + 1:]
     assert vllm[:6] == ["--model", url, "--host", "{host}", "--port", "{port}"] and "--skip-reload" not in cmd
+    # what the rl_run asset starts through cluster.services for a config with fleet settings
+    from composer_dag.rl.fleet.config import FleetConfig
+    from composer_dag.rl.fleet.launch import server_services
+
+    specs = server_services(FleetConfig.load({"servers": 2, "skip_reload": [1, 4]}), url, "s3://b/w", 512, 7)
+    assert [x["name"] for x in specs] == ["rollout-0", "rollout-1"]
+    assert all(x["health_url"] == "http://{host}:{port}/health" and "--skip-reload" not in x["argv"][:x["argv"].index("--")]
+               for x in specs[:1])
+    assert specs[1]["argv"][specs[1]["argv"].index("--skip-reload") + 1] == "4"
+    assert "512" in specs[0]["argv"] and specs[0]["argv"][specs[0]["argv"].index("--model") + 1] == url
     assert parse_tag(version_tag(3, "ab" * 32)) == (3, "ab" * 8)
     assert parse_tag("3") is None and parse_tag(None) is None
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from ...pipes import Reporter
-from .server import ServerProcess
+from .server import ServerProcess, server_command
 
 
 def _last_line(path: Path) -> str:
@@ -59,6 +59,23 @@ def follow_settings(cfg, index: int) -> dict | None:
     skip = fc.skip_reload[1] if fc.skip_reload and fc.skip_reload[0] == index else None
     return {"weights_uri": weights_url(cfg), "poll_seconds": fc.poll_seconds, "skip_reload": skip,
             "work_dir": str(Path(cfg.out_dir) / f"server_{index}_weights")}
+
+
+def server_services(fleet, model_url: str, weights_uri: str, max_model_len: int = 1024, seed: int = 0) -> list[dict]:
+    """The rollout servers of ``fleet`` (``FleetConfig``) as long-running services for a cluster
+    backend (``composer_dag.runtime.services``, ``ClusterResource.services``): each one vLLM's
+    server under ``composer_dag.rl.fleet.serve``, which takes the model from ``model_url`` (a
+    storage URL or a path on its node) and follows the versions published at ``weights_uri``, so
+    it needs no disk shared with the orchestrator. ``{host}``/``{port}`` are the backend's."""
+    out = []
+    for i in range(fleet.servers):
+        skip = fleet.skip_reload[1] if fleet.skip_reload and fleet.skip_reload[0] == i else None
+        argv = server_command(model_url, "{port}", "{host}", follow={"weights_uri": weights_uri, "skip_reload": skip,
+                                                                    "poll_seconds": fleet.poll_seconds},
+                              max_model_len=max_model_len, kv_cache_mb=fleet.server_kv_cache_mb, seed=seed)
+        out.append({"name": f"rollout-{i}", "argv": argv, "health_url": "http://{host}:{port}/health",
+                    "start_timeout_s": fleet.server_start_timeout})
+    return out
 
 
 def run_distributed(cfg, rep: Reporter | None = None) -> dict:

@@ -11,7 +11,8 @@ that stops the group, cancels the job or deletes the pod stops both), waits unti
 then runs the ``Follower`` loop against it over loopback; it exits when the server exits (with
 its status) or on SIGTERM/SIGINT (stopping the server). A ``--model`` given as a storage URL
 (``s3://...``, ``file://...``) is downloaded into the work directory first, so the machine
-needs nothing but the storage. ``--attach`` runs only the loop, for a server already running
+needs nothing but the storage (``--max-model-len`` is capped at what its positions cover).
+``--attach`` runs only the loop, for a server already running
 on this machine.
 
 The loop: poll ``<weights-uri>/latest.json``; when the server is behind, rebuild the next
@@ -198,7 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if _arg(rest, "--model") is None:
                 p.error("the vLLM server arguments after -- need --model")
-            rest = _set_arg(rest, "--model", fetch_model(_arg(rest, "--model"), work, log))
+            model = fetch_model(_arg(rest, "--model"), work, log)
+            rest = _set_arg(rest, "--model", model)
+            from ...inference.engine import model_max_len
+
+            cap = model_max_len(model)  # vLLM refuses a context longer than the model's positions
+            if cap and int(_arg(rest, "--max-model-len", "0")) > cap:
+                rest = _set_arg(rest, "--max-model-len", str(cap))
             port = _arg(rest, "--port", "8000")
             host = _arg(rest, "--host", "127.0.0.1")
             url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
