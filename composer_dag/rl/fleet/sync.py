@@ -160,7 +160,7 @@ class Fleet:
                     raise FleetStopped(f"no rollout server serves version {min_version} or newer after "
                                        f"{timeout or self.cfg.version_timeout:.0f} s: "
                                        + ", ".join(f"{s.id} {'up' if s.alive else 'down'} v{s.version}"
-                                                   for s in self.servers))
+                                                   for s in self.servers) + self._hint())
                 self.cond.wait(min(left, 1.0))
 
     def release(self, s: Server) -> None:
@@ -186,7 +186,9 @@ class Fleet:
                 if group and all(s.alive and s.version is not None and s.version >= version for s in group):
                     return
                 if time.monotonic() > deadline:
-                    raise FleetStopped(f"servers not on version {version} after {timeout or self.cfg.version_timeout:.0f} s")
+                    raise FleetStopped(f"servers not on version {version} after {timeout or self.cfg.version_timeout:.0f} s: "
+                                       + ", ".join(f"{s.id} {'up' if s.alive else 'down'} v{s.version}"
+                                                   for s in self.servers) + self._hint())
                 self.cond.wait(1.0)
 
     # -- weights
@@ -247,6 +249,10 @@ class Fleet:
             except Exception as e:  # a broken publication (DigestMismatch, ...) also stops the run
                 self.fail(RuntimeError(f"weight sync of rollout server {s.id} failed: {type(e).__name__}: {e}"))
                 return
+
+    def _hint(self) -> str:
+        return ("" if self.mode == "orchestrator" else
+                " (weight_sync server: each server reloads by itself, under python -m composer_dag.rl.fleet.serve)")
 
     def _poll_latest(self) -> int | None:
         latest = latest_version(self.storage, self.prefix)
