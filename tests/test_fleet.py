@@ -326,7 +326,8 @@ def test_fleet_serve_takes_the_model_from_storage(learnable_base, s3_bucket, tmp
     st.put_dir(learnable_base["policy_dir"], url)
     st.write_manifest(url)
     got = fetch_model(url, str(tmp_path))
-    names = sorted(os.listdir(learnable_base["policy_dir"]))
+    names = sorted(n for n in os.listdir(learnable_base["policy_dir"])
+                   if os.path.isfile(os.path.join(learnable_base["policy_dir"], n)))
     assert {"config.json", "model.safetensors"} <= set(names)
     for name in names:
         assert (tmp_path / "model" / name).read_bytes() == open(os.path.join(learnable_base["policy_dir"], name), "rb").read()
