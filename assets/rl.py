@@ -143,7 +143,8 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
     hist = [json.loads(x) for x in storage.read_bytes(metrics_url).decode().splitlines() if x.strip()] \
         if storage.exists(metrics_url) else []
     steps = [h["step"] for h in hist]
-    phases = ("generate_s", "grade_s", "train_s", "sync_s")
+    phases = (("generate_s", "queue_s", "tools_s", "grade_s", "wait_s", "train_s", "publish_s") if cfg.fleet else
+              ("generate_s", "grade_s", "train_s", "sync_s"))
     split_md = "| step | " + " | ".join(p[:-2] for p in phases) + " | wall |\n|---|" + "---:|" * (len(phases) + 1) + "\n" + "\n".join(
         f"| {h['step']} | " + " | ".join(f"{h.get(p, 0.0):.2f}" for p in phases) + f" | {h.get('step_s', 0.0):.2f} |" for h in hist)
     try:
