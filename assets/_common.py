@@ -41,6 +41,26 @@ def counts_table(counts: Mapping[str, int], key_name: str, value_name: str = "fi
     return dg.MetadataValue.md("\n".join(lines) if rows else f"_no {key_name}_")
 
 
+def md_table(headers: list[str], rows: list[list[Any]], empty: str = "_none_") -> dg.MetadataValue:
+    """A Markdown table (numbers right-aligned); ``None`` shows as an en dash."""
+    def cell(x):
+        if x is None:
+            return "\u2013"
+        if isinstance(x, float):
+            return f"{x:.4g}"
+        if isinstance(x, int) and not isinstance(x, bool):
+            return f"{x:,}"
+        return str(x).replace("|", "\\|")
+
+    if not rows:
+        return dg.MetadataValue.md(empty)
+    num = [all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) or r[i] is None for r in rows)
+           for i in range(len(headers))]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if n else "---" for n in num) + "|"]
+    lines += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
+    return dg.MetadataValue.md("\n".join(lines))
+
+
 def column_schema(schema: pa.Schema) -> dg.TableSchema:
     return dg.TableSchema(columns=[dg.TableColumn(name=f.name, type=str(f.type)) for f in schema])
 

@@ -1,18 +1,26 @@
 """RL: vLLM rollouts in the sandboxes, GRPO updates, weight sync -> rl_rollouts + rl_checkpoint.
 
 One RL run is one job on the cluster resource (``python -m composer_dag.rl.run``); rank 0's
-summary comes back through Pipes and becomes the two materializations.
+summary comes back through Pipes and becomes the two materializations. With ``fleet`` settings
+(and no ``fleet.urls``) the rollout servers are the cluster's services for the step
+(``cluster.services``: local process groups, Slurm jobs, k8s Deployments; stopped with the step
+or a cancelled run), each following the weights the job publishes on artifact storage by itself
+(``weight_sync: server``, ``composer_dag.rl.fleet.serve``), and the job gets their URLs.
 """
 
+import contextlib
 import json
 import math
 import os
 
 import dagster as dg
 
-from assets._common import plot_md, run_stage
+from assets._common import latest_uri, md_table, plot_md, run_stage
 from assets.sft import sft_checkpoint
 from assets.train import CHECKPOINT_FILES
+from composer_dag.rl.fleet.config import FleetConfig
+from composer_dag.rl.fleet.launch import server_services
+from composer_dag.rl.report import rl_summary
 from composer_dag.rl.run import RLConfig
 from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
@@ -22,6 +30,58 @@ RLParams = dagster_config(RLConfig, module=__name__)
 """GRPO settings: ``trainer`` (the update), ``orchestrator`` (the agent episodes), ``inference``
 (the engine). ``environment: learnable`` runs the small task family a tiny model learns on CPU
 within minutes (see ``composer_dag.rl.run.LEARNABLE_RUN``)."""
+
+
+ROW_COLUMNS = ["reward", "flags", "staleness", "step", "policy_version", "server_id", "infra_error", "attempts"]
+
+
+def _num(x, digits: int = 4):
+    """A number as Dagster metadata (a float rounded, ``None`` as null)."""
+    if x is None:
+        return dg.MetadataValue.null()
+    return dg.MetadataValue.int(x) if isinstance(x, int) else dg.MetadataValue.float(round(float(x), digits))
+
+
+def summary_metadata(sm: dict) -> tuple[dict, dict]:
+    """``rl_summary``'s dict as the metadata of rl_rollouts and of rl_checkpoint."""
+    fleet = sm["mode"] == "fleet"
+    names = [s["server"] for s in sm["servers"]]
+    rollouts = {
+        "rl_mode": sm["mode"],
+        "staleness_max": _num(sm["staleness_max"]),
+        "staleness_mean": _num(sm["staleness_mean"]),
+        "retried_episodes": _num(sm["retried_episodes"]),
+        "infra_masked_episodes": _num(sm["infra_masked_episodes"]),
+        "episodes_per_step": md_table(
+            ["step", "rollouts", "infra-masked", "retried", "max staleness", "policy versions"] + names,
+            [[x["step"], x["rollouts"], x["infra_masked"], x["retried"], x["staleness_max"],
+              ", ".join(map(str, x["policy_versions"]))] + [x["servers"].get(n, 0) for n in names]
+             for x in sm["steps"]], "_no steps_"),
+    }
+    checkpoint = {
+        "full_checkpoint_bytes": _num(sm["full_bytes"]),
+        "delta_bytes_mean": _num(sm["delta_bytes_mean"], 1),
+        "delta_share_mean": _num(sm["delta_share_mean"]),
+        "delta_share_max": _num(sm["delta_share_max"]),
+        "published_weights": md_table(["version", "kind", "bytes", "share of full"],
+                                      [[p["version"], p["kind"], p["bytes"], p["fraction"]] for p in sm["published"]],
+                                      "_no published versions recorded_"),
+        "reload_seconds_by_version": md_table(
+            ["version"] + (names or ["engine"]) + (["rebuild s", "lag s (max)", "probe diff max"] if fleet else []),
+            [[x["version"]] + [x["reload_s"].get(n) for n in (names or ["engine"])]
+             + ([x["rebuild_s"], x["lag_s_max"], x["probe_diff_max"]] if fleet else []) for x in sm["reloads"]],
+            "_no reloads recorded_"),
+    }
+    if fleet:
+        rollouts["rollout_servers"] = md_table(
+            ["server", "url", "up at the end", "deaths", "versions served", "episodes", "retried", "infra-masked",
+             "reload s (mean)", "probe diff max"],
+            [[s["server"], s["url"], "yes" if s["alive"] else "no", s["deaths"],
+              ", ".join(map(str, s["versions_served"])), s["episodes"], s["retried"], s["infra_masked"],
+              s["reload_s_mean"], s["probe_diff_max"]] for s in sm["servers"]])
+        rollouts["servers_serving_every_version"] = _num(sum(
+            set(s["versions_served"]) >= {p["version"] for p in sm["published"]} for s in sm["servers"]))
+    return rollouts, checkpoint
 
 
 @dg.multi_asset(
@@ -47,11 +107,26 @@ within minutes (see ``composer_dag.rl.run.LEARNABLE_RUN``)."""
 def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: ArtifactStorage,
            catalog: CatalogResource, cluster: ClusterResource):
     storage = artifacts.get()
-    cfg, job = run_stage(
-        context, storage, cluster, "rl", RLConfig, config, ["sft_checkpoint", "rl_tasks"],
-        lambda d, wd: {"policy_dir": d["sft_checkpoint"], "tasks_dir": d["rl_tasks"], "out_dir": os.path.join(wd, "run")},
-        "composer_dag.rl.run", launcher="python", copy_inputs=config.environment == "tasks",
-        outputs={"rl_rollouts": [["", "rollouts/step_*.parquet"]], "rl_checkpoint": CHECKPOINT_FILES})
+    fleet = config.model_dump().get("fleet")
+    with contextlib.ExitStack() as stack:
+        given = {}
+        if fleet and not fleet.get("urls"):  # the distributed mode: the rollout servers are services
+            if config.environment != "tasks":
+                raise dg.Failure(description="fleet settings need environment 'tasks': the rollout servers load "
+                                             "sft_checkpoint before the RL job starts", allow_retries=False)
+            weights_uri = config.weights_uri or storage.url("work", "rl-fleet", context.run.run_id, "weights")
+            servers = stack.enter_context(cluster.services(context)).start_many(server_services(
+                FleetConfig.load(fleet), latest_uri(context.instance, "sft_checkpoint"), weights_uri,
+                config.inference.max_model_len, config.seed))
+            context.log.info(f"rl: {len(servers)} rollout servers up: {', '.join(h.url for h in servers)}")
+            given = {"weights_uri": weights_uri,
+                     "fleet": {**fleet, "urls": [h.url for h in servers], "weight_sync": "server"}}
+        cfg, job = run_stage(
+            context, storage, cluster, "rl", RLConfig, config, ["sft_checkpoint", "rl_tasks"],
+            lambda d, wd: {"policy_dir": d["sft_checkpoint"], "tasks_dir": d["rl_tasks"],
+                           "out_dir": os.path.join(wd, "run"), **given},
+            "composer_dag.rl.run", launcher="python", copy_inputs=config.environment == "tasks",
+            outputs={"rl_rollouts": [["", "rollouts/step_*.parquet"]], "rl_checkpoint": CHECKPOINT_FILES})
     result = job["summary"]
 
     run_id = context.run.run_id
@@ -68,10 +143,15 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
     hist = [json.loads(x) for x in storage.read_bytes(metrics_url).decode().splitlines() if x.strip()] \
         if storage.exists(metrics_url) else []
     steps = [h["step"] for h in hist]
-    phases = ("generate_s", "grade_s", "train_s", "sync_s")
+    phases = (("generate_s", "queue_s", "tools_s", "grade_s", "wait_s", "train_s", "publish_s") if cfg.fleet else
+              ("generate_s", "grade_s", "train_s", "sync_s"))
     split_md = "| step | " + " | ".join(p[:-2] for p in phases) + " | wall |\n|---|" + "---:|" * (len(phases) + 1) + "\n" + "\n".join(
         f"| {h['step']} | " + " | ".join(f"{h.get(p, 0.0):.2f}" for p in phases) + f" | {h.get('step_s', 0.0):.2f} |" for h in hist)
-    rows = [r for u in urls for r in storage.read_parquet(u, columns=["reward", "flags", "staleness"]).to_pylist()]
+    try:
+        rows = [r for u in urls for r in storage.read_parquet(u, columns=ROW_COLUMNS).to_pylist()]
+    except Exception:  # noqa: BLE001 - rollouts written before the fleet columns existed
+        rows = [r for u in urls for r in storage.read_parquet(u, columns=["reward", "flags", "staleness"]).to_pylist()]
+    rollouts_md, checkpoint_md = summary_metadata(rl_summary(result, rows, hist))
     n = len(rows)
     flag_rate = sum(bool(r["flags"]) for r in rows) / n if n else 0.0
     try:
@@ -100,7 +180,8 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
             "step_time_split_s": dg.MetadataValue.md(split_md),
             "dropped_stale_rollouts": int(result.get("dropped_stale_rollouts") or 0),
             "environment": cfg.environment,
-            "engine": str(result.get("engine")),
+            "engine": str(result.get("engine", "vllm servers" if cfg.fleet else None)),
+            **rollouts_md,
         },
     )
     yield dg.MaterializeResult(
@@ -109,10 +190,12 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
             "dagster/uri": ckpt_url,
             "manifest_digest": ckpt_digest,
             "policy_version": int(result["steps"]),
-            "weight_sync_seconds_mean": round(float(result["weight_sync_seconds"].get("mean", 0.0)), 4),
-            "delta_fraction_mean": round(float(result["delta_fraction"].get("mean", 1.0)), 4),
-            "publish_seconds_mean": round(float(result["publish_seconds"].get("mean", 0.0)), 4),
+            "weight_sync_seconds_mean": round(float((result.get("weight_sync_seconds") or {}).get("mean", 0.0)), 4),
+            "delta_fraction_mean": round(float((result.get("delta_fraction") or {}).get("mean", 1.0)), 4),
+            "publish_seconds_mean": round(float((result.get("publish_seconds") or
+                                                 (result.get("step_seconds") or {}).get("publish_s") or {}).get("mean", 0.0)), 4),
             "resumed_from": str(result.get("resumed_from")),
+            **checkpoint_md,
         },
     )
     yield dg.AssetCheckResult(asset_key="rl_rollouts", check_name="every_rollout_has_reward",

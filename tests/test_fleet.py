@@ -107,6 +107,47 @@ def test_fleet_distributed_run(learnable_base, servers, s3_bucket, tmp_path):
     assert res["staleness"]["max"] <= 1
     print("fleet result", json.dumps({k: res[k] for k in ("step_seconds", "published", "staleness")}))
 
+    # the rl_run asset's metadata from what this run wrote (result.json, rollouts, metrics.jsonl)
+    from assets.rl import summary_metadata
+    from composer_dag.rl.report import rl_summary
+
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    flat = [r for x in rows for r in x]
+    sm = rl_summary(res, flat, metrics)
+    assert sm["mode"] == "fleet" and sm["rollouts"] == 6
+    assert sm["retried_episodes"] == 0 and sm["infra_masked_episodes"] == 0
+    assert [(x["step"], x["rollouts"], x["infra_masked"], x["retried"]) for x in sm["steps"]] == \
+        [(0, 2, 0, 0), (1, 2, 0, 0), (2, 2, 0, 0)]
+    assert all(sum(x["servers"].values()) == 2 and x["staleness_max"] <= 1 for x in sm["steps"])
+    assert {s["server"]: s["versions_served"] for s in sm["servers"]} == {"s0": [0, 1, 2, 3], "s1": [0, 1, 2, 3]}
+    assert sum(s["episodes"] for s in sm["servers"]) == 6 and all(s["episodes"] > 0 for s in sm["servers"])
+    assert sm["staleness_max"] <= 1 and 0 <= sm["staleness_mean"] <= sm["staleness_max"]
+    deltas = [p for p in res["published"] if p["kind"] == "delta"]
+    assert sm["full_bytes"] == res["published"][-2]["bytes"] and sm["delta_bytes_mean"] == sum(
+        p["bytes"] for p in deltas) / len(deltas)
+    assert sm["delta_share_max"] == max(p["fraction"] for p in deltas)
+    assert [x["version"] for x in sm["reloads"]] == [0, 1, 2, 3]
+    assert all(set(x["reload_s"]) == {"s0", "s1"} and all(v > 0 for v in x["reload_s"].values())
+               and x["probe_diff_max"] <= cfg.fleet.probe_tolerance and x["lag_s_max"] is not None for x in sm["reloads"])
+    # from metrics.jsonl and the fleet block alone (no rollout rows), the same counts
+    sm2 = rl_summary(res, None, metrics)
+    assert [(x["step"], x["infra_masked"], x["retried"]) for x in sm2["steps"]] == [(0, 0, 0), (1, 0, 0), (2, 0, 0)]
+    assert {s["server"]: s["episodes"] for s in sm2["servers"]} == {s["server"]: s["episodes"] for s in sm["servers"]}
+    ro, ck = summary_metadata(sm)
+    assert ro["rl_mode"] == "fleet" and ro["retried_episodes"].value == 0 and ro["infra_masked_episodes"].value == 0
+    assert ro["staleness_max"].value == sm["staleness_max"] and ro["servers_serving_every_version"].value == 2
+    assert ro["rollout_servers"].value.count("| 0, 1, 2, 3 |") == 2
+    assert ro["episodes_per_step"].value.splitlines()[0] == \
+        "| step | rollouts | infra-masked | retried | max staleness | policy versions | s0 | s1 |"
+    assert ck["full_checkpoint_bytes"].value == sm["full_bytes"] and 0 < ck["delta_share_mean"].value
+    assert len(ck["published_weights"].value.splitlines()) == 2 + 4
+    assert len(ck["reload_seconds_by_version"].value.splitlines()) == 2 + 4
+    # the one-process view of the same data (no fleet block, no server columns) is a valid summary too
+    one = rl_summary({k: v for k, v in res.items() if k not in ("fleet", "mode")},
+                     [{**r, "server_id": None, "attempts": None} for r in flat], metrics)
+    assert one["mode"] == "one_process" and one["servers"] == [] and one["rollouts"] == 6
+    summary_metadata(one)
+
 
 @pytest.fixture
 def orchestrator(learnable_base, servers, tmp_path):
@@ -166,6 +207,10 @@ def test_fleet_infra_failure_is_masked(orchestrator, monkeypatch):
     adv = dict(zip([id(r) for r in rows], advantages(rows, normalize_std=False)))
     assert adv[id(bad[0])] == 0.0  # out of the group: not a zero reward pulling the mean down
     assert sorted(adv[id(r)] for r in good) == [-0.5, 0.5]
+    from composer_dag.rl.report import rl_summary
+
+    sm = rl_summary({"mode": "fleet"}, [{**r, "step": 0} for r in rows])
+    assert sm["infra_masked_episodes"] == 1 and sm["steps"][0]["infra_masked"] == 1
 
     # a host error after the policy's first action that the reference solution does not
     # reproduce (grading raised for this episode only) is the policy's: no infra mark
@@ -207,6 +252,105 @@ def test_fleet_run_stops_in_one_line_when_a_server_skips_a_reload(learnable_base
     assert "after loading version 1" in last and "Traceback" not in r.stderr
 
 
+@pytest.fixture
+def followers(servers, tmp_path):
+    """``composer_dag.rl.fleet.serve --attach`` beside each shared server: the loop that runs
+    beside a server on a machine that shares no disk with the orchestrator (it rebuilds the
+    versions in a directory of its own). Stopped at the end of the test."""
+    procs = []
+
+    def start(weights_uri, skip=None):
+        for i, url in enumerate(servers.urls):
+            cmd = [sys.executable, "-m", "composer_dag.rl.fleet.serve", "--attach", url, "--weights-uri", weights_uri,
+                   "--work-dir", str(tmp_path / f"follower_{i}"), "--poll-seconds", "0.2"]
+            if skip and skip[0] == i:
+                cmd += ["--skip-reload", str(skip[1])]
+            with open(tmp_path / f"follower_{i}.log", "wb") as log:
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        return procs
+
+    yield start
+    for p in procs:
+        p.terminate()
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def test_fleet_servers_reload_by_themselves(orchestrator, followers, tmp_path):
+    """``weight_sync: server``: each server's own loop pulls, rebuilds and reloads; the
+    orchestrator only reads the version tag, checks it against the manifest and the probe."""
+    from composer_dag.rl.fleet.launch import weights_url
+    from composer_dag.rl.fleet.serve import parse_tag
+    from composer_dag.rl.fleet.sync import ProbeMismatch
+    from composer_dag.rl.weights import version_manifest
+
+    o, pub, state = orchestrator(fleet={"weight_sync": "server"})
+    procs = followers(weights_url(o.cfg), skip=(1, 2))
+    logs = lambda: "\n".join((tmp_path / f"follower_{i}.log").read_text()[-1500:] for i in range(2))  # noqa: E731
+    o.fleet.wait_serving(0, o.fleet.servers, timeout=120)
+    g = torch.Generator().manual_seed(0)
+    pub.publish(1, {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()})
+    o.fleet.wait_serving(1, o.fleet.servers, timeout=120)
+    digest = version_manifest(pub.storage, pub.prefix, 1)["digest"]
+    for s in o.fleet.servers:
+        assert parse_tag(s.client.weight_version()) == (1, digest[:16]), logs()
+        assert s.versions_served == [0, 1]
+        assert all(x["reload_s"] is None and x["lag_s"] is not None and x["probe_diff"] <= o.cfg.fleet.probe_tolerance
+                   for x in s.reloads)
+    assert not os.path.exists(os.path.join(o.cfg.out_dir, "fleet_weights"))  # nothing rebuilt for the servers here
+    assert all(p.poll() is None for p in procs), logs()
+    rows, secs = o.batch(0, 1)
+    assert len(rows) == 2 and all(r["policy_version"] == 1 and r["infra_error"] is None for r in rows)
+
+    # server 1's loop claims version 2 without loading it: the orchestrator's probe stops the run
+    pub.publish(2, {k: v - 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()})
+    with pytest.raises(ProbeMismatch) as e:
+        o.fleet.wait_serving(2, o.fleet.servers, timeout=120)
+    msg = str(e.value)
+    assert "\n" not in msg and "rollout server s1" in msg and "after loading version 2" in msg, logs()
+    assert "skipping the reload of version 2" in (tmp_path / "follower_1.log").read_text()
+
+
+def test_fleet_serve_takes_the_model_from_storage(learnable_base, s3_bucket, tmp_path):
+    """What the serve wrapper needs on a machine of its own: the model from a storage URL, the
+    command line a cluster backend runs."""
+    from composer_dag.rl.fleet.serve import fetch_model, parse_tag, version_tag
+    from composer_dag.rl.fleet.server import server_command
+    from composer_dag.storage import open_storage
+
+    url = f"s3://{s3_bucket['bucket']}/models/policy"
+    st = open_storage(url)
+    st.put_dir(learnable_base["policy_dir"], url)
+    st.write_manifest(url)
+    got = fetch_model(url, str(tmp_path))
+    names = sorted(n for n in os.listdir(learnable_base["policy_dir"])
+                   if os.path.isfile(os.path.join(learnable_base["policy_dir"], n)))
+    assert {"config.json", "model.safetensors"} <= set(names)
+    for name in names:
+        assert (tmp_path / "model" / name).read_bytes() == open(os.path.join(learnable_base["policy_dir"], name), "rb").read()
+    assert got == str(tmp_path / "model") and fetch_model(learnable_base["policy_dir"], str(tmp_path)) == learnable_base["policy_dir"]
+    cmd = server_command(url, "{port}", "{host}", follow={"weights_uri": "s3://b/w", "skip_reload": None,
+                                                          "poll_seconds": 0.5})
+    assert cmd[1:5] == ["-m", "composer_dag.rl.fleet.serve", "--weights-uri", "s3://b/w"]
+    vllm = cmd[cmd.index("--") + 1:]
+    assert vllm[:6] == ["--model", url, "--host", "{host}", "--port", "{port}"] and "--skip-reload" not in cmd
+    # what the rl_run asset starts through cluster.services for a config with fleet settings
+    from composer_dag.rl.fleet.config import FleetConfig
+    from composer_dag.rl.fleet.launch import server_services
+
+    specs = server_services(FleetConfig.load({"servers": 2, "skip_reload": [1, 4]}), url, "s3://b/w", 512, 7)
+    assert [x["name"] for x in specs] == ["rollout-0", "rollout-1"]
+    assert all(x["health_url"] == "http://{host}:{port}/health" and "--skip-reload" not in x["argv"][:x["argv"].index("--")]
+               for x in specs[:1])
+    assert specs[1]["argv"][specs[1]["argv"].index("--skip-reload") + 1] == "4"
+    assert "512" in specs[0]["argv"] and specs[0]["argv"][specs[0]["argv"].index("--model") + 1] == url
+    assert parse_tag(version_tag(3, "ab" * 32)) == (3, "ab" * 8)
+    assert parse_tag("3") is None and parse_tag(None) is None
+
+
 def test_fleet_server_killed_mid_episode_then_rejoins(orchestrator, servers, monkeypatch):
     from composer_dag.rl.fleet import server as server_mod
 
@@ -231,6 +375,10 @@ def test_fleet_server_killed_mid_episode_then_rejoins(orchestrator, servers, mon
     retried = [r for r in rows if r["attempts"] > 1]
     assert retried and all(r["server_id"] == "s0" for r in retried) and secs["retried"] == len(retried)
     assert o.fleet.servers[1].deaths == 1 and not o.fleet.servers[1].alive
+    from composer_dag.rl.report import rl_summary
+
+    sm = rl_summary({"mode": "fleet"}, [{**r, "step": 0} for r in rows])
+    assert sm["retried_episodes"] == len(retried) == sm["steps"][0]["retried"]
 
     victim.start()  # the restarted server is reloaded to the current version and takes episodes again
     victim.wait_ready(600)

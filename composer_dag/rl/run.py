@@ -169,12 +169,14 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     live = {"version": trainer.version, "dir": None}     # newest weights for the engine
     engine_state = {"version": trainer.version}
     sync_seconds: list[float] = []
+    weight_syncs: list[dict] = []   # {"version", "seconds"}: each in-place reload of the engine
 
     def sync() -> int:
         with lock:
             v, d = live["version"], live["dir"]
         if d is not None and v > engine_state["version"]:
             sync_seconds.append(engine.load_weights(d))
+            weight_syncs.append({"version": v, "seconds": round(sync_seconds[-1], 4)})
             engine_state["version"] = v
         return engine_state["version"]
 
@@ -296,6 +298,8 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
         "dropped_stale_rollouts": counters["dropped_stale_rollouts"],
         "dropped_stale_batches": counters["dropped_stale_batches"],
         "weight_sync_seconds": _stats(sync_seconds),
+        "weight_syncs": weight_syncs,
+        "published": [{k2: p[k2] for k2 in ("version", "kind", "bytes", "fraction", "seconds")} for p in publish_info],
         "delta_fraction": _stats(deltas), "publish_seconds": _stats([p["seconds"] for p in publish_info]),
         "reconstruct_seconds": apply_s, "weights_verified": verified, "weights_uri": wprefix,
         "nan_loss_skipped": trainer.nan_skipped, "hf_dir": hf_dir, "checkpoint": tag, "config": cfg.to_dict(),

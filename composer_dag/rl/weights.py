@@ -134,6 +134,12 @@ def latest_version(storage, prefix: str) -> int | None:
     return storage.read_json(url)["version"] if storage.exists(url) else None
 
 
+def version_manifest(storage, prefix: str, version: int) -> dict | None:
+    """The manifest of a published version (``None`` if it is not published)."""
+    url = _name(prefix, version, "json")
+    return storage.read_json(url) if storage.exists(url) else None
+
+
 def _blob(storage, prefix: str, meta: dict, verify: bool) -> bytes:
     ext = "full.safetensors" if meta["kind"] == "full" else "delta.zst"
     blob = storage.read_bytes(_name(prefix, meta["version"], ext))
@@ -168,6 +174,20 @@ def reconstruct(storage, prefix: str, version: int, verify: bool = True,
         if verify and state_digest(sd) != meta["digest"]:
             raise DigestMismatch(f"version {v}: digest {state_digest(sd)[:12]} != published {meta['digest'][:12]}")
     return sd
+
+
+def write_weights_dir(state: dict[str, torch.Tensor], directory: str) -> str:
+    """``directory/model.safetensors`` (written atomically): what vLLM's ``reload_weights``
+    loads in place."""
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, ".model.safetensors.tmp")
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(directory, "model.safetensors"))
+    return directory
 
 
 class WeightCache:

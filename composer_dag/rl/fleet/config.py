@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import Field
 
@@ -18,6 +18,10 @@ class FleetConfig(StageConfig):
     host: str = "127.0.0.1"
     base_port: int = Field(8300, description="server i listens on base_port + i")
     urls: Optional[list[str]] = Field(None, description="servers already running (not started or stopped by the run)")
+    weight_sync: Literal["orchestrator", "server"] = Field(
+        "orchestrator", description="who rebuilds and reloads each version: the orchestrator (servers must see its "
+                                    "out_dir) or a loop beside each server (python -m composer_dag.rl.fleet.serve; "
+                                    "servers need only the weights storage); the orchestrator checks the probe either way")
     server_kv_cache_mb: int = 64
     server_start_timeout: float = 900.0
     probe_tolerance: float = Field(1e-3, description="max |server - reference| probe logprob after a reload")
@@ -30,4 +34,5 @@ class FleetConfig(StageConfig):
                                                           "(default out_dir/exchange); s3:// works")
     version_timeout: float = Field(600.0, description="longest wait for a version to be published or served")
     skip_reload: Optional[list[int]] = Field(None, description="fault injection: [server index, version] "
-                                                               "that server reports without reloading")
+                                                               "that server reports without reloading (weight_sync "
+                                                               "server: servers started by the run only)")

@@ -4,7 +4,8 @@ separate processes (each in its own process group), weights through ``weights_ur
 ``python -m composer_dag.rl.run --config C`` takes this path when C has ``fleet`` settings.
 Servers listed in ``fleet.urls`` are used as they are; otherwise ``fleet.servers`` vLLM servers
 are started here (server i on ``base_port + i``, its worker bound to core ``i mod cores``) and
-stopped at the end. The run fails with the failing role's one-line reason (a probe mismatch, a
+stopped at the end; with ``fleet.weight_sync: server`` each one runs under
+``composer_dag.rl.fleet.serve``, which keeps it on the published weights by itself. The run fails with the failing role's one-line reason (a probe mismatch, a
 server fleet that is gone, a missing batch) and stops the other role.
 """
 
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 from ...pipes import Reporter
-from .server import ServerProcess
+from .server import ServerProcess, server_command
 
 
 def _last_line(path: Path) -> str:
@@ -43,6 +44,40 @@ def _stop(p: subprocess.Popen) -> None:
             p.wait()
 
 
+def weights_url(cfg) -> str:
+    """The URL the trainer publishes under (``weights_uri``, else ``out_dir/weights``)."""
+    from ...storage import Storage
+
+    return cfg.weights_uri or Storage(str(cfg.out_dir)).url("weights")
+
+
+def follow_settings(cfg, index: int) -> dict | None:
+    """``ServerProcess``'s ``follow`` for server ``index`` (``weight_sync: server``), else None."""
+    fc = cfg.fleet
+    if fc.weight_sync != "server":
+        return None
+    skip = fc.skip_reload[1] if fc.skip_reload and fc.skip_reload[0] == index else None
+    return {"weights_uri": weights_url(cfg), "poll_seconds": fc.poll_seconds, "skip_reload": skip,
+            "work_dir": str(Path(cfg.out_dir) / f"server_{index}_weights")}
+
+
+def server_services(fleet, model_url: str, weights_uri: str, max_model_len: int = 1024, seed: int = 0) -> list[dict]:
+    """The rollout servers of ``fleet`` (``FleetConfig``) as long-running services for a cluster
+    backend (``composer_dag.runtime.services``, ``ClusterResource.services``): each one vLLM's
+    server under ``composer_dag.rl.fleet.serve``, which takes the model from ``model_url`` (a
+    storage URL or a path on its node) and follows the versions published at ``weights_uri``, so
+    it needs no disk shared with the orchestrator. ``{host}``/``{port}`` are the backend's."""
+    out = []
+    for i in range(fleet.servers):
+        skip = fleet.skip_reload[1] if fleet.skip_reload and fleet.skip_reload[0] == i else None
+        argv = server_command(model_url, "{port}", "{host}", follow={"weights_uri": weights_uri, "skip_reload": skip,
+                                                                    "poll_seconds": fleet.poll_seconds},
+                              max_model_len=max_model_len, kv_cache_mb=fleet.server_kv_cache_mb, seed=seed)
+        out.append({"name": f"rollout-{i}", "argv": argv, "health_url": "http://{host}:{port}/health",
+                    "start_timeout_s": fleet.server_start_timeout})
+    return out
+
+
 def run_distributed(cfg, rep: Reporter | None = None) -> dict:
     from ...inference.engine import fit_to_model
     from ...runtime.checkpoint import write_json_atomic
@@ -58,8 +93,9 @@ def run_distributed(cfg, rep: Reporter | None = None) -> dict:
         if not urls:
             max_len = fit_to_model(cfg.inference, cfg.policy_dir).max_model_len
             servers = [ServerProcess(cfg.policy_dir, fc.base_port + i, fc.host, str(out / f"server_{i}.log"),
-                                     cpu=i % (os.cpu_count() or 1), kv_cache_mb=fc.server_kv_cache_mb,
-                                     max_model_len=max_len, seed=cfg.seed).start() for i in range(fc.servers)]
+                                     cpu=i % (os.cpu_count() or 1), follow=follow_settings(cfg, i),
+                                     kv_cache_mb=fc.server_kv_cache_mb, max_model_len=max_len,
+                                     seed=cfg.seed).start() for i in range(fc.servers)]
             for s in servers:
                 s.wait_ready(fc.server_start_timeout)
             urls = [s.url for s in servers]

@@ -34,16 +34,33 @@ class ServerDown(ConnectionError):
     """The server did not answer (refused, reset, timed out, or a 5xx)."""
 
 
-def server_command(model_dir: str, port: int, host: str = "127.0.0.1", max_model_len: int = 1024,
-                   kv_cache_mb: int = 64, seed: int = 0, dtype: str = "float32") -> list[str]:
-    """The vLLM OpenAI server for ``model_dir`` on CPU (float32, eager, fixed KV cache, no chunked
-    prefill: see ``VLLMEngine``)."""
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-            "--host", host, "--port", str(port), "--dtype", dtype, "--enforce-eager",
+VLLM_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
+
+
+def server_args(model_dir: str, port: int | str, host: str = "127.0.0.1", max_model_len: int = 1024,
+                kv_cache_mb: int = 64, seed: int = 0, dtype: str = "float32") -> list[str]:
+    """The vLLM OpenAI server's arguments for ``model_dir`` on CPU (float32, eager, fixed KV
+    cache, no chunked prefill: see ``VLLMEngine``)."""
+    return ["--model", model_dir, "--host", host, "--port", str(port), "--dtype", dtype, "--enforce-eager",
             "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_mb << 20),
             "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 4096)),
             "--seed", str(seed), "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
             "--disable-log-stats", "--disable-uvicorn-access-log"]
+
+
+def server_command(model_dir: str, port: int | str, host: str = "127.0.0.1", follow: dict | None = None,
+                   **kw) -> list[str]:
+    """The vLLM OpenAI server's command line; with ``follow`` (``weights_uri`` and optionally
+    ``work_dir``, ``poll_seconds``, ``skip_reload``) the server runs under
+    ``composer_dag.rl.fleet.serve``, which keeps it on the weights published at ``weights_uri``."""
+    args = server_args(model_dir, port, host, **kw)
+    if not follow:
+        return [sys.executable, *VLLM_SERVER, *args]
+    cmd = [sys.executable, "-m", "composer_dag.rl.fleet.serve", "--weights-uri", follow["weights_uri"]]
+    for key in ("work_dir", "poll_seconds", "skip_reload"):
+        if follow.get(key) is not None:
+            cmd += ["--" + key.replace("_", "-"), str(follow[key])]
+    return [*cmd, "--", *args]
 
 
 def server_env(cpu: int | None = None) -> dict:
@@ -58,8 +75,10 @@ class ServerProcess:
     """One vLLM OpenAI server in its own process group (``start``, ``wait_ready``, ``stop``)."""
 
     def __init__(self, model_dir: str, port: int, host: str = "127.0.0.1", log_path: str | None = None,
-                 cpu: int | None = None, **kw):
+                 cpu: int | None = None, follow: dict | None = None, **kw):
+        """``follow``: run the server under ``composer_dag.rl.fleet.serve`` (see ``server_command``)."""
         self.model_dir, self.port, self.host, self.log_path, self.cpu, self.kw = model_dir, port, host, log_path, cpu, kw
+        self.follow = follow
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -69,7 +88,7 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(server_command(self.model_dir, self.port, self.host, **self.kw),
+            self.proc = subprocess.Popen(server_command(self.model_dir, self.port, self.host, self.follow, **self.kw),
                                          env=server_env(self.cpu), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
@@ -168,9 +187,10 @@ class ServerClient:
         plp = self._call("/v1/completions", body)["choices"][0]["prompt_logprobs"]
         return [d[str(t)]["logprob"] for t, d in zip(token_ids[1:], plp[1:])]
 
-    def reload(self, weights_dir: str, version: int) -> float:
+    def reload(self, weights_dir: str, version: int | str) -> float:
         """Pause (in-flight requests finish, new ones wait), reload ``weights_dir`` in place,
-        drop cached prefixes, set the reported weight version, resume. Returns seconds."""
+        drop cached prefixes, set the reported weight version (``str(version)``), resume.
+        Returns seconds."""
         t0 = time.perf_counter()
         self._call("/pause?mode=wait", {})
         try:
@@ -181,8 +201,11 @@ class ServerClient:
             self._call("/resume", {})
         return time.perf_counter() - t0
 
-    def weight_version(self) -> str:
+    def weight_version(self) -> str | None:
         return self._call("/weight_info")["weight_version"]
+
+    def set_weight_version(self, version: int | str) -> None:
+        self._call("/update_weight_version", {"new_version": str(version)})
 
 
 class ServerEngine(Engine):

@@ -1,23 +1,35 @@
 """Keeping rollout servers on the published weights, and checking that they really are.
 
 ``Fleet`` holds the orchestrator's view of its servers: which version each one serves (after
-its probe check passed), whether it is up, how many episodes it runs. One ``_Sync`` thread per
-server polls ``latest.json`` (and the server's own ``/weight_info``); when either says the
-server is behind, it rebuilds the next version (the latest for a server that holds none) (``WeightCache``: full + deltas, sha256 and digest
-checked) into ``work_dir/v<version>/model.safetensors`` (once for all servers), has the server
-reload it in place, then scores the fixed probe sequence on the server and compares with the
-reference logprobs of the same bf16 weights computed here with transformers on CPU. A
-difference beyond ``probe_tolerance`` stops the run: ``ProbeMismatch``, one line.
+its probe check passed), whether it is up, how many episodes it runs. One thread per server
+polls ``latest.json`` and the server's own ``/weight_info``. Two ways to move a server to a new
+version (``fleet.weight_sync``):
 
-Why a thread in the orchestrator and not a process beside each server: the orchestrator must
-know each server's version at the moment it routes an episode (staleness bound) and learns of a
-dead server from its episodes first; the rebuild and the reference scoring are done once per
-version for the whole fleet instead of once per server (on two cores that is what costs); and a
-failed check stops the run from the process that owns the run. The price: a server must see
-the orchestrator's ``work_dir`` (same host or a shared filesystem); a server on another machine
-would need the same loop beside it.
+- ``orchestrator`` (the default): when the server is behind, the thread rebuilds the next
+  version (the latest for a server that holds none) (``WeightCache``: full + deltas, sha256
+  and digest checked) into ``work_dir/v<version>/model.safetensors`` (once for all servers)
+  and has the server reload it in place.
+- ``server``: each server runs ``composer_dag.rl.fleet.serve`` beside it (same process group or
+  job), which pulls, rebuilds and reloads on the server's machine and reports
+  ``<version>@<digest>``; the thread checks that tag against the published manifest and
+  rebuilds the version here only for the reference.
+
+Either way the thread then scores the fixed probe sequence on the server and compares with
+the reference logprobs of the same bf16 weights computed here with transformers on CPU; a
+difference beyond ``probe_tolerance`` stops the run: ``ProbeMismatch``, one line. Only then
+may the server take episodes of that version. Each check is recorded (``reloads``: reload,
+rebuild and lag seconds, lag being from the version's first sight on ``latest.json`` to its
+check passing, and the probe difference).
+
+Why the orchestrator keeps the version tracking and the checks in both modes: it must know
+each server's version at the moment it routes an episode (staleness bound) and learns of a
+dead server from its episodes first; the reference scoring is done once per version for the
+whole fleet; and a failed check stops the run from the process that owns the run. In the
+``orchestrator`` mode the rebuild too is done once per version, which is what costs on two
+cores; the price is that a server must see the orchestrator's ``work_dir`` (same host or a
+shared filesystem). The ``server`` mode rebuilds once per server and needs nothing shared but
+the weights storage.
 """
-
 from __future__ import annotations
 
 import os
@@ -26,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..weights import WeightCache, latest_version
+from ..weights import WeightCache, latest_version, version_manifest, write_weights_dir
 from .server import ServerClient, ServerDown
 
 
@@ -99,12 +111,16 @@ class Fleet:
         self._dirs: dict[int, str] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        os.makedirs(work_dir, exist_ok=True)
+        self._seen: dict[int, float] = {}   # version -> when latest.json first showed it
+        self.mode = getattr(cfg, "weight_sync", "orchestrator")
+        if self.mode == "orchestrator":
+            os.makedirs(work_dir, exist_ok=True)
 
     # -- lifecycle
     def start(self) -> "Fleet":
+        loop = self._sync if self.mode == "orchestrator" else self._watch
         for s in self.servers:
-            t = threading.Thread(target=self._sync, args=(s,), name=f"sync-{s.id}", daemon=True)
+            t = threading.Thread(target=loop, args=(s,), name=f"sync-{s.id}", daemon=True)
             t.start()
             self._threads.append(t)
         return self
@@ -144,7 +160,7 @@ class Fleet:
                     raise FleetStopped(f"no rollout server serves version {min_version} or newer after "
                                        f"{timeout or self.cfg.version_timeout:.0f} s: "
                                        + ", ".join(f"{s.id} {'up' if s.alive else 'down'} v{s.version}"
-                                                   for s in self.servers))
+                                                   for s in self.servers) + self._hint())
                 self.cond.wait(min(left, 1.0))
 
     def release(self, s: Server) -> None:
@@ -170,7 +186,9 @@ class Fleet:
                 if group and all(s.alive and s.version is not None and s.version >= version for s in group):
                     return
                 if time.monotonic() > deadline:
-                    raise FleetStopped(f"servers not on version {version} after {timeout or self.cfg.version_timeout:.0f} s")
+                    raise FleetStopped(f"servers not on version {version} after {timeout or self.cfg.version_timeout:.0f} s: "
+                                       + ", ".join(f"{s.id} {'up' if s.alive else 'down'} v{s.version}"
+                                                   for s in self.servers) + self._hint())
                 self.cond.wait(1.0)
 
     # -- weights
@@ -179,13 +197,7 @@ class Fleet:
             state = self.cache.get(version)  # verified: sha256 of each blob, digest of each version
             d = self._dirs.get(version)
             if d is None:
-                from safetensors.torch import save_file
-
-                d = os.path.join(self.work_dir, f"v{version:08d}")
-                os.makedirs(d, exist_ok=True)
-                tmp = os.path.join(d, ".model.safetensors.tmp")
-                save_file(state, tmp, metadata={"format": "pt"})
-                os.replace(tmp, os.path.join(d, "model.safetensors"))
+                d = write_weights_dir(state, os.path.join(self.work_dir, f"v{version:08d}"))
                 self._dirs[version] = d
                 import shutil
 
@@ -204,8 +216,7 @@ class Fleet:
                         self.mark_dead(s)
                     self._stop.wait(cfg.poll_seconds)
                     continue
-                latest = latest_version(self.storage, self.prefix)
-                self.latest = latest if latest is not None else self.latest
+                latest = self._poll_latest()
                 reported = s.client.weight_version()
                 behind = latest is not None and (s.version is None or s.version < latest or reported != str(s.version))
                 if not behind:
@@ -221,26 +232,103 @@ class Fleet:
                 latest = latest if fresh else min(latest, s.version + 1)
                 d, state = self._weights_dir(latest)
                 if skip == (s.index, latest):  # fault injection: claim the version, keep the old weights
-                    s.client._call("/update_weight_version", {"new_version": str(latest)})
+                    s.client.set_weight_version(latest)
                     secs = 0.0
                     self.log(f"{s.id}: skipping the reload of version {latest} (fault injection)")
                 else:
                     secs = s.client.reload(d, latest)
-                got = s.client.score(self.reference.probe)
-                ref = self.reference.logprobs(latest, state)
-                diff = max(abs(a - b) for a, b in zip(got, ref))
-                if diff > cfg.probe_tolerance:
-                    raise ProbeMismatch(
-                        f"probe check failed: rollout server {s.id} ({s.client.url}) after loading version {latest} "
-                        f"scores the probe {diff:.3g} nats away from the published weights (tolerance "
-                        f"{cfg.probe_tolerance:g}); stopping the run")
-                with self.cond:
-                    s.version, s.alive = latest, True
-                    s.reloads.append({"version": latest, "reload_s": round(secs, 4), "probe_diff": diff,
-                                      "rebuild_s": round(self.cache.last_seconds, 4)})
-                    if latest not in s.versions_served:
-                        s.versions_served.append(latest)
-                    self.cond.notify_all()
+                diff = self._probe(s, latest, state)
+                self._serving(s, latest, {"reload_s": round(secs, 4), "probe_diff": diff,
+                                          "rebuild_s": round(self.cache.last_seconds, 4)})
+            except ServerDown:
+                self.mark_dead(s)
+                self._stop.wait(cfg.poll_seconds)
+            except ProbeMismatch as e:
+                self.fail(e)
+                return
+            except Exception as e:  # a broken publication (DigestMismatch, ...) also stops the run
+                self.fail(RuntimeError(f"weight sync of rollout server {s.id} failed: {type(e).__name__}: {e}"))
+                return
+
+    def _hint(self) -> str:
+        return ("" if self.mode == "orchestrator" else
+                " (weight_sync server: each server reloads by itself, under python -m composer_dag.rl.fleet.serve)")
+
+    def _poll_latest(self) -> int | None:
+        latest = latest_version(self.storage, self.prefix)
+        if latest is not None:
+            with self.cond:  # versions published between two polls count as seen now
+                self.latest, now = latest, time.monotonic()
+                for v in range(max(self._seen) + 1 if self._seen else latest, latest + 1):
+                    self._seen.setdefault(v, now)
+        return latest
+
+    def _serving(self, s: Server, version: int, info: dict) -> None:
+        """``s`` serves ``version``, probe-checked: it may take episodes of that version."""
+        seen = self._seen.get(version)
+        with self.cond:
+            s.version, s.alive = version, True
+            s.reloads.append({"version": version, **info,
+                              "lag_s": round(time.monotonic() - seen, 4) if seen is not None else None})
+            if version not in s.versions_served:
+                s.versions_served.append(version)
+            self.cond.notify_all()
+
+    def _probe(self, s: Server, version: int, state: dict) -> float:
+        """Score the probe on ``s`` and compare with the reference of ``version``; stop the run
+        (``ProbeMismatch``) beyond the tolerance. Returns the largest difference."""
+        got = s.client.score(self.reference.probe)
+        ref = self.reference.logprobs(version, state)
+        diff = max(abs(a - b) for a, b in zip(got, ref))
+        if diff > self.cfg.probe_tolerance:
+            raise ProbeMismatch(
+                f"probe check failed: rollout server {s.id} ({s.client.url}) after loading version {version} "
+                f"scores the probe {diff:.3g} nats away from the published weights (tolerance "
+                f"{self.cfg.probe_tolerance:g}); stopping the run")
+        return diff
+
+    def _watch(self, s: Server) -> None:
+        """``weight_sync: server``: the server reloads by itself (``composer_dag.rl.fleet.serve``
+        beside it); this thread tracks the version it reports (``<version>@<digest>``, checked
+        against the published manifest), rebuilds that version here for the reference and
+        checks the probe, then lets the server take episodes of it."""
+        from .serve import parse_tag
+
+        cfg = self.cfg
+        while not self._stop.is_set():
+            try:
+                if not s.client.healthy():
+                    if s.alive:
+                        self.mark_dead(s)
+                    self._stop.wait(cfg.poll_seconds)
+                    continue
+                self._poll_latest()
+                reported = s.client.weight_version()
+                tag = parse_tag(reported)
+                if tag is None or tag[0] == s.version:  # nothing published loaded yet, or checked already
+                    if tag is not None and not s.alive:
+                        with self.cond:
+                            s.alive = True
+                            self.cond.notify_all()
+                    self._stop.wait(cfg.poll_seconds)
+                    continue
+                version = tag[0]
+                meta = version_manifest(self.storage, self.prefix, version)
+                if meta is None or not meta["digest"].startswith(tag[1]):
+                    # another run's weights (a server reused across runs): not this run's version
+                    if s.version is not None:
+                        with self.cond:
+                            s.version = None
+                            self.cond.notify_all()
+                    self._stop.wait(cfg.poll_seconds)
+                    continue
+                with self._build_lock:
+                    state = self.cache.get(version)  # verified, as the server's own rebuild
+                    rebuild_s = self.cache.last_seconds
+                diff = self._probe(s, version, state)
+                if s.client.weight_version() != reported:  # it moved on while scored: check the new one
+                    continue
+                self._serving(s, version, {"reload_s": None, "probe_diff": diff, "rebuild_s": round(rebuild_s, 4)})
             except ServerDown:
                 self.mark_dead(s)
                 self._stop.wait(cfg.poll_seconds)
