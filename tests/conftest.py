@@ -27,20 +27,17 @@ LONG_FIRST = ("tests.test_fleet", "tests.test_rl_learn", "tests.test_ui_browser"
               "tests.test_train_midtrain", "tests.test_sft")
 
 
+def _group(item) -> str:
+    return "slurm" if "slurm_cluster" in getattr(item, "fixturenames", ()) else item.module.__name__
+
+
 def pytest_collection_modifyitems(config, items):
-    """Grouping for pytest-xdist's ``--dist loadgroup`` (what ``make test`` runs): each module runs
-    whole on one worker, so its module fixtures (a pair of vLLM servers, `dagster dev`) start
-    once; every module that uses the Slurm cluster runs on the same worker, so the session starts
-    one cluster; and the longest groups go first (the Slurm group holds the whole-graph run)."""
-    slurm = {item.module.__name__ for item in items if "slurm_cluster" in getattr(item, "fixturenames", ())}
-
-    def group(item) -> str:
-        return "slurm" if item.module.__name__ in slurm else item.module.__name__
-
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
+    """The longest modules first: the ones that use the Slurm cluster (the whole-graph run),
+    then those in ``LONG_FIRST``. Under ``make test`` (pytest-xdist, ``--dist loadfile``) each
+    module runs whole on one worker, so its module fixtures (a pair of vLLM servers, `dagster
+    dev`) start once, and the two workers end together."""
     order = ["slurm", *LONG_FIRST]
-    items.sort(key=lambda it: order.index(group(it)) if group(it) in order else len(order))
+    items.sort(key=lambda it: order.index(_group(it)) if _group(it) in order else len(order))
 
 
 @pytest.fixture(scope="session")
@@ -159,3 +156,4 @@ def slurm_cluster(tmp_path_factory):
             os.environ["SLURM_CONF"] = old
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
+
