@@ -7,8 +7,9 @@ STAMP := $(VENV)/.installed
 export COMPOSER_HOME ?= $(CURDIR)/.composer
 export DAGSTER_HOME ?= $(COMPOSER_HOME)/dagster_home
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test` (0: one process); modules stay whole on one worker
-PYTEST_WORKERS ?= 2
+# pytest-xdist workers for `make test` (0: one process, the default: on 2 cores two workers took as
+# long, the whole-graph module alone outlasting the rest); modules stay whole on one worker
+PYTEST_WORKERS ?= 0
 
 .PHONY: install system-deps run test dev bench clean
 
@@ -47,7 +48,7 @@ run: install $(DAGSTER_HOME)/dagster.yaml
 test: install $(DAGSTER_HOME)/dagster.yaml
 	@mkdir -p tests/artifacts
 	$(VENV)/bin/dagster definitions validate -w workspace.yaml
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 dev: install $(DAGSTER_HOME)/dagster.yaml
 	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
