@@ -96,19 +96,34 @@ def model_max_len(model_dir: str) -> int | None:
     return int(n) if n else None
 
 
+def in_process_default() -> bool:
+    """Whether vLLM's engine core runs in this process on CPU. With it in a child process (vLLM's
+    default), every engine start imports torch and vLLM three times over (this process, the engine
+    core, its worker): about 50 s here against 20 s in one process, with the same tokens and
+    logprobs for the same seeds. vLLM's in-process kernel override scans every loaded module and
+    trips on llvmlite's foreign-function ``lib``, so a process that loaded numba keeps the child
+    processes. ``VLLM_ENABLE_V1_MULTIPROCESSING`` set by the user wins either way."""
+    import sys
+
+    return not any(m.split(".")[0] in ("llvmlite", "numba") for m in sys.modules)
+
+
 class VLLMEngine(Engine):
-    """vLLM's ``LLM`` in this process (its engine core runs in child processes, so callers
-    need the ``if __name__ == "__main__":`` guard). On CPU: float32, eager mode, a fixed KV
-    cache size; on GPU: the checkpoint's dtype and a share of GPU memory."""
+    """vLLM's ``LLM``. On GPU its engine core runs in child processes (callers need the
+    ``if __name__ == "__main__":`` guard); on CPU in this process (``in_process_default``). On
+    CPU: float32, eager mode, a fixed KV cache size; on GPU: the checkpoint's dtype and a share
+    of GPU memory."""
 
     def __init__(self, model_dir: str, max_model_len: int = 2048, seed: int = 0,
                  dtype: str | None = None, kv_cache_bytes: int = 512 << 20,
                  gpu_memory_utilization: float = 0.5, **llm_kwargs):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        gpu = _on_gpu()
+        if not gpu and in_process_default():
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        gpu = _on_gpu()
         cap = model_max_len(model_dir)
         if cap and max_model_len > cap:  # vLLM refuses a context longer than the model's positions
             max_model_len = cap
