@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -150,6 +151,8 @@ class AgentLoop:
         extra = [t for t in getattr(tokenizer, "all_special_tokens", None) or [] if len(t) > 1]
         self.control = sorted(set(CONTROL_TOKENS) | set(extra), key=len, reverse=True)
         self.pool = ThreadPoolExecutor(max(1, config.workers), thread_name_prefix="agent")
+        self._untouched: dict[str, list] = {}  # task dir -> [lock, grade of its untouched checkout]
+        self._untouched_lock = threading.Lock()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -244,8 +247,21 @@ class AgentLoop:
 
     def _grade(self, r: _Run) -> None:
         t0 = time.perf_counter()
-        r.result = r.episode.grade()
+        r.result = r.episode.grade() if r.episode.log else self._grade_untouched(r)
         r.grade_s = time.perf_counter() - t0
+
+    def _grade_untouched(self, r: _Run):
+        """The grade of an episode in which no tool ran. Its workspace is the task's repository as
+        checked out, byte for byte, and its action log is empty, so the grader sees the same input
+        every time: the first such episode of a task is graded, the others get its result (a
+        model that never emits a parsable call, early in training or before SFT, would otherwise
+        pay a sandboxed test run per sample). A grade that raised is not kept."""
+        with self._untouched_lock:
+            slot = self._untouched.setdefault(str(r.task_dir), [threading.Lock(), None])
+        with slot[0]:
+            if slot[1] is None:
+                slot[1] = r.episode.grade()
+            return slot[1]
 
     def _record(self, r: _Run, version: int) -> dict:
         g = r.result

@@ -3,6 +3,7 @@ agent loop, GRPO advantages and loss, the staleness bound, weight deltas and dig
 
 import json
 import threading
+from pathlib import Path
 import time
 
 import pytest
@@ -114,6 +115,40 @@ def test_turn_budget_ends_episode(tasks):
     loop.close()
     assert [r["finish"] for r in rs] == ["max_turns"] * 2 and all(r["reward"] == 0 for r in rs)
     assert rs[0]["malformed_calls"] == 2
+
+
+def test_an_untouched_checkout_is_graded_once_per_task(tasks, monkeypatch):
+    """Episodes in which no tool ran share their task's one grade; one with a tool call (even a
+    read) is graded on its own, and a grade that raised is not kept."""
+    import composer_dag.envs.tools as tools
+
+    real, graded, failed = tools.grade, [], []
+
+    def counting(task_dir, workspace, log, config):
+        graded.append((Path(task_dir).name, len(log)))
+        if not failed:
+            failed.append(1)
+            raise OSError("the sandbox did not start")  # the first attempt fails: nothing is kept
+        return real(task_dir, workspace, log, config)
+
+    monkeypatch.setattr(tools, "grade", counting)
+    tok = _Tok()
+    quiet = AgentLoop(_Scripted(tok, ["no call<|im_end|>"]), tok, AgentConfig(max_turns=1, max_new_tokens=50,
+                                                                             max_context=50_000, workers=2))
+    jobs = [(str(t), t.name, j) for t in tasks for j in range(3)]
+    with pytest.raises(OSError):
+        quiet.run(jobs[:1], version=0)
+    rs = quiet.run(jobs, version=0)
+    quiet.close()
+    assert sorted(graded) == sorted([(tasks[0].name, 0)] * 2 + [(tasks[1].name, 0)])  # the failed one, then one per task
+    assert [(r["reward"], r["tests_passed"], r["tests_failed"]) for r in rs] == [(0.0, 0, 1)] * 6
+    graded.clear()
+    reader = AgentLoop(_Scripted(tok, ['<tool_call>{"name": "read_file", "arguments": {"path": "answer.txt"}}'
+                                       '</tool_call><|im_end|>']), tok,
+                       AgentConfig(max_turns=1, max_new_tokens=200, max_context=50_000, workers=2))
+    reader.run(jobs[:3], version=0)
+    reader.close()
+    assert graded == [(tasks[0].name, 1)] * 3
 
 
 # ---------------------------------------------------------------- GRPO
