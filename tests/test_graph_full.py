@@ -85,10 +85,19 @@ def graph(tmp_path_factory, slurm_cluster, s3_server):
         with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
             defs = build_defs(resources)
             results = materialize_all(instance=instance, definitions=defs, log=print, run_config=TINY_RUN_CONFIG)
+            print_step_times(instance, results)
             st = open_storage(root)
             yield {"instance": instance, "defs": defs, "results": results, "tmp": tmp_path, "secrets": secrets,
                    "root": root, "scratch": scratch, "storage": st,
                    "catalog": Catalog(str(tmp_path / "catalog.duckdb"), st)}
+
+
+def print_step_times(instance, results) -> None:
+    """Each step's wall time from Dagster's run records, for profiling the fixture (``-s``)."""
+    for r in results:
+        for st in instance.get_run_step_stats(r.run_id):
+            if st.start_time and st.end_time:
+                print(f"step time {r.job_def.name:>14} {st.step_key:<44} {st.end_time - st.start_time:7.1f} s")
 
 
 def _meta(instance, key):

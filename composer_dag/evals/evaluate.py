@@ -56,7 +56,10 @@ class EvalConfig(StageConfig):
     max_tasks: Optional[int] = Field(3, description="the first N tasks (by id) after task_ids, of the sources "
                                                     "not in every_task_of")
     every_task_of: list[str] = Field(["learnable"], description="task sources evaluated in full, whatever max_tasks")
-    batch_tasks: Optional[int] = Field(16, description="tasks per agent-loop batch (all their samples together)")
+    batch_tasks: Optional[int] = Field(64, description="tasks per agent-loop batch (all their samples together; a "
+                                                       "finished batch is what an interrupted evaluation keeps). "
+                                                       "Larger batches keep the engine busier: the default's 28 "
+                                                       "tasks took 20 s per checkpoint in one batch, 25 s in two")
     humaneval_ids: Optional[list[str]] = Field(None, description="None: the HumanEval problems behind tasks_dir's humaneval tasks; []: skip")
     humaneval_samples: int = 1
     humaneval_temperature: float = Field(0.0, description="greedy")
