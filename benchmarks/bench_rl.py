@@ -19,7 +19,8 @@ are shared.
 
 RL run: ``python -m composer_dag.rl.run`` with the vLLM engine on the learnable tasks, the
 small test policy after a short format warm-up; its per-step metrics are summarised.
-The entry point keeps the ``__main__`` guard: vLLM's engine core runs in child processes.
+The entry point keeps the ``__main__`` guard, which vLLM's engine core needs when it runs in child
+processes (``VLLM_ENABLE_V1_MULTIPROCESSING=1``; on CPU ``VLLMEngine`` runs it in this process).
 """
 
 from __future__ import annotations

@@ -148,6 +148,25 @@ def storage_options_from_env(url: str = "s3://") -> dict[str, Any]:
     return opts
 
 
+def is_temporary(name: str) -> bool:
+    """Whether a file name is an atomic write's temporary file (``.<name>.tmp-<id>``)."""
+    return name.startswith(".") and ".tmp-" in name
+
+
+def sweep_temporaries(directory) -> int:
+    """Remove the temporary files that writes killed midway (SIGKILL, power loss) left directly
+    in the local ``directory``; a finished write never leaves one. Call it only where no other
+    process is writing. Returns how many were removed."""
+    removed = 0
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            if entry.is_file(follow_symlinks=False) and is_temporary(entry.name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed += 1
+    return removed
+
+
 def open_storage(url: str) -> "Storage":
     """A Storage rooted at ``url``, with S3 settings from the environment when it is ``s3://``."""
     return Storage(url, storage_options_from_env(url) or None)
@@ -438,7 +457,7 @@ class Storage:
         for path in found:
             rel = path[len(base) + 1 :]
             name = posixpath.basename(rel)
-            if rel == MANIFEST or name.startswith(".") and ".tmp-" in name:
+            if rel == MANIFEST or is_temporary(name):
                 continue
             size, digest = self._hash(self.full_url(path))
             files[rel] = {"size": size, "sha256": digest}

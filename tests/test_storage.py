@@ -2,7 +2,7 @@ import pyarrow as pa
 import pytest
 
 from composer_dag.catalog import Catalog
-from composer_dag.storage import ArtifactError, Storage
+from composer_dag.storage import ArtifactError, Storage, sweep_temporaries
 
 
 def _roots(tmp_path, request):
@@ -27,6 +27,22 @@ def test_atomic_write_leaves_nothing_on_crash(storage):
     assert storage.find(storage.url("a")) == []
     storage.write_bytes(url, b"whole")
     assert storage.read_bytes(url) == b"whole"
+
+
+def test_a_write_killed_midway_leaves_a_temporary_that_the_owner_sweeps(tmp_path):
+    """SIGKILL inside ``open_atomic`` skips its cleanup (simulated: the generator is never
+    resumed): the temporary file stays, the target never appears, and ``sweep_temporaries``
+    removes exactly the temporaries, not the finished files beside them."""
+    st = Storage(str(tmp_path))
+    st.write_bytes(st.url("step_0000.parquet"), b"done")
+    writer = st.open_atomic(st.url("step_0001.parquet"))
+    writer.__enter__().write(b"half")  # killed here: neither rename nor unlink runs
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left[0].startswith(".step_0001.parquet.tmp-") and left[1:] == ["step_0000.parquet"]
+    (tmp_path / "sub").mkdir()
+    assert sweep_temporaries(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000.parquet", "sub"]
+    assert sweep_temporaries(tmp_path / "missing") == 0
 
 
 def test_manifest_round_trip_and_corruption(storage):

@@ -116,7 +116,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     import torch
 
     from ..inference import engine_from_config, fit_to_model
-    from ..storage import Storage, open_storage
+    from ..storage import Storage, open_storage, sweep_temporaries
     from ..runtime.checkpoint import resume_checkpoint, trim_metrics, write_json_atomic
     from ..train.tokenizer import load_tokenizer
     from ..agent import AgentLoop, rollouts_to_table
@@ -136,6 +136,10 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     out = Path(cfg.out_dir)
     for d in ("rollouts", "checkpoints", "sync"):
         (out / d).mkdir(parents=True, exist_ok=True)
+    # a run killed while writing a batch's rollouts left its temporary file; this run owns out_dir
+    stale = sweep_temporaries(out / "rollouts") + sweep_temporaries(out / "sync")
+    if stale:
+        rep.log(f"removed {stale} temporary file(s) of writes an earlier, killed run left unfinished")
     store = Storage(str(out))
     wstore = open_storage(cfg.weights_uri) if cfg.weights_uri else store
     wprefix = wstore.root if cfg.weights_uri else store.url("weights")
