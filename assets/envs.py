@@ -62,9 +62,37 @@ def task_sets(context: dg.AssetExecutionContext, config: TaskParams, artifacts: 
     catalog.get().insert_records("tasks", rows)
 
 
+def _task_files(storage, url: str) -> dict[str, list[str]]:
+    """Task name -> its files (relative to ``url``), from the side's manifest."""
+    out: dict[str, list[str]] = {}
+    for rel in storage.read_manifest(url)["files"]:
+        if "/" in rel:
+            out.setdefault(rel.split("/", 1)[0], []).append(rel)
+    return {k: v for k, v in out.items() if f"{k}/task.json" in v}
+
+
+def _task_meta(storage, url: str) -> list[dict]:
+    """Every task's ``task.json`` of a sealed task set, verified, without its repositories."""
+    return [json.loads(b) for b in storage.read_verified(url, [f"{k}/task.json" for k in sorted(_task_files(storage, url))]).values()]
+
+
 def _check_side(context, storage, side: str, config) -> dg.AssetCheckResult:
-    with local_copy(storage, latest_uri(context.instance, side)) as path:
-        res = engine.check_task_set(path, engine_config(engine.TaskCheckConfig, config))
+    cfg = engine_config(engine.TaskCheckConfig, config)
+    url = latest_uri(context.instance, side)
+    files = _task_files(storage, url)
+    chosen = engine.sample_task_names(list(files), cfg)
+    # only the sampled tasks are read, each file verified against the manifest; on local
+    # storage they are checked where they are, else from a temporary copy
+    with tempfile.TemporaryDirectory(prefix="composer-check-") as tmp:
+        verified = storage.read_verified(url, [r for k in chosen for r in files[k]])
+        root = storage.local_path(url)
+        if root is None:
+            root = tmp
+            for rel, data in verified.items():
+                dest = Path(tmp) / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(data)
+        res = {**engine.check_tasks(sorted(Path(root) / k for k in chosen), cfg.workers), "tasks": len(files)}
     context.log.info(f"checked {res['checked']} of {res['tasks']} {side}")
     return dg.AssetCheckResult(
         passed=res["ok"],
@@ -88,10 +116,8 @@ def eval_tasks_sound(context: dg.AssetCheckExecutionContext, config: TaskCheckPa
                 description="Train and eval share no task id and no source file.")
 def split_disjoint(context: dg.AssetCheckExecutionContext, artifacts: ArtifactStorage):
     storage = artifacts.get()
-    with local_copy(storage, latest_uri(context.instance, "rl_tasks")) as rl, \
-            local_copy(storage, latest_uri(context.instance, "eval_tasks")) as ev:
-        res = engine.split_overlap(sorted(p.parent for p in Path(rl).glob("*/task.json")),
-                                   sorted(p.parent for p in Path(ev).glob("*/task.json")))
+    res = engine.split_overlap_meta(_task_meta(storage, latest_uri(context.instance, "rl_tasks")),
+                                    _task_meta(storage, latest_uri(context.instance, "eval_tasks")))
     return dg.AssetCheckResult(
         passed=res["ok"],
         metadata={"rl_tasks": res["rl_tasks"], "eval_tasks": res["eval_tasks"],

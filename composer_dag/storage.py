@@ -477,6 +477,23 @@ class Storage:
     def manifest_digest(self, dir_url: str) -> str:
         return hashlib.sha256(self.read_bytes(posixpath.join(dir_url, MANIFEST))).hexdigest()
 
+    def read_verified(self, dir_url: str, rels: list[str]) -> dict[str, bytes]:
+        """The files ``rels`` (paths relative to ``dir_url``) of a sealed artifact, each checked
+        for size and sha256 against its manifest: reading a few files of a large artifact
+        (the ``task.json`` of every task) without downloading the rest. A file the manifest
+        does not list, or one that differs, raises ArtifactError."""
+        files = self.read_manifest(dir_url)["files"]
+        out = {}
+        for rel in rels:
+            meta = files.get(rel)
+            if meta is None:
+                raise ArtifactError(f"{posixpath.join(dir_url, rel)} is not listed in the manifest")
+            data = self.read_bytes(posixpath.join(dir_url, rel))
+            if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+                raise ArtifactError(f"{posixpath.join(dir_url, rel)} does not match its manifest (corrupt or changed)")
+            out[rel] = data
+        return out
+
     def verify_manifest(self, dir_url: str) -> dict[str, Any]:
         """Check every file listed in the manifest for size and sha256; raise on mismatch."""
         manifest = self.read_manifest(dir_url)

@@ -18,15 +18,19 @@ from tests.leak_scan import scan_instance, scan_tree
 from tests.test_graph_data import check_outcomes, make_source
 
 TINY_RUN_CONFIG = {
+    # the soundness checks re-verify a seeded sample of 4 tasks per side (tests/test_envs_tasks.py
+    # checks every task of its sets)
     "build_tasks": {"ops": {"task_sets": {"config": {"humaneval_limit": 6, "bugfix_count": 2, "eval_fraction": 0.5,
-                                                     "learnable_count": 24}}}},
+                                                     "learnable_count": 24}},
+                            "rl_tasks_rl_tasks_sound": {"config": {"sample": 4}},
+                            "eval_tasks_eval_tasks_sound": {"config": {"sample": 4}}}},
     "train": {
         "ops": {
             "midtrained_checkpoint": {
                 "config": {"max_steps": 16, "seq_len": 64, "micro_batch": 4, "warmup_steps": 2,
                            "eval_every": 8, "save_every": 8, "eval_batches": 4, "lr": 2e-3}
             },
-            # the learnable family only: its transcripts are short, so 40 steps teach the behaviour
+            # the learnable family only: its transcripts are short, so 60 steps teach the behaviour
             "sft_trajectories": {"config": {"max_per_source": {"humaneval": 0, "stdlib-bugfix": 0}}},
             "sft_checkpoint": {"config": {"max_steps": 60, "eval_every": 30, "save_every": 30, "format_samples": 16,
                                           "min_format_share": 0.25}},

@@ -45,6 +45,20 @@ def test_a_write_killed_midway_leaves_a_temporary_that_the_owner_sweeps(tmp_path
     assert sweep_temporaries(tmp_path / "missing") == 0
 
 
+def test_read_verified_reads_a_few_files_of_a_sealed_artifact(storage):
+    d = storage.url("tasks", "run1")
+    for name in ("a/task.json", "a/repo/big.py", "b/task.json"):
+        storage.write_bytes(f"{d}/{name}", name.encode() * 3)
+    storage.write_manifest(d)
+    assert storage.read_verified(d, ["a/task.json", "b/task.json"]) == {"a/task.json": b"a/task.json" * 3,
+                                                                       "b/task.json": b"b/task.json" * 3}
+    with pytest.raises(ArtifactError, match="not listed"):
+        storage.read_verified(d, ["c/task.json"])
+    storage.write_bytes(f"{d}/b/task.json", b"changed")
+    with pytest.raises(ArtifactError, match="does not match its manifest"):
+        storage.read_verified(d, ["b/task.json"])
+
+
 def test_manifest_round_trip_and_corruption(storage):
     d = storage.artifact_dir("asset", "run1")
     storage.write_bytes(d + "/x.txt", b"hello")

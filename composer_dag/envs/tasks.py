@@ -93,7 +93,13 @@ def check_split(out_dir) -> dict:
 
 def split_overlap(rl_dirs: list[Path], eval_dirs: list[Path]) -> dict:
     """``{ok, shared_ids, shared_sources, rl_tasks, eval_tasks}`` for two lists of task directories."""
-    meta = [[json.loads((Path(d) / "task.json").read_text()) for d in dirs] for dirs in (rl_dirs, eval_dirs)]
+    return split_overlap_meta(*[[json.loads((Path(d) / "task.json").read_text()) for d in dirs]
+                                for dirs in (rl_dirs, eval_dirs)])
+
+
+def split_overlap_meta(rl_meta: list[dict], eval_meta: list[dict]) -> dict:
+    """``split_overlap`` on the two sides' ``task.json`` contents."""
+    meta = [rl_meta, eval_meta]
     ids = [{t["id"] for t in side} for side in meta]
     srcs = [{t["source_file"] for t in side} for side in meta]
     shared_ids, shared_src = sorted(ids[0] & ids[1]), sorted(srcs[0] & srcs[1])
@@ -114,8 +120,19 @@ def check_task_set(root, cfg: TaskCheckConfig | dict | None = None) -> dict:
     """``check_tasks`` on a seeded sample of the task directories under ``root``."""
     cfg = TaskCheckConfig.load(cfg)
     dirs = sorted(p.parent for p in Path(root).glob("*/task.json"))
-    chosen = dirs if cfg.sample <= 0 or cfg.sample >= len(dirs) else sorted(random.Random(cfg.seed).sample(dirs, cfg.sample))
-    return {**check_tasks(chosen, cfg.workers), "tasks": len(dirs)}
+    names = set(sample_task_names([d.name for d in dirs], cfg))
+    return {**check_tasks([d for d in dirs if d.name in names], cfg.workers), "tasks": len(dirs)}
+
+
+def sample_task_names(names: list[str], cfg: TaskCheckConfig | dict | None = None) -> list[str]:
+    """The task directory names ``check_task_set`` checks: a seeded sample of ``cfg.sample``
+    (all when 0 or more than there are), sorted. A caller with only the names (a listing of
+    storage) downloads just these tasks."""
+    cfg = TaskCheckConfig.load(cfg)
+    names = sorted(names)
+    if cfg.sample <= 0 or cfg.sample >= len(names):
+        return names
+    return sorted(random.Random(cfg.seed).sample(names, cfg.sample))
 
 
 def heldout_texts(root) -> list[tuple[str, str]]:
