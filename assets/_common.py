@@ -71,33 +71,33 @@ def progress_logger(context: dg.OpExecutionContext | dg.AssetExecutionContext):
 
 class local_copy:
     """A verified local directory for an artifact: the path itself on local storage, a
-    temporary download otherwise. Use as ``with local_copy(storage, url) as path: ...``."""
+    temporary download otherwise (each file checked against the manifest once it is here).
+    Use as ``with local_copy(storage, url) as path: ...``."""
 
     def __init__(self, storage, url: str, verify: bool = True):
         self.storage, self.url, self.verify = storage, url, verify
         self._tmp = None
 
     def __enter__(self) -> str:
-        if self.verify:
-            self.storage.verify_manifest(self.url)
         local = self.storage.local_path(self.url)
         if local is not None:
+            if self.verify:
+                self.storage.verify_manifest(self.url)
             return local
         import tempfile
 
+        from composer_dag.storage import Storage
+
         self._tmp = tempfile.TemporaryDirectory(prefix="composer-")
         self.storage.get_dir(self.url, self._tmp.name)
+        if self.verify:
+            copy = Storage(self._tmp.name)
+            copy.verify_manifest(copy.root)
         return self._tmp.name
 
     def __exit__(self, *exc) -> None:
         if self._tmp is not None:
             self._tmp.cleanup()
-
-
-def publish_dir(storage, local_dir: str, url: str, extra: dict | None = None) -> str:
-    """Copy a finished local directory to ``url`` and seal it with a manifest; return its digest."""
-    storage.put_dir(local_dir, url)
-    return storage.write_manifest(url, extra)
 
 
 def run_stage(context, storage, cluster, stage: str, model, params, inputs: list[str],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets._common import RETRY, counts_table, latest_uri, local_copy, publish_dir
+from assets._common import RETRY, counts_table, latest_uri, local_copy
 from composer_dag.envs import tasks as engine
 from composer_dag.envs.task_format import TaskBuildConfig, task_dirs
 from resources import ArtifactStorage, CatalogResource
@@ -43,7 +43,7 @@ def task_sets(context: dg.AssetExecutionContext, config: TaskParams, artifacts: 
             rows += side_rows
             Path(tmp, side, "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
             url = storage.url(side, context.run.run_id)
-            digest = publish_dir(storage, str(Path(tmp, side)), url)
+            digest = storage.publish_dir(str(Path(tmp, side)), url)
             by_source: dict[str, int] = {}
             for r in side_rows:
                 by_source[r["source"]] = by_source.get(r["source"], 0) + 1

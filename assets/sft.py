@@ -13,7 +13,7 @@ import tempfile
 
 import dagster as dg
 
-from assets._common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, plot_md, publish_dir, run_stage
+from assets._common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, plot_md, run_stage
 from assets.train import CHECKPOINT_FILES, midtrained_checkpoint
 from composer_dag.sft import trajectories as engine
 from composer_dag.sft.run import SFTConfig
@@ -56,7 +56,7 @@ def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams
         except ValueError as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         rows = engine.read_rows(os.path.join(tmp, "trajectories.parquet"))
-        digest = publish_dir(storage, tmp, url)
+        digest = storage.publish_dir(tmp, url)
     catalog.get().insert_records("sft_trajectories", [
         {k: v for k, v in r.items() if k != "messages"} | {"run_id": context.run.run_id} for r in rows])
     skipped = {f"{origin}: {why}": n for origin in ("reference", "rollout")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets._common import RETRY, counts_table, latest_uri, local_copy, plot_md, publish_dir, run_stage
+from assets._common import RETRY, counts_table, latest_uri, local_copy, plot_md, run_stage
 from assets.dedup import deduped_shards
 from composer_dag.train import data as data_engine
 from composer_dag.train import model as model_engine
@@ -81,7 +81,7 @@ def tokenizer(context: dg.AssetExecutionContext, artifacts: ArtifactStorage, mod
             context.log.info(f"training a byte-level BPE (vocab {model_settings.vocab_size}) on up to {model_settings.tokenizer_train_mb} MB")
             tok_engine.train_tokenizer(texts(), out, vocab_size=model_settings.vocab_size)
         tok = tok_engine.load_tokenizer(out)
-        digest = publish_dir(storage, out, url)
+        digest = storage.publish_dir(out, url)
     sample = "def add(a, b):\n    return a + b\n"
     return dg.MaterializeResult(
         metadata={
@@ -116,7 +116,7 @@ def token_shards(context: dg.AssetExecutionContext, config: TokenShardParams, ar
             docs = _iter_docs(storage, _shard_urls(context, storage))
             summary = data_engine.pack_documents(docs, tok, tmp, val_fraction=cfg.val_fraction, mixture=cfg.mixture,
                                                  seed=cfg.seed)
-        digest = publish_dir(storage, tmp, url)
+        digest = storage.publish_dir(tmp, url)
     context.log.info(f"packed {summary.get('docs_in')} documents at {summary.get('mb_per_s')} MB/s")
     scalars = {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
     tokens_by_lang = summary.get("tokens_per_language") or summary.get("tokens_by_language") or {}
@@ -148,7 +148,7 @@ def base_model(context: dg.AssetExecutionContext, artifacts: ArtifactStorage, mo
             with local_copy(storage, latest_uri(context.instance, "tokenizer")) as tok_dir:
                 info = model_engine.build_base_model(model_settings.config_name, tok_dir, out)
             info["origin"] = f"built from config {model_settings.config_name!r}"
-        digest = publish_dir(storage, out, url)
+        digest = storage.publish_dir(out, url)
     return dg.MaterializeResult(
         metadata={
             "dagster/uri": url,

@@ -21,6 +21,7 @@ import json
 import os
 import posixpath
 import uuid
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import IO, Any, Iterator
 
@@ -43,6 +44,10 @@ S3_CLIENT_CONFIG: dict[str, Any] = {
 # mid-download, which botocore does not see. Three rounds; s3fs repeats only SlowDown and
 # connection-level failures, so a lasting 500 or 403 costs no more than botocore's attempts.
 S3FS_RETRIES = 3
+# Files moved or hashed at once on an object store (one request each): an artifact of many small
+# files (a task set, a checkpoint with its tokenizer) is bound by round trips, not bandwidth.
+# Local storage works file by file.
+TRANSFER_WORKERS = 16
 
 # OS errors that mean the storage itself refused the write, named in the error message.
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES, errno.EPERM}
@@ -165,6 +170,16 @@ def sweep_temporaries(directory) -> int:
                     os.unlink(entry.path)
                     removed += 1
     return removed
+
+
+def _hash_local(path: str) -> tuple[int, str]:
+    """Size and sha256 of a local file."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
 
 
 def open_storage(url: str) -> "Storage":
@@ -346,8 +361,25 @@ class Storage:
             with self._guard("upload", url):
                 self.fs.put_file(local_path, self._path(url))
 
-    def put_dir(self, local_dir: str, url: str) -> None:
-        """Upload every file under ``local_dir`` to ``url`` (same relative layout).
+    def _each(self, fn, items: list) -> list:
+        """``[fn(x) for x in items]``, ``TRANSFER_WORKERS`` at a time on an object store. The first
+        error is raised once the calls already running have ended; calls not yet started are
+        dropped."""
+        if self.protocol == "file" or len(items) < 2:
+            return [fn(x) for x in items]
+        with ThreadPoolExecutor(min(TRANSFER_WORKERS, len(items))) as pool:
+            futures = [pool.submit(fn, x) for x in items]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f in done and f.exception() is not None), None)
+            if failed is not None:
+                for f in futures:
+                    f.cancel()
+                raise failed.exception()
+            return [f.result() for f in futures]
+
+    def put_dir(self, local_dir: str, url: str) -> dict[str, dict[str, Any]]:
+        """Upload every file under ``local_dir`` to ``url`` (same relative layout); return each
+        sent file's ``{"size", "sha256"}`` by relative path, hashed here as it was read.
 
         A manifest already at ``url`` is removed first, so the directory reads as incomplete
         while it is rewritten. If an upload fails, the files this call sent are removed again
@@ -357,18 +389,28 @@ class Storage:
         if self.exists(manifest):
             with self._guard("delete", manifest):
                 self.fs.rm_file(self._path(manifest))
+        rels = sorted(os.path.relpath(os.path.join(d, n), local_dir).replace(os.sep, "/")
+                      for d, _, files in os.walk(local_dir) for n in files)
         sent: list[str] = []
+
+        def send(rel: str) -> dict[str, Any]:
+            src = os.path.join(local_dir, *rel.split("/"))
+            size, digest = _hash_local(src)
+            self.put_file(src, posixpath.join(url, rel))
+            sent.append(posixpath.join(url, rel))
+            return {"size": size, "sha256": digest}
+
         try:
-            for dirpath, _, files in os.walk(local_dir):
-                for name in sorted(files):
-                    src = os.path.join(dirpath, name)
-                    rel = os.path.relpath(src, local_dir).replace(os.sep, "/")
-                    dst = posixpath.join(url, rel)
-                    self.put_file(src, dst)
-                    sent.append(dst)
+            return dict(zip(rels, self._each(send, rels)))
         except BaseException:
             self._discard(sent, url)
             raise
+
+    def publish_dir(self, local_dir: str, url: str, extra: dict[str, Any] | None = None) -> str:
+        """Upload a finished local directory to ``url`` and seal it with a manifest; return the
+        manifest's digest. The sent files are hashed here, so sealing reads back only what
+        was already at ``url``."""
+        return self.write_manifest(url, extra, known=self.put_dir(local_dir, url))
 
     def copy(self, src_url: str, dst_url: str) -> None:
         """Copy one file within this storage, atomically: streamed through a temporary name
@@ -405,11 +447,15 @@ class Storage:
         """Download every file under ``url`` into ``local_dir``."""
         base = self._path(url).rstrip("/")
         with self._guard("download", url):
-            for path in self.fs.find(base):
-                rel = path[len(base) + 1 :]
-                dst = os.path.join(local_dir, *rel.split("/"))
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
+            found = self.fs.find(base)
+
+        def fetch(path: str) -> None:
+            dst = os.path.join(local_dir, *path[len(base) + 1:].split("/"))
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            with self._guard("download", self.full_url(path)):
                 self.fs.get_file(path, dst)
+
+        self._each(fetch, found)
 
     def write_parquet(self, table, url: str, **kwargs: Any) -> None:
         """Write a pyarrow Table as Parquet (zstd by default), atomically."""
@@ -445,23 +491,34 @@ class Storage:
                 size += len(chunk)
         return size, h.hexdigest()
 
-    def write_manifest(self, dir_url: str, extra: dict[str, Any] | None = None) -> str:
+    def write_manifest(self, dir_url: str, extra: dict[str, Any] | None = None,
+                       known: dict[str, dict[str, Any]] | None = None) -> str:
         """Hash every file under ``dir_url`` into ``manifest.json``; return its sha256 digest.
+        ``known``: ``{"size", "sha256"}`` by relative path of files this process just wrote
+        (``put_dir``'s answer); one whose listed size matches is not read back.
 
         The manifest is written last, so its presence marks a complete artifact.
         """
-        files = {}
         base = self._path(dir_url).rstrip("/")
         with self._guard("list", dir_url):
-            found = sorted(self.fs.find(base))
-        for path in found:
+            found = self.fs.find(base, detail=True)
+        known = known or {}
+        entries = []
+        for path, info in sorted(found.items()):
             rel = path[len(base) + 1 :]
-            name = posixpath.basename(rel)
-            if rel == MANIFEST or is_temporary(name):
+            if rel == MANIFEST or is_temporary(posixpath.basename(rel)):
                 continue
+            entries.append((rel, path, info.get("size")))
+
+        def entry(e) -> dict[str, Any]:
+            rel, path, size = e
+            k = known.get(rel)
+            if k is not None and size == k["size"]:
+                return {"size": k["size"], "sha256": k["sha256"]}
             size, digest = self._hash(self.full_url(path))
-            files[rel] = {"size": size, "sha256": digest}
-        manifest = {"files": files}
+            return {"size": size, "sha256": digest}
+
+        manifest: dict[str, Any] = {"files": dict(zip([e[0] for e in entries], self._each(entry, entries)))}
         if extra:
             manifest["meta"] = extra
         data = json.dumps(manifest, indent=2, sort_keys=True).encode()
@@ -483,21 +540,24 @@ class Storage:
         (the ``task.json`` of every task) without downloading the rest. A file the manifest
         does not list, or one that differs, raises ArtifactError."""
         files = self.read_manifest(dir_url)["files"]
-        out = {}
-        for rel in rels:
-            meta = files.get(rel)
-            if meta is None:
-                raise ArtifactError(f"{posixpath.join(dir_url, rel)} is not listed in the manifest")
-            data = self.read_bytes(posixpath.join(dir_url, rel))
+        missing = [r for r in rels if r not in files]
+        if missing:
+            raise ArtifactError(f"{posixpath.join(dir_url, missing[0])} is not listed in the manifest")
+
+        def read(rel: str) -> bytes:
+            data, meta = self.read_bytes(posixpath.join(dir_url, rel)), files[rel]
             if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
                 raise ArtifactError(f"{posixpath.join(dir_url, rel)} does not match its manifest (corrupt or changed)")
-            out[rel] = data
-        return out
+            return data
+
+        return dict(zip(rels, self._each(read, list(rels))))
 
     def verify_manifest(self, dir_url: str) -> dict[str, Any]:
         """Check every file listed in the manifest for size and sha256; raise on mismatch."""
         manifest = self.read_manifest(dir_url)
-        for rel, meta in manifest["files"].items():
+
+        def check(item) -> None:
+            rel, meta = item
             data_url = posixpath.join(dir_url, rel)
             try:
                 size, digest = self._hash(data_url)
@@ -505,4 +565,6 @@ class Storage:
                 raise ArtifactError(f"{data_url} is listed in the manifest but missing") from exc
             if size != meta["size"] or digest != meta["sha256"]:
                 raise ArtifactError(f"{data_url} does not match its manifest (corrupt or changed)")
+
+        self._each(check, sorted(manifest["files"].items()))
         return manifest

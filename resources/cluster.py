@@ -187,11 +187,12 @@ class ClusterResource(ClearConfigResource):
         argv = [sys.executable, "-m", "composer_dag.runtime.job", "--spec", spec_url, "--scratch", scratch]
         if not self.isolate:
             return argv
-        # compiled kernels (DeepSpeed's ops: ~90 s to build on 2 cores) kept across jobs, node-local
+        # compiled kernels (DeepSpeed's ops: ~90 s to build on 2 cores) and the sandboxes' runtime
+        # tree (composer_dag.envs.rootfs) kept across jobs, node-local
         cache = self.cache_dir()
         inner = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch, "TMPDIR": "/tmp",
                  "PYTHONPATH": REPO_ROOT, "TORCH_EXTENSIONS_DIR": f"{cache}/torch_extensions",
-                 "TRITON_CACHE_DIR": f"{cache}/triton", **env}
+                 "TRITON_CACHE_DIR": f"{cache}/triton", "XDG_CACHE_HOME": f"{cache}/xdg", **env}
         inner.update({k: "${%s}" % k for k in PASS_ENV if k in os.environ})
         if self.backend == "slurm":
             inner.update({k: "${%s}" % k for k in SLURM_ENV})

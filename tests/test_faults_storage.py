@@ -81,9 +81,8 @@ def _stage(tmp_path, name: str, files: dict[str, bytes]) -> str:
 
 
 def _publish(storage: Storage, local_dir: str, url: str) -> str:
-    """What assets/_common.publish_dir does: upload the files, then seal with a manifest."""
-    storage.put_dir(local_dir, url)
-    return storage.write_manifest(url)
+    """Upload the files, then seal with a manifest (what the assets and jobs do)."""
+    return storage.publish_dir(local_dir, url)
 
 
 def _tree(path) -> dict[str, str]:
@@ -195,6 +194,29 @@ def test_permanent_put_failure_leaves_no_partial_artifact(s3_bucket, proxy, tmp_
     assert st.manifest_digest(old) == old_digest
     assert set(st.verify_manifest(old)["files"]) == set(FILES)
     assert st.read_bytes(f"{old}/a.bin") == FILES["a.bin"]
+
+
+def test_publish_reads_back_only_what_it_did_not_send(s3_bucket, proxy, tmp_path):
+    """Sealing after an upload hashes the sent files as they are read here, not by fetching
+    them again: publishing 24 files sends 24 PUTs and GETs only the one file that was at the
+    URL before; a copy downloaded with get_dir verifies against that manifest file by file."""
+    st = _s3(s3_bucket, proxy)
+    url = st.artifact_dir("asset", "run1")
+    st.write_bytes(f"{url}/earlier.txt", b"was here first")
+    files = {f"t{i:02d}/{name}": os.urandom(100 + i) for i in range(12) for name in ("task.json", "repo/a.py")}
+    before = len(proxy.log)
+    digest = _publish(st, _stage(tmp_path, "art", files), url)
+    log = proxy.log[before:]
+    gets = sorted(p.split("/root/", 1)[1].split("?")[0] for m, p, _ in log if m == "GET" and "/asset/run1/" in p)
+    assert gets == ["asset/run1/earlier.txt"], gets
+    assert sum(m == "PUT" and "/asset/run1/t" in p for m, p, _ in log) == len(files)
+    manifest = st.verify_manifest(url)
+    assert set(manifest["files"]) == set(files) | {"earlier.txt"} and digest == st.manifest_digest(url)
+    st.get_dir(url, str(tmp_path / "copy"))
+    copy = Storage(str(tmp_path / "copy"))
+    assert copy.verify_manifest(copy.root) == manifest
+    got = _tree(tmp_path / "copy")
+    assert {k: v for k, v in got.items() if k not in ("earlier.txt", "manifest.json")} == _tree(tmp_path / "art")
 
 
 def test_access_denied_is_one_clear_line_without_credentials(s3_bucket, proxy):

@@ -20,7 +20,7 @@ def test_reward_rises(tmp_path):
     finally:
         torch.set_num_threads(threads)
     cfg = {"policy_dir": s["policy_dir"], "tasks_dir": s["tasks_dir"], "out_dir": str(tmp_path / "run"),
-           "steps": 16, "tasks_per_step": 2, "group_size": 8, "torch_threads": 1, "async_generation": False, "seed": 0,
+           "steps": 10, "tasks_per_step": 2, "group_size": 8, "torch_threads": 1, "async_generation": False, "seed": 0,
            "trainer": {"lr": 1e-3, "micro_batch": 16},
            "orchestrator": {"max_turns": 2, "max_new_tokens": 40, "max_context": 512, "system_style": "compact",
                             "workers": 2},

@@ -242,8 +242,7 @@ def publish(storage: Storage, out_dir: str, outputs: dict, result: dict, staging
                 else:
                     os.makedirs(os.path.dirname(os.path.join(staging, dest)) or staging, exist_ok=True)
                     shutil.copy2(path, os.path.join(staging, dest))
-        storage.put_dir(staging, out["url"])
-        published[name] = {"url": out["url"], "digest": storage.write_manifest(out["url"])}
+        published[name] = {"url": out["url"], "digest": storage.publish_dir(staging, out["url"])}
     return published
 
 
