@@ -139,11 +139,34 @@ class _Run:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
 
+class UntouchedGrades:
+    """The grade of each task's untouched checkout (an episode in which no tool ran), kept by
+    task directory. Its workspace is the task's repository as checked out, byte for byte, and
+    its action log is empty, so the grader sees the same input every time, whichever model
+    played it: the first such episode of a task is graded, the others get its result (a model
+    that never emits a parsable call, early in training or before SFT, would otherwise pay a
+    sandboxed test run per sample). A grade that raised is not kept. One instance may serve
+    several loops in turn (the candidates of one evaluation job)."""
+
+    def __init__(self):
+        self._slots: dict[str, list] = {}  # task dir -> [lock, grade]
+        self._lock = threading.Lock()
+
+    def get(self, task_dir: str, grade):
+        with self._lock:
+            slot = self._slots.setdefault(task_dir, [threading.Lock(), None])
+        with slot[0]:
+            if slot[1] is None:
+                slot[1] = grade()
+            return slot[1]
+
+
 class AgentLoop:
-    """Runs groups of episodes against an ``Engine``; returns rollout records (dicts)."""
+    """Runs groups of episodes against an ``Engine``; returns rollout records (dicts).
+    ``untouched``: a grade cache shared with other loops (default: the loop's own)."""
 
     def __init__(self, engine: Engine, tokenizer, config: AgentConfig = AgentConfig(),
-                 episode: EpisodeConfig = EpisodeConfig()):
+                 episode: EpisodeConfig = EpisodeConfig(), untouched: UntouchedGrades | None = None):
         self.engine, self.tok, self.cfg, self.episode = engine, tokenizer, config, episode
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.stops = (self.im_end, tokenizer.eos_token_id)
@@ -151,8 +174,7 @@ class AgentLoop:
         extra = [t for t in getattr(tokenizer, "all_special_tokens", None) or [] if len(t) > 1]
         self.control = sorted(set(CONTROL_TOKENS) | set(extra), key=len, reverse=True)
         self.pool = ThreadPoolExecutor(max(1, config.workers), thread_name_prefix="agent")
-        self._untouched: dict[str, list] = {}  # task dir -> [lock, grade of its untouched checkout]
-        self._untouched_lock = threading.Lock()
+        self.untouched = untouched if untouched is not None else UntouchedGrades()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -247,21 +269,8 @@ class AgentLoop:
 
     def _grade(self, r: _Run) -> None:
         t0 = time.perf_counter()
-        r.result = r.episode.grade() if r.episode.log else self._grade_untouched(r)
+        r.result = r.episode.grade() if r.episode.log else self.untouched.get(str(r.task_dir), r.episode.grade)
         r.grade_s = time.perf_counter() - t0
-
-    def _grade_untouched(self, r: _Run):
-        """The grade of an episode in which no tool ran. Its workspace is the task's repository as
-        checked out, byte for byte, and its action log is empty, so the grader sees the same input
-        every time: the first such episode of a task is graded, the others get its result (a
-        model that never emits a parsable call, early in training or before SFT, would otherwise
-        pay a sandboxed test run per sample). A grade that raised is not kept."""
-        with self._untouched_lock:
-            slot = self._untouched.setdefault(str(r.task_dir), [threading.Lock(), None])
-        with slot[0]:
-            if slot[1] is None:
-                slot[1] = r.episode.grade()
-            return slot[1]
 
     def _record(self, r: _Run, version: int) -> dict:
         g = r.result

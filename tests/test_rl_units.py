@@ -11,7 +11,7 @@ import torch
 
 from composer_dag.envs.task_format import TaskLimits
 from composer_dag.inference.engine import Completion, Engine, EngineStats
-from composer_dag.agent import AgentConfig, AgentLoop, parse_tool_calls, rollouts_to_table
+from composer_dag.agent import AgentConfig, AgentLoop, UntouchedGrades, parse_tool_calls, rollouts_to_table
 from composer_dag.rl.grpo import group_advantages, grpo_loss, pack
 from composer_dag.rl.learnable import build_learnable_tasks
 from composer_dag.rl.loop import Batch, RolloutSource
@@ -118,8 +118,9 @@ def test_turn_budget_ends_episode(tasks):
 
 
 def test_an_untouched_checkout_is_graded_once_per_task(tasks, monkeypatch):
-    """Episodes in which no tool ran share their task's one grade; one with a tool call (even a
-    read) is graded on its own, and a grade that raised is not kept."""
+    """Episodes in which no tool ran share their task's one grade, also across loops that share
+    the cache (the candidates of one evaluation job); one with a tool call (even a read) is
+    graded on its own, and a grade that raised is not kept."""
     import composer_dag.envs.tools as tools
 
     real, graded, failed = tools.grade, [], []
@@ -133,8 +134,9 @@ def test_an_untouched_checkout_is_graded_once_per_task(tasks, monkeypatch):
 
     monkeypatch.setattr(tools, "grade", counting)
     tok = _Tok()
-    quiet = AgentLoop(_Scripted(tok, ["no call<|im_end|>"]), tok, AgentConfig(max_turns=1, max_new_tokens=50,
-                                                                             max_context=50_000, workers=2))
+    shared = UntouchedGrades()
+    quiet_cfg = AgentConfig(max_turns=1, max_new_tokens=50, max_context=50_000, workers=2)
+    quiet = AgentLoop(_Scripted(tok, ["no call<|im_end|>"]), tok, quiet_cfg, untouched=shared)
     jobs = [(str(t), t.name, j) for t in tasks for j in range(3)]
     with pytest.raises(OSError):
         quiet.run(jobs[:1], version=0)
@@ -143,6 +145,10 @@ def test_an_untouched_checkout_is_graded_once_per_task(tasks, monkeypatch):
     assert sorted(graded) == sorted([(tasks[0].name, 0)] * 2 + [(tasks[1].name, 0)])  # the failed one, then one per task
     assert [(r["reward"], r["tests_passed"], r["tests_failed"]) for r in rs] == [(0.0, 0, 1)] * 6
     graded.clear()
+    again = AgentLoop(_Scripted(tok, ["still no call<|im_end|>"]), tok, quiet_cfg, untouched=shared)
+    rs = again.run(jobs, version=0)
+    again.close()
+    assert graded == [] and [r["reward"] for r in rs] == [0.0] * 6  # the next candidate reuses the grades
     reader = AgentLoop(_Scripted(tok, ['<tool_call>{"name": "read_file", "arguments": {"path": "answer.txt"}}'
                                        '</tool_call><|im_end|>']), tok,
                        AgentConfig(max_turns=1, max_new_tokens=200, max_context=50_000, workers=2))

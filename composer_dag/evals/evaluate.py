@@ -186,13 +186,15 @@ def _load_batch(path: Path, jobs: list[tuple[str, str, int]], log) -> list[dict]
     return rows
 
 
-def _run_agent(engine, tok, tasks, cfg: EvalConfig, log, progress_dir: Path | None = None) -> tuple[list[dict], int]:
+def _run_agent(engine, tok, tasks, cfg: EvalConfig, log, progress_dir: Path | None = None,
+               untouched=None) -> tuple[list[dict], int]:
     """Rollouts of every sample of every task, and how many batches came from ``progress_dir``
-    (batches finished by an earlier, interrupted run with the same inputs)."""
+    (batches finished by an earlier, interrupted run with the same inputs). ``untouched``: an
+    ``agent.UntouchedGrades`` shared across the candidates of one job."""
     from ..agent import AgentLoop, rollouts_to_table
     from ..storage import Storage
 
-    agent = AgentLoop(engine, tok, cfg.agent)
+    agent = AgentLoop(engine, tok, cfg.agent, untouched=untouched)
     size = cfg.batch_tasks or len(tasks)
     store = Storage(str(progress_dir)) if progress_dir is not None else None
     rollouts, reused = [], 0
@@ -218,12 +220,13 @@ def _run_agent(engine, tok, tasks, cfg: EvalConfig, log, progress_dir: Path | No
 
 
 def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | None = None, rep=None,
-             engine=None) -> dict:
+             engine=None, untouched=None) -> dict:
     """Evaluate the Hugging Face checkpoint at ``checkpoint_dir`` on the tasks under
     ``tasks_dir``; write the files listed in the module docstring to ``out_dir`` and return
     the summary. ``rep``: a ``pipes.Reporter`` (or anything with ``log``) for progress.
     ``engine``: a running engine of the same architecture to load the checkpoint's weights
-    into (see ``evaluate_many``); it stays open. Without it, one is started and closed."""
+    into (see ``evaluate_many``); it stays open. Without it, one is started and closed.
+    ``untouched``: the grades of untouched checkouts kept from earlier candidates (``agent.UntouchedGrades``)."""
     import torch
 
     from ..inference import engine_from_config, fit_to_model
@@ -277,7 +280,7 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
     try:
         tok = load_tokenizer(checkpoint_dir)
         t0 = time.perf_counter()
-        rollouts, reused = _run_agent(engine, tok, tasks, cfg, log, progress_dir)
+        rollouts, reused = _run_agent(engine, tok, tasks, cfg, log, progress_dir, untouched)
         agent_wall = time.perf_counter() - t0
         gen_tokens, gen_seconds = engine.stats.generated_tokens - gen_tokens0, engine.stats.seconds - gen_seconds0
         if he_ids:
@@ -387,12 +390,14 @@ def evaluate_many(checkpoints: dict[str, str], tasks_dir, out_dir, config: EvalC
     keyed by the tasks and settings, not by the checkpoints) is not evaluated again; one whose
     digest changed is. After each checkpoint, ``out_dir/latest`` lists the finished ones (name:
     digest), which marks the directory as a state a job resumes from."""
+    from ..agent import UntouchedGrades
     from ..inference import engine_from_config, fit_to_model
     from ..storage import ArtifactError, Storage
 
     cfg = EvalConfig.load(config)
     log = rep.log if rep is not None else (lambda msg: None)
     summaries, engine, engine_dir = {}, None, None
+    untouched = UntouchedGrades()  # a task's untouched checkout grades the same for every candidate
     try:
         for name, ckpt in checkpoints.items():
             out = Path(out_dir) / name
@@ -419,7 +424,7 @@ def evaluate_many(checkpoints: dict[str, str], tasks_dir, out_dir, config: EvalC
                 inference = fit_to_model(cfg.inference, ckpt, log)
                 engine, engine_dir = engine_from_config(inference, ckpt, seed=cfg.seed), ckpt
             log(f"eval: {name}")
-            summaries[name] = evaluate(ckpt, tasks_dir, out, cfg, rep, engine=engine)
+            summaries[name] = evaluate(ckpt, tasks_dir, out, cfg, rep, engine=engine, untouched=untouched)
             _mark_done(Path(out_dir), summaries)
     finally:
         if engine is not None:
