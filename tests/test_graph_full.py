@@ -17,6 +17,7 @@ from tests.conftest import FAKE_KEY, FAKE_SECRET
 from tests.leak_scan import scan_instance, scan_tree
 from tests.test_graph_data import check_outcomes, make_source
 
+EVAL_CONFIG = {"inference": {"engine": "hf"}}
 TINY_RUN_CONFIG = {
     # the soundness checks re-verify a seeded sample of 4 tasks per side (tests/test_envs_tasks.py
     # checks every task of its sets)
@@ -35,6 +36,9 @@ TINY_RUN_CONFIG = {
             "sft_checkpoint": {"config": {"max_steps": 60, "eval_every": 30, "save_every": 30, "format_samples": 16,
                                           "min_format_share": 0.25}},
             "rl_run": {"config": {"steps": 2, "tasks_per_step": 4, "group_size": 4}},
+            # transformers' generate for the tiny model: the RL job above runs vLLM (and reloads its
+            # weights); evaluation on vLLM is what `make run` does, at 25 s of engine start per job
+            "evaluated_model": {"config": EVAL_CONFIG},
         }
     },
 }
@@ -205,7 +209,7 @@ def test_gate_fails_and_blocks_promotion_when_rl_is_worse(graph):
 
     # on ten held-out tasks the drop may sit inside the noise rule's two standard errors, so the
     # gate also asks that RL not lose pass@1 against its parent
-    gate_cfg = {"ops": {"evaluated_model": {"config": {"gate": {"required_gain": 0.0}}}}}
+    gate_cfg = {"ops": {"evaluated_model": {"config": {**EVAL_CONFIG, "gate": {"required_gain": 0.0}}}}}
     result = graph["defs"].resolve_job_def("evaluate").execute_in_process(instance=instance, raise_on_error=False,
                                                                          run_config=gate_cfg)
     ran = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
