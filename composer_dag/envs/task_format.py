@@ -44,7 +44,7 @@ class TaskBuildConfig(StageConfig):
     """What ``build_tasks`` builds: how many tasks of each kind, from what, and the split."""
 
     seed: int = Field(0, description="picks the mutations and salts the split")
-    humaneval_limit: int | None = Field(None, description="the first N HumanEval problems; None: all 164, 0: none")
+    humaneval_limit: int | None = Field(80, description="the first N HumanEval problems; None: all 164, 0: none")
     bugfix_count: int = Field(10, description="stdlib bug-fix tasks in all")
     learnable_count: int = Field(100, description="tasks of the learnable family (one word each, see tasks_learnable)")
     bugfix_modules: tuple[str, ...] = Field(DEFAULT_MODULES, description="stdlib modules to mutate, tried in order")

@@ -68,7 +68,7 @@ class MidtrainConfig(StageConfig):
     warmup_steps: int = 20
     schedule: Literal["cosine", "wsd"] = Field("cosine", description="wsd: warmup, stable, linear decay")
     decay_frac: float = Field(0.2, description="wsd: the last fraction of steps that decays")
-    max_steps: int = Field(100, description="optimizer steps")
+    max_steps: int = Field(80, description="optimizer steps")
     max_tokens: Optional[int] = Field(None, description="if set, also stop after this many tokens")
     weight_decay: float = 0.1
     beta1: float = 0.9
