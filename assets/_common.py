@@ -86,13 +86,11 @@ class local_copy:
             return local
         import tempfile
 
-        from composer_dag.storage import Storage
-
         self._tmp = tempfile.TemporaryDirectory(prefix="composer-")
-        self.storage.get_dir(self.url, self._tmp.name)
         if self.verify:
-            copy = Storage(self._tmp.name)
-            copy.verify_manifest(copy.root)
+            self.storage.fetch_dir(self.url, self._tmp.name)
+        else:
+            self.storage.get_dir(self.url, self._tmp.name)
         return self._tmp.name
 
     def __exit__(self, *exc) -> None:

@@ -172,13 +172,12 @@ def sweep_temporaries(directory) -> int:
     return removed
 
 
-def _hash_local(path: str) -> tuple[int, str]:
-    """Size and sha256 of a local file."""
+def _digest(f: IO[bytes]) -> tuple[int, str]:
+    """Size and sha256 of what an open file has left to read."""
     h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            size += len(chunk)
+    while chunk := f.read(1 << 20):
+        h.update(chunk)
+        size += len(chunk)
     return size, h.hexdigest()
 
 
@@ -395,7 +394,8 @@ class Storage:
 
         def send(rel: str) -> dict[str, Any]:
             src = os.path.join(local_dir, *rel.split("/"))
-            size, digest = _hash_local(src)
+            with open(src, "rb") as f:
+                size, digest = _digest(f)
             self.put_file(src, posixpath.join(url, rel))
             sent.append(posixpath.join(url, rel))
             return {"size": size, "sha256": digest}
@@ -457,6 +457,14 @@ class Storage:
 
         self._each(fetch, found)
 
+    def fetch_dir(self, url: str, local_dir: str) -> str:
+        """Download a sealed artifact into ``local_dir`` and verify the copy there, every file
+        against the manifest (each remote file is read once); return the manifest's digest."""
+        self.get_dir(url, local_dir)
+        copy = Storage(local_dir)
+        copy.verify_manifest(copy.root)
+        return copy.manifest_digest(copy.root)
+
     def write_parquet(self, table, url: str, **kwargs: Any) -> None:
         """Write a pyarrow Table as Parquet (zstd by default), atomically."""
         import pyarrow.parquet as pq
@@ -483,13 +491,8 @@ class Storage:
 
     # ---- manifests ---------------------------------------------------------------------
     def _hash(self, url: str) -> tuple[int, str]:
-        h = hashlib.sha256()
-        size = 0
         with self._guard("read", url), self.fs.open(self._path(url), "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-                size += len(chunk)
-        return size, h.hexdigest()
+            return _digest(f)
 
     def write_manifest(self, dir_url: str, extra: dict[str, Any] | None = None,
                        known: dict[str, dict[str, Any]] | None = None) -> str:

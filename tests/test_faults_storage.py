@@ -199,7 +199,7 @@ def test_permanent_put_failure_leaves_no_partial_artifact(s3_bucket, proxy, tmp_
 def test_publish_reads_back_only_what_it_did_not_send(s3_bucket, proxy, tmp_path):
     """Sealing after an upload hashes the sent files as they are read here, not by fetching
     them again: publishing 24 files sends 24 PUTs and GETs only the one file that was at the
-    URL before; a copy downloaded with get_dir verifies against that manifest file by file."""
+    URL before; a copy fetched with fetch_dir verifies against that manifest file by file."""
     st = _s3(s3_bucket, proxy)
     url = st.artifact_dir("asset", "run1")
     st.write_bytes(f"{url}/earlier.txt", b"was here first")
@@ -212,7 +212,7 @@ def test_publish_reads_back_only_what_it_did_not_send(s3_bucket, proxy, tmp_path
     assert sum(m == "PUT" and "/asset/run1/t" in p for m, p, _ in log) == len(files)
     manifest = st.verify_manifest(url)
     assert set(manifest["files"]) == set(files) | {"earlier.txt"} and digest == st.manifest_digest(url)
-    st.get_dir(url, str(tmp_path / "copy"))
+    assert st.fetch_dir(url, str(tmp_path / "copy")) == digest  # downloaded, then verified here
     copy = Storage(str(tmp_path / "copy"))
     assert copy.verify_manifest(copy.root) == manifest
     got = _tree(tmp_path / "copy")

@@ -72,10 +72,8 @@ def _fill(obj: Any, scratch: str) -> Any:
 def pull_input(storage: Storage, name: str, url: str, digest: str | None, dest: str) -> None:
     """Download the artifact at ``url`` into ``dest`` and verify it there: every file against
     its manifest, and the manifest against the digest the launching asset recorded."""
-    storage.get_dir(url, dest)
-    local = Storage(dest)
-    local.verify_manifest(local.root)
-    if digest and local.manifest_digest(local.root) != digest:
+    got = storage.fetch_dir(url, dest)
+    if digest and got != digest:
         raise ArtifactError(f"input {name} at {url} is not the artifact the asset saw (manifest digest differs)")
 
 
