@@ -1,6 +1,7 @@
-"""Faults: the trainer, the RL run and an evaluation SIGKILLed (the whole process tree) at a
-seeded random point, then started again. The next run resumes from the last completed step and
-loses none, and a half-written checkpoint or a half-copied artifact is never read."""
+"""Faults: the RL run and an evaluation SIGKILLed (the whole process tree) at a seeded random
+point, then started again. The next run resumes from the last completed step and loses none, and
+a half-written checkpoint or a half-copied artifact is never read. (Mid-training killed and
+resumed to the same weights as an uninterrupted run: tests/test_train_midtrain.py.)"""
 
 import contextlib
 import glob
@@ -124,12 +125,6 @@ def _verify(path) -> dict:
     return store.verify_manifest(store.root)
 
 
-def _sha256(path) -> str:
-    import hashlib
-
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, learnable_base):
     """Learnable tasks, a tiny policy and its tokenizer (shared), and token shards for mid-training."""
@@ -156,39 +151,6 @@ def _midtrain_cmd(setup, name, launcher="torchrun", **kw) -> tuple[list[str], Pa
     spec = LaunchSpec(entry="composer_dag.train.midtrain", args=["--config", str(path)], nproc_per_node=1,
                       launcher=launcher)
     return local_command(spec), out
-
-
-def test_midtrain_killed_at_random_point_loses_no_step(setup, tmp_path):
-    """Protection: mid-training killed at any point (seeded random delay after the first
-    checkpoint; the torchrun agent and its worker SIGKILLed together) resumes from the last
-    committed checkpoint: exactly the remaining steps are trained (tokens this run), the step
-    log runs 1..N once each, the final trainer state is at N, and the final checkpoint and
-    the exported model match their manifest."""
-    cmd, out = _midtrain_cmd(setup, "mt_random")
-    log = tmp_path / "killed.log"
-    proc = _start(cmd, log)
-    step_at = lambda n: lambda: (_latest(out) or {}).get("step", 0) >= n
-    delay = _kill_at_random_point(proc, log, step_at(2), step_at(4), random.Random(SEED))
-    committed = _latest(out)
-    k = committed["step"]
-    assert 4 <= k < 16 and not (out / "result.json").exists(), (delay, committed)
-    assert _verify(out / "checkpoints" / committed["tag"])  # what `latest` names is complete
-
-    p = _run(cmd)
-    assert f"resumed from step_{k:07d}: step {k}, sample {k * 4}" in p.stderr, p.stderr[-3000:]
-    result = json.loads((out / "result.json").read_text())
-    assert result["steps"] == 16 and result["samples_seen"] == 16 * 4
-    assert result["tokens_this_run"] == (16 - k) * 4 * 64  # no completed step lost, none trained twice
-    steps = [json.loads(x)["step"] for x in open(out / "metrics.jsonl") if '"loss"' in x]
-    assert steps == list(range(1, 17)) and [s for s, _ in result["loss_curve"]] == list(range(1, 17))
-    final = out / "checkpoints" / "step_0000016"
-    state = json.loads((final / "trainer_state.json").read_text())
-    assert state["step"] == 16 and state["samples"] == 64
-    manifest = _verify(final)
-    assert _sha256(out / "hf" / "model.safetensors") == manifest["files"]["hf/model.safetensors"]["sha256"]
-    for tag in os.listdir(out / "checkpoints"):
-        if tag.startswith("step_"):
-            _verify(out / "checkpoints" / tag)
 
 
 def test_half_written_checkpoint_is_never_read(setup, tmp_path):
@@ -326,6 +288,7 @@ def test_rl_killed_at_random_point_loses_no_step(setup, tmp_path):
     for i in range(6):
         t = pq.read_table(out / "rollouts" / f"step_{i:04d}.parquet")
         assert t.num_rows == 2 and set(t.column("step").to_pylist()) == {i}
+        assert all(i - 1 <= v <= i for v in t.column("policy_version").to_pylist())  # within max_staleness
     final = out / "checkpoints" / "step_0000006"
     assert json.loads((final / "trainer_state.json").read_text())["version"] == 6 and _verify(final)
     wstore = Storage(str(out))

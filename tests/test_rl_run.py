@@ -1,11 +1,9 @@
-"""The RL run as a process: resume after SIGKILL, and the staleness bound of async generation."""
+"""The RL run as a process: the staleness bound of async generation. (Killed and resumed:
+tests/test_faults_kill.py.)"""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -33,33 +31,6 @@ def _config(setup, out, **kw):
 
 def _steps(out):
     return [json.loads(x)["step"] for x in open(out / "metrics.jsonl")]
-
-
-def test_resume_after_kill(setup, tmp_path):
-    out = tmp_path / "run"
-    cmd = _config(setup, out)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (out / "latest").exists() and json.loads((out / "latest").read_text())["step"] >= 2:
-            break
-        time.sleep(0.1)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = json.loads((out / "latest").read_text())["step"]
-    assert 2 <= killed_at < 4 and not (out / "result.json").exists()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res == json.loads((out / "result.json").read_text())
-    assert res["resumed_from"] == killed_at and res["steps"] == 4 and res["weights_verified"]
-    assert _steps(out) == [1, 2, 3, 4]
-    assert sorted(os.listdir(out / "rollouts")) == [f"step_{i:04d}.parquet" for i in range(4)]
-    for i in range(4):
-        t = pq.read_table(out / "rollouts" / f"step_{i:04d}.parquet")
-        assert set(t.column("policy_version").to_pylist()) == {i}  # synchronous: always fresh
-    assert os.path.isfile(os.path.join(res["hf_dir"], "model.safetensors"))
 
 
 def test_async_staleness_bound(setup, tmp_path):

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from composer_dag.launch import LaunchSpec, local_command
+from composer_dag.storage import Storage
 from composer_dag.train.data import pack_documents
 from composer_dag.train.midtrain import MidtrainConfig, ds_config, lr_factor
 from composer_dag.train.model import build_base_model
@@ -118,6 +119,11 @@ def test_short_run_learns(run_a):
 
 @pytest.mark.slow
 def test_resume_after_sigkill_matches_uninterrupted(setup, run_a):
+    """Protection: mid-training SIGKILLed after its first checkpoints resumes from the last
+    committed one (complete, by its manifest): exactly the remaining steps are trained, the step
+    log runs 1..N once each, and the final weights equal an uninterrupted run's. (Killing a
+    torchrun job's whole tree, and resuming it, is what the Slurm tests' external scancel, time
+    limit and node-down cases do.)"""
     out_a, _ = run_a
     cfg = write_config(setup, "b")
     out_b = setup / "b"
@@ -137,11 +143,13 @@ def test_resume_after_sigkill_matches_uninterrupted(setup, run_a):
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL and 5 <= killed_at < 20
     assert not (out_b / "result.json").exists()
+    tag = f"step_{killed_at:07d}"
+    assert Storage(str(out_b / "checkpoints" / tag)).verify_manifest(str(out_b / "checkpoints" / tag))
     p = run([sys.executable, "-m", ENTRY, "--config", cfg])
-    assert "resumed from step_" in p.stderr
+    assert f"resumed from {tag}: step {killed_at}, sample {killed_at * 4}" in p.stderr, p.stderr[-3000:]
     result = json.load(open(out_b / "result.json"))
     assert result["steps"] == 20 and result["samples_seen"] == 80
-    assert result["tokens_this_run"] < 20 * 4 * 64
+    assert result["tokens_this_run"] == (20 - killed_at) * 4 * 64  # no completed step lost, none trained twice
     a, b = weights(out_a / "hf"), weights(out_b / "hf")
     assert a.keys() == b.keys()
     import torch

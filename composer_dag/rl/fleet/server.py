@@ -40,12 +40,15 @@ VLLM_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
 def server_args(model_dir: str, port: int | str, host: str = "127.0.0.1", max_model_len: int = 1024,
                 kv_cache_mb: int = 64, seed: int = 0, dtype: str = "float32") -> list[str]:
     """The vLLM OpenAI server's arguments for ``model_dir`` on CPU (float32, eager, fixed KV
-    cache, no chunked prefill: see ``VLLMEngine``)."""
+    cache, no chunked prefill: see ``VLLMEngine``). The model runs in the engine core's own
+    process (``uni`` executor, with ``server_env``'s ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the
+    server is two processes, not three (API server, engine core, worker), and is up in about
+    35 s here instead of 55 s."""
     return ["--model", model_dir, "--host", host, "--port", str(port), "--dtype", dtype, "--enforce-eager",
             "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_mb << 20),
             "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 4096)),
             "--seed", str(seed), "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
-            "--disable-log-stats", "--disable-uvicorn-access-log"]
+            "--disable-log-stats", "--disable-uvicorn-access-log", "--distributed-executor-backend", "uni"]
 
 
 def server_command(model_dir: str, port: int | str, host: str = "127.0.0.1", follow: dict | None = None,
@@ -65,6 +68,9 @@ def server_command(model_dir: str, port: int | str, host: str = "127.0.0.1", fol
 
 def server_env(cpu: int | None = None) -> dict:
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # the API server keeps its engine core in a child process whatever this says; "0" only lets
+    # the worker run inside that engine core (vLLM's CPU platform forces a third process otherwise)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if cpu is not None:  # each server's worker on its own core (vLLM binds to core 0 by default)
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
