@@ -101,11 +101,18 @@ def _stop_schedules(base: str) -> list[str]:
     return stopped
 
 
+BACKFILL = """mutation($params: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $params) {
+  __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message }
+  ... on InvalidSubsetError { message } ... on UnauthorizedError { message } } }"""
+BACKFILL_STATUS = """query($id: String!) { partitionBackfillOrError(backfillId: $id) {
+  __typename ... on PartitionBackfill { status } ... on PythonError { message } } }"""
+
+
 @pytest.fixture(scope="module")
 def dagster_ui(tmp_path_factory):
     """`dagster dev` on 127.0.0.1 with a fresh instance and two tiny local sources, started once
-    for the tests of this module (in file order: the browser's one-partition run, then the
-    two-partition backfill)."""
+    for the tests of this module, with the two-partition backfill of the last test launched as
+    soon as it serves (the daemon runs it while the browser test launches its own run)."""
     tmp_path = tmp_path_factory.mktemp("dagster_ui")
     src = tmp_path / "src"
     src.mkdir()
@@ -168,7 +175,12 @@ def dagster_ui(tmp_path_factory):
         errors = [e for e in entries if e["locationOrLoadError"]["__typename"] == "PythonError"]
         assert not errors, f"code location failed to load: {errors[0]['locationOrLoadError']['message']}"
         _stop_schedules(base)
-        yield {"base": base, "home": home, "log": log, "storage": tmp_path / "artifacts"}
+        # The backfill of the last test is launched now, as the Materialize dialog would launch
+        # it, so that the daemon (which looks for backfills every 30 s) runs it while the browser
+        # test runs; that test checks only its own run.
+        backfill = _graphql(base, BACKFILL, {"params": {"assetSelection": [{"path": ["code_corpus"]}],
+                                                         "partitionNames": [SOURCE, SECOND]}})["launchPartitionBackfill"]
+        yield {"base": base, "home": home, "log": log, "storage": tmp_path / "artifacts", "backfill": backfill}
     finally:
         # Ctrl-C for the whole group, as in a terminal; whatever has not exited after a few
         # seconds is killed, and nothing of the group may survive.
@@ -381,13 +393,6 @@ def test_ui_materializes_a_partition_and_lists_automations(dagster_ui, browser):
     assert (dagster_ui["storage"] / "code_corpus" / run_id).is_dir(), "artifacts missing under COMPOSER_STORAGE_ROOT"
 
 
-BACKFILL = """mutation($params: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $params) {
-  __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message }
-  ... on InvalidSubsetError { message } ... on UnauthorizedError { message } } }"""
-BACKFILL_STATUS = """query($id: String!) { partitionBackfillOrError(backfillId: $id) {
-  __typename ... on PartitionBackfill { status } ... on PythonError { message } } }"""
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_backfill_over_sources_is_one_run_through_the_daemon(dagster_ui):
@@ -397,8 +402,7 @@ def test_backfill_over_sources_is_one_run_through_the_daemon(dagster_ui):
     own materialization and artifact. Fails if the backfill is split into a run per partition
     or a partition is left unmaterialized."""
     base, home = dagster_ui["base"], dagster_ui["home"]
-    out = _graphql(base, BACKFILL, {"params": {"assetSelection": [{"path": ["code_corpus"]}],
-                                                "partitionNames": [SOURCE, SECOND]}})["launchPartitionBackfill"]
+    out = dagster_ui["backfill"]  # launched over the API when `dagster dev` came up (see the fixture)
     assert out["__typename"] == "LaunchBackfillSuccess", out
     backfill_id = out["backfillId"]
     deadline, status = time.monotonic() + RUN_S + 60, None

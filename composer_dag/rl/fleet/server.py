@@ -7,8 +7,8 @@ endpoints a weight update uses: ``/pause`` (mode ``wait``: in-flight requests fi
 ones queue), ``/collective_rpc`` ``reload_weights`` (reloads ``model.safetensors`` from a
 directory in place), ``/reset_prefix_cache``, ``/update_weight_version`` + ``/weight_info``
 (the version the server reports), ``/resume``. The server runs in its own process group:
-vLLM's EngineCore and Worker children outlive a killed API process, so ``stop`` signals the
-whole group.
+vLLM's EngineCore child (with the model inside it) outlives a killed API process, so ``stop``
+signals the whole group.
 
 ``ServerClient.complete`` sends token ids and gets token ids and sampling logprobs back
 (``return_token_ids``, ``logprobs: 0``); ``score`` returns the prompt logprobs of a token
@@ -135,7 +135,7 @@ class ServerProcess:
         if self.proc is None:
             return
         try:
-            os.killpg(self.proc.pid, sig)  # the group: API server, EngineCore, workers
+            os.killpg(self.proc.pid, sig)  # the group: API server and its EngineCore
         except (ProcessLookupError, PermissionError):
             pass
         if sig == signal.SIGKILL:
