@@ -35,6 +35,12 @@ within minutes (see ``composer_dag.rl.run.LEARNABLE_RUN``)."""
 ROW_COLUMNS = ["reward", "flags", "staleness", "step", "policy_version", "server_id", "infra_error", "attempts"]
 
 
+def _secs(v) -> str:
+    """A step-time cell; blank where the time was not recorded (a step's record restored from
+    its checkpoint after the trainer was killed has no publish or step time)."""
+    return "" if v is None else f"{v:.2f}"
+
+
 def _num(x, digits: int = 4):
     """A number as Dagster metadata (a float rounded, ``None`` as null)."""
     if x is None:
@@ -146,7 +152,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
     phases = (("generate_s", "queue_s", "tools_s", "grade_s", "wait_s", "train_s", "publish_s") if cfg.fleet else
               ("generate_s", "grade_s", "train_s", "sync_s"))
     split_md = "| step | " + " | ".join(p[:-2] for p in phases) + " | wall |\n|---|" + "---:|" * (len(phases) + 1) + "\n" + "\n".join(
-        f"| {h['step']} | " + " | ".join(f"{h.get(p, 0.0):.2f}" for p in phases) + f" | {h.get('step_s', 0.0):.2f} |" for h in hist)
+        f"| {h['step']} | " + " | ".join(_secs(h.get(p, 0.0)) for p in phases) + f" | {_secs(h.get('step_s', 0.0))} |" for h in hist)
     try:
         rows = [r for u in urls for r in storage.read_parquet(u, columns=ROW_COLUMNS).to_pylist()]
     except Exception:  # noqa: BLE001 - rollouts written before the fleet columns existed

@@ -1,6 +1,7 @@
 """The distributed RL mode: two vLLM OpenAI servers (started once for the module), the trainer and
 the orchestrator as processes, weights through the moto S3 server; a server killed mid-episode;
-a server that skips a reload; an injected sandbox failure kept out of the advantages."""
+the trainer killed and resumed; a server that skips a reload; an injected sandbox failure kept
+out of the advantages."""
 
 import json
 import os
@@ -147,6 +148,82 @@ def test_fleet_distributed_run(learnable_base, servers, s3_bucket, tmp_path):
                      [{**r, "server_id": None, "attempts": None} for r in flat], metrics)
     assert one["mode"] == "one_process" and one["servers"] == [] and one["rollouts"] == 6
     summary_metadata(one)
+
+
+def _role_pids(role: str, config: str) -> list[int]:
+    """Pids of the distributed run's ``role`` process started with ``config`` (from /proc)."""
+    import glob
+
+    out = []
+    for f in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            argv = open(f, "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if f"composer_dag.rl.fleet.{role}".encode() in argv and config.encode() in argv:
+            out.append(int(f.split("/")[2]))
+    return out
+
+
+def test_fleet_trainer_killed_resumes_while_the_servers_keep_serving(learnable_base, servers, tmp_path):
+    """The trainer SIGKILLed after its first sealed checkpoint: the run fails in one line naming
+    the trainer, the servers stay up on a published version meanwhile, and the run started again
+    resumes from the sealed checkpoint: every step trained once, every batch's rollouts kept
+    once, the servers brought to the final version, the published weights equal to the policy."""
+    import signal
+
+    from composer_dag.rl.fleet.server import ServerClient
+    from composer_dag.rl.weights import latest_version
+    from composer_dag.storage import Storage
+
+    out = tmp_path / "run"
+    cfg = _cfg(learnable_base, out, servers.urls, trainer={"lr": 0.05, "weight_decay": 0.5, "micro_batch": 2})
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    cmd = [sys.executable, "-m", "composer_dag.rl.run", "--config", str(path)]
+    with open(tmp_path / "first.err", "wb") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    latest = lambda: json.loads((out / "latest").read_text())["step"] if (out / "latest").exists() else 0  # noqa: E731
+    deadline = time.monotonic() + 300
+    while latest() < 1:
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "first.err").read_text()[-3000:]
+        time.sleep(0.05)
+    trainer = _role_pids("trainer", str(out / "fleet_config.json"))
+    assert len(trainer) == 1
+    os.killpg(trainer[0], signal.SIGKILL)  # the trainer role runs in a process group of its own
+    assert proc.wait(timeout=120) == 1
+    last = (tmp_path / "first.err").read_text().strip().splitlines()[-1]
+    assert last.startswith("fleet run failed in the trainer"), last
+    killed_at = latest()
+    assert 1 <= killed_at < 3 and not (out / "result.json").exists()
+
+    # meanwhile the servers keep serving a version the trainer published
+    st = Storage(str(out))
+    published = latest_version(st, st.url("weights"))
+    for url in servers.urls:
+        c = ServerClient(url)
+        assert c.healthy() and 0 <= int(c.weight_version()) <= published, (url, c.weight_version(), published)
+
+    # The state a kill between the checkpoint and the step's metrics line leaves (the kill above
+    # lands there or just after it): the step's line is dropped, and the resumed trainer must
+    # restore it from the checkpoint.
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
+    metrics.write_text("".join(x for x in lines if x.endswith("\n") and json.loads(x)["step"] < killed_at))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    trainer_log = (out / "trainer.err").read_text()
+    assert f"metrics of step {killed_at} restored from checkpoint step_{killed_at:07d}" in trainer_log, trainer_log[-3000:]
+    res = json.loads((out / "result.json").read_text())
+    assert res["resumed_from"] == f"step_{killed_at:07d}" and res["steps"] == 3 and res["weights_verified"]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    rows = [pq.read_table(out / "rollouts" / f"step_{i:04d}.parquet").to_pylist() for i in range(3)]
+    assert [len(x) for x in rows] == [2, 2, 2]
+    assert all(len({(r["group_id"], r["sample_index"]) for r in x}) == 2 for x in rows)
+    for s in res["fleet"]["servers"].values():  # both caught up to the final version, probe-checked
+        assert s["alive"] and s["versions_served"][-1] == 3
+    for url in servers.urls:
+        assert int(ServerClient(url).weight_version()) == 3
 
 
 @pytest.fixture

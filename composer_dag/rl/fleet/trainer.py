@@ -25,7 +25,25 @@ from .orchestrator import batch_url
 
 
 def _stats(xs):
+    xs = [x for x in xs if x is not None]  # (a record restored from a checkpoint has no step and publish times)
     return {"mean": sum(xs) / len(xs), "max": max(xs), "min": min(xs), "n": len(xs)} if xs else {"n": 0}
+
+
+def _logged_steps(path: Path) -> set[int]:
+    try:
+        return {json.loads(x)["step"] for x in open(path) if x.strip()}
+    except OSError:
+        return set()
+
+
+def _append_metrics(path: Path, rec: dict, pub: dict, step_s: float | None = None) -> dict:
+    """Append the step's record with its publication (``publish`` metadata or the version's
+    manifest: a manifest carries no ``seconds``)."""
+    rec = {**rec, "publish_s": pub.get("seconds"), "publish_kind": pub["kind"],
+           "publish_fraction": pub.get("fraction", pub["bytes"] / pub["full_bytes"]), "step_s": step_s}
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    return rec
 
 
 def advantages(rows: list[dict], normalize_std: bool = True) -> list[float]:
@@ -43,7 +61,7 @@ def run(cfg, rep: Reporter | None = None) -> dict:
     from ...runtime.checkpoint import resume_checkpoint, trim_metrics, write_json_atomic
     from ...storage import Storage, open_storage
     from ..trainer import GRPOTrainer
-    from ..weights import WeightPublisher, cast_state, latest_version, reconstruct, state_digest
+    from ..weights import WeightPublisher, cast_state, latest_version, reconstruct, state_digest, version_manifest
 
     rep = rep or Reporter()
     if cfg.torch_threads:
@@ -58,9 +76,9 @@ def run(cfg, rep: Reporter | None = None) -> dict:
     metrics_path, ckpt_root = out / "metrics.jsonl", str(out / "checkpoints")
     trainer = GRPOTrainer(cfg.policy_dir, cfg.trainer, batch_size=cfg.tasks_per_step * cfg.group_size,
                           temperature=cfg.orchestrator.temperature, seed=cfg.seed)
-    resumed = resume_checkpoint(str(out), ckpt_root, rep.log)
+    resumed, saved = resume_checkpoint(str(out), ckpt_root, rep.log), {}
     if resumed:
-        trainer.load_checkpoint(ckpt_root, resumed)
+        saved = trainer.load_checkpoint(ckpt_root, resumed)
         trim_metrics(str(metrics_path), trainer.version)
         rep.log(f"trainer resumed from {resumed} at version {trainer.version}")
     publisher = WeightPublisher(wstore, wprefix, cfg.full_every, cfg.publish_dtype)
@@ -68,6 +86,12 @@ def run(cfg, rep: Reporter | None = None) -> dict:
     latest = latest_version(wstore, wprefix)
     if not resumed or latest is None or latest < trainer.version:  # (a kill between checkpoint and publish)
         pubs.append(publisher.publish(trainer.version, trainer.state_dict()))
+    if saved.get("metrics") and trainer.version not in _logged_steps(metrics_path):
+        # killed after the checkpoint, before the step's metrics line: the record saved with the
+        # checkpoint, with its publication (made just now, or read from the version's manifest)
+        pub = pubs[-1] if pubs else version_manifest(wstore, wprefix, trainer.version)
+        _append_metrics(metrics_path, saved["metrics"], pub)
+        rep.log(f"metrics of step {trainer.version} restored from checkpoint {resumed}")
     tag = resumed
     while trainer.version < cfg.steps:
         step, t_step = trainer.version, time.perf_counter()
@@ -88,16 +112,6 @@ def run(cfg, rep: Reporter | None = None) -> dict:
         store.write_parquet(rollouts_to_table(rs), store.url("rollouts", f"step_{step:04d}.parquet"))
         ts = trainer.train_step([r for r, k in zip(rs, ok) if k])
         version = trainer.version
-        # checkpoint first, then publish: a version number is never published twice with
-        # different weights (a trainer killed in between publishes it when it resumes)
-        if version % cfg.save_every == 0 or version == cfg.steps:
-            tag = f"step_{version:07d}"
-            trainer.save_checkpoint(ckpt_root, tag, cfg.policy_dir, {"step": version})
-            write_json_atomic(str(out / "latest"), {"tag": tag, "step": version})
-            for old in sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))[:-cfg.keep_checkpoints]:
-                shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
-        pub = publisher.publish(version, trainer.state_dict())
-        pubs.append(pub)
         used = [r for r, k in zip(rs, ok) if k]
         n = max(1, len(used))
         rec = {"step": version, "batch": step, "policy_versions": secs["policy_versions"],
@@ -107,12 +121,21 @@ def run(cfg, rep: Reporter | None = None) -> dict:
                "infra_errors": len(rs) - len(used), "retried": secs["retried"], "servers": secs["servers"],
                "generated_tokens": secs["generated_tokens"], "generate_s": secs["generate"], "queue_s": secs["queue"],
                "tools_s": secs["tools"], "grade_s": secs["grade"], "sandbox_s": secs["sandbox"], "rollout_wall_s": secs["wall"],
-               "wait_s": wait_s, "train_s": ts["train_seconds"], "publish_s": pub["seconds"],
-               "publish_kind": pub["kind"], "publish_fraction": pub["fraction"],
+               "wait_s": wait_s, "train_s": ts["train_seconds"],
                **{k: ts[k] for k in ("loss", "clip_frac", "kl", "grad_norm", "nan_skipped", "train_tokens")}}
-        rec["step_s"] = time.perf_counter() - t_step
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        # checkpoint first, then publish: a version number is never published twice with
+        # different weights (a trainer killed in between publishes it when it resumes). The
+        # step's record goes into the checkpoint too, so a kill before its metrics line is
+        # written loses nothing.
+        if version % cfg.save_every == 0 or version == cfg.steps:
+            tag = f"step_{version:07d}"
+            trainer.save_checkpoint(ckpt_root, tag, cfg.policy_dir, {"step": version, "metrics": rec})
+            write_json_atomic(str(out / "latest"), {"tag": tag, "step": version})
+            for old in sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))[:-cfg.keep_checkpoints]:
+                shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
+        pub = publisher.publish(version, trainer.state_dict())
+        pubs.append(pub)
+        rec = _append_metrics(metrics_path, rec, pub, step_s=time.perf_counter() - t_step)
         rep.progress(f"step {version}/{cfg.steps} reward {rec['reward_mean']:.3f} infra {rec['infra_errors']} "
                      f"servers {rec['servers']} staleness {rec['staleness']} publish {pub['kind']} "
                      f"{pub['fraction']:.3f}")
