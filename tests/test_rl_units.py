@@ -308,3 +308,15 @@ def test_group_advantages_leave_out_infrastructure_failures():
     adv = group_advantages([1.0, 0.0, 0.0, 5.0], ["g", "g", "g", "h"], normalize_std=False,
                            include=[True, True, False, False])
     assert adv == [0.5, -0.5, 0.0, 0.0]  # the failed one is neither a zero reward nor trained on
+
+
+def test_fleet_mode_refuses_sparse_checkpoints():
+    """A fleet trainer checkpoints every version before publishing it: with ``save_every`` > 1 a
+    trainer resumed from an older checkpoint would publish version numbers again."""
+    from composer_dag.rl.run import RLConfig
+    from composer_dag.runtime.config import ConfigError
+
+    base = {"policy_dir": "p", "tasks_dir": "t", "out_dir": "o", "save_every": 2}
+    assert RLConfig.load(base).save_every == 2  # one process: its engine is in the trainer's process
+    with pytest.raises(ConfigError, match="save_every 2: the distributed mode .* save_every must be 1"):
+        RLConfig.load({**base, "fleet": {"servers": 2}})

@@ -26,7 +26,7 @@ import time
 from typing import Literal, Optional
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..agent import AgentConfig
 from ..inference.engine import InferenceConfig
@@ -69,6 +69,15 @@ class RLConfig(StageConfig):
     inference: InferenceConfig = InferenceConfig()
     fleet: Optional[FleetConfig] = Field(None, description="distributed mode: rollout servers, orchestrator and "
                                                            "trainer as separate processes (rl/fleet/)")
+
+    @model_validator(mode="after")
+    def _fleet_checkpoints_every_version(self) -> "RLConfig":
+        # A fleet trainer resumed from a checkpoint older than the newest published version would
+        # publish version numbers again with other weights, under servers already serving them.
+        if self.fleet is not None and self.save_every != 1:
+            raise ValueError(f"save_every {self.save_every}: the distributed mode (fleet) checkpoints every "
+                             "version before publishing it, so save_every must be 1")
+        return self
 
 
 LEARNABLE_RUN = {"steps": 16, "tasks_per_step": 2, "group_size": 8, "async_generation": False, "torch_threads": 1,
