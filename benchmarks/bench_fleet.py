@@ -5,6 +5,15 @@ checkpoint at RL learning rates, and the time to publish, rebuild and reload a v
         [--lrs 1e-6,3e-6,1e-5] [--levels 3,19]
     .venv/bin/python benchmarks/bench_fleet.py run --out /tmp/bench_fleet [--steps 4]
 
+    .venv/bin/python benchmarks/bench_fleet.py server-start --out /tmp/bench_fleet [--rounds 2]
+
+``server-start``: one rollout server (``ServerProcess``, the arguments the fleet uses) on the
+``deltas`` base model, started and stopped ``--rounds`` times in each mode, alternating: ``uni``
+(what the fleet runs: the model inside vLLM's engine core process) and ``mp`` (vLLM's CPU
+default: a third, worker process). Reported per mode: seconds from the command to a healthy
+``/health``, processes in the server's group, and the token ids of one greedy completion
+(the same in both modes, or the script says so).
+
 ``deltas``: a fresh Llama of the ``--model`` config on a BPE tokenizer trained on the stdlib
 ``json`` package, trained with AdamW (betas 0.9/0.99, as the GRPO trainer) on next-token loss
 over the stdlib's source for ``--steps`` updates per learning rate, each update published with
@@ -152,9 +161,69 @@ def run(args) -> dict:
     return res
 
 
+def base_model(args) -> str:
+    """The ``deltas`` base model under ``--out`` (built once)."""
+    from composer_dag.train.model import build_base_model
+    from composer_dag.train.tokenizer import train_tokenizer
+
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    tok_dir, base = os.path.join(out, "tok"), os.path.join(out, f"base-{args.model}")
+    if not os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+        src = os.path.dirname(json.__file__)
+        train_tokenizer([open(f, encoding="utf-8").read() for f in sorted(glob.glob(src + "/*.py"))], tok_dir,
+                        vocab_size=args.vocab)
+    if not os.path.exists(os.path.join(base, "config.json")):
+        build_base_model(args.model, tok_dir, base, seed=0)
+    return base
+
+
+def server_start(args) -> dict:
+    import socket
+    import subprocess
+
+    from composer_dag.inference.engine import Sampling
+    from composer_dag.rl.fleet import server as srv
+
+    model = base_model(args)
+    rows = {"uni": [], "mp": []}
+    for r in range(args.rounds):
+        for mode in ("uni", "mp"):
+            with socket.socket() as so:
+                so.bind(("127.0.0.1", 0))
+                port = so.getsockname()[1]
+            cmd = srv.server_command(model, port)
+            env = srv.server_env(0)
+            if mode == "mp":  # vLLM's own CPU default: engine core and a worker process
+                cmd = cmd[:cmd.index("--distributed-executor-backend")] + cmd[cmd.index("--distributed-executor-backend") + 2:]
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            t0 = time.perf_counter()
+            with open(os.path.join(args.out, f"server_{mode}_{r}.log"), "wb") as log:
+                proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            client = srv.ServerClient(f"http://127.0.0.1:{port}")
+            while not client.healthy():
+                if proc.poll() is not None:
+                    raise SystemExit(f"{mode} server exited {proc.returncode}: see {log.name}")
+                time.sleep(0.2)
+            up = time.perf_counter() - t0
+            group = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            out = client.complete(list(range(5, 20)), Sampling(1, 0.0, 1.0, 16, (), 0), seed=0)
+            ps = srv.ServerProcess(model, port)
+            ps.proc = proc
+            ps.stop()
+            rows[mode].append({"up_s": round(up, 1), "processes": len(group), "tokens": out.token_ids})
+            print(json.dumps({"round": r, "mode": mode, **rows[mode][-1]}), flush=True)
+    res = {m: {"up_s_median": statistics.median(x["up_s"] for x in v), "up_s": [x["up_s"] for x in v],
+               "processes": v[0]["processes"]} for m, v in rows.items()}
+    res["same_tokens"] = all(x["tokens"] == rows["uni"][0]["tokens"] for v in rows.values() for x in v)
+    res["speedup"] = round(res["mp"]["up_s_median"] / res["uni"]["up_s_median"], 2)
+    print(json.dumps(res), flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["deltas", "run"])
+    ap.add_argument("what", choices=["deltas", "run", "server-start"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--vocab", type=int, default=4096)
@@ -164,8 +233,9 @@ def main() -> None:
     ap.add_argument("--lrs", default="1e-6,3e-6,1e-5")
     ap.add_argument("--levels", default="3,19")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    res = deltas(args) if args.what == "deltas" else run(args)
+    res = {"deltas": deltas, "run": run, "server-start": server_start}[args.what](args)
     with open(os.path.join(args.out, f"{args.what}.json"), "w") as f:
         json.dump(res, f, indent=1)
 
