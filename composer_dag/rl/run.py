@@ -263,11 +263,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             if version % cfg.save_every == 0 or version == cfg.steps:
-                tag = f"step_{version:07d}"
-                trainer.save_checkpoint(ckpt_root, tag, cfg.policy_dir, {"step": version, "counters": counters})
-                write_json_atomic(str(out / "latest"), {"tag": tag, "step": version})
-                for old_tag in sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))[:-cfg.keep_checkpoints]:
-                    shutil.rmtree(os.path.join(ckpt_root, old_tag), ignore_errors=True)
+                tag = trainer.commit_checkpoint(str(out), cfg.policy_dir, {"counters": counters}, cfg.keep_checkpoints)
             rep.progress(f"step {version:>4}/{cfg.steps} reward {rec['reward_mean']:.3f} pass {rec['pass_rate']:.2f} "
                          f"loss {rec['loss']:+.4f} gen {rec['gen_tokens_per_s']:.0f} tok/s staleness {rec['staleness']} "
                          f"dropped {rec['dropped_stale_rollouts']}")

@@ -149,6 +149,21 @@ class GRPOTrainer:
         seal_checkpoint(path)
         return path
 
+    def commit_checkpoint(self, out_dir: str, tokenizer_dir: str, state: dict, keep: int) -> str:
+        """Save version ``self.version`` as ``out_dir/checkpoints/step_N``, then commit it: point
+        ``out_dir/latest`` at it (what a resumed run reads) and drop all but the newest ``keep``
+        checkpoints. Returns the tag."""
+        import shutil
+
+        from ..runtime.checkpoint import write_json_atomic
+
+        ckpt_root, tag = os.path.join(out_dir, "checkpoints"), f"step_{self.version:07d}"
+        self.save_checkpoint(ckpt_root, tag, tokenizer_dir, {"step": self.version, **state})
+        write_json_atomic(os.path.join(out_dir, "latest"), {"tag": tag, "step": self.version})
+        for old in sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))[:-keep]:
+            shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
+        return tag
+
     def load_checkpoint(self, ckpt_root: str, tag: str) -> dict:
         from ..runtime.checkpoint import set_rng_state
 

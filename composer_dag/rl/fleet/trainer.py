@@ -15,8 +15,6 @@ checkpoint while the servers keep serving the last published version.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -128,11 +126,7 @@ def run(cfg, rep: Reporter | None = None) -> dict:
         # step's record goes into the checkpoint too, so a kill before its metrics line is
         # written loses nothing.
         if version % cfg.save_every == 0 or version == cfg.steps:
-            tag = f"step_{version:07d}"
-            trainer.save_checkpoint(ckpt_root, tag, cfg.policy_dir, {"step": version, "metrics": rec})
-            write_json_atomic(str(out / "latest"), {"tag": tag, "step": version})
-            for old in sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))[:-cfg.keep_checkpoints]:
-                shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
+            tag = trainer.commit_checkpoint(str(out), cfg.policy_dir, {"metrics": rec}, cfg.keep_checkpoints)
         pub = publisher.publish(version, trainer.state_dict())
         pubs.append(pub)
         rec = _append_metrics(metrics_path, rec, pub, step_s=time.perf_counter() - t_step)
