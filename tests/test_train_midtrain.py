@@ -1,4 +1,5 @@
 import glob
+import hashlib
 import json
 import math
 import os
@@ -158,6 +159,16 @@ def test_resume_after_sigkill_matches_uninterrupted(setup, run_a):
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
     steps = [json.loads(x)["step"] for x in open(out_b / "metrics.jsonl") if '"loss"' in x]
     assert steps == list(range(1, 21))  # no duplicated lines from the killed attempt
+    assert [s for s, _ in result["loss_curve"]] == list(range(1, 21))
+    final = out_b / "checkpoints" / "step_0000020"
+    state = json.loads((final / "trainer_state.json").read_text())
+    assert state["step"] == 20 and state["samples"] == 80
+    manifest = Storage(str(final)).verify_manifest(str(final))
+    exported = hashlib.sha256((out_b / "hf" / "model.safetensors").read_bytes()).hexdigest()
+    assert exported == manifest["files"]["hf/model.safetensors"]["sha256"]  # the export is the final checkpoint's
+    for t in os.listdir(out_b / "checkpoints"):
+        if t.startswith("step_"):
+            Storage(str(out_b / "checkpoints" / t)).verify_manifest(str(out_b / "checkpoints" / t))
 
 
 @pytest.mark.slow

@@ -42,8 +42,8 @@ def server_args(model_dir: str, port: int | str, host: str = "127.0.0.1", max_mo
     """The vLLM OpenAI server's arguments for ``model_dir`` on CPU (float32, eager, fixed KV
     cache, no chunked prefill: see ``VLLMEngine``). The model runs in the engine core's own
     process (``uni`` executor, with ``server_env``'s ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the
-    server is two processes, not three (API server, engine core, worker), and is up in about
-    35 s here instead of 55 s."""
+    server is two processes, not three (API server, engine core, worker), and starts about 1.3x
+    faster on CPU (``benchmarks/bench_fleet.py server-start``)."""
     return ["--model", model_dir, "--host", host, "--port", str(port), "--dtype", dtype, "--enforce-eager",
             "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_mb << 20),
             "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 4096)),
@@ -72,7 +72,8 @@ def server_env(cpu: int | None = None) -> dict:
     # the worker run inside that engine core (vLLM's CPU platform forces a third process otherwise)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if cpu is not None:  # each server's worker on its own core (vLLM binds to core 0 by default)
+    # each server's model (in its engine core) on its own core (vLLM binds to core 0 by default)
+    if cpu is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
     return env
 
