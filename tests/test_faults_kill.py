@@ -281,6 +281,7 @@ def test_rl_killed_at_random_point_loses_no_step(setup, tmp_path):
 
     p = _run(cmd)
     res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res == json.loads((out / "result.json").read_text())
     assert res["resumed_from"] == k and res["steps"] == 6 and res["weights_verified"], p.stderr[-3000:]
     assert f"resumed from step_{k:07d} at policy version {k}" in p.stderr
     assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]

@@ -35,3 +35,8 @@ def test_reward_rises(tmp_path):
     print("reward curve", curve)
     assert last >= first + 0.15, curve
     assert res["cheat_flag_rate"] == 0 and res["nan_loss_skipped"] == 0 and res["weights_verified"]
+    import pyarrow.parquet as pq
+
+    for i in range(10):  # synchronous generation: every batch from the current policy
+        t = pq.read_table(tmp_path / "run" / "rollouts" / f"step_{i:04d}.parquet")
+        assert set(t.column("policy_version").to_pylist()) == {i}
