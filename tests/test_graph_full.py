@@ -35,9 +35,11 @@ TINY_RUN_CONFIG = {
             "sft_trajectories": {"config": {"max_per_source": {"humaneval": 0, "stdlib-bugfix": 0}}},
             "sft_checkpoint": {"config": {"max_steps": 60, "eval_every": 30, "save_every": 30, "format_samples": 16,
                                           "min_format_share": 0.25}},
-            "rl_run": {"config": {"steps": 2, "tasks_per_step": 4, "group_size": 4}},
-            # transformers' generate for the tiny model: the RL job above runs vLLM (and reloads its
-            # weights); evaluation on vLLM is what `make run` does, at 25 s of engine start per job
+            # the distributed mode: two vLLM rollout servers started as Slurm service jobs, each
+            # taking sft_checkpoint from S3 and following the weights the RL job publishes there
+            "rl_run": {"config": {"steps": 2, "tasks_per_step": 4, "group_size": 4, "fleet": {"servers": 2}}},
+            # transformers' generate for the tiny model: the RL stage above runs vLLM (and reloads
+            # its weights); evaluation on vLLM is what `make run` does, at 25 s of engine start per job
             "evaluated_model": {"config": EVAL_CONFIG},
         }
     },
@@ -148,6 +150,13 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     rollouts = meta("rl_rollouts")
     assert rollouts["dagster/row_count"] == 2 * 4 * 4  # steps x tasks per step x group size
     assert cat.query("SELECT count(*) FROM rollouts WHERE reward IS NOT NULL")[0][0] == rollouts["dagster/row_count"]
+    # RL in the distributed mode: the rollout servers were the step's Slurm services, took the
+    # model from S3, served every published version (digest and probe checked) and were stopped
+    assert rollouts["rl_mode"] == "fleet" and rollouts["servers_serving_every_version"] == 2, rollouts
+    assert rollouts["retried_episodes"] == 0 and rollouts["infra_masked_episodes"] == 0
+    assert rollouts["staleness_max"] <= 1
+    assert dict(cat.query("SELECT server_id, count(*) > 0 FROM rollouts GROUP BY 1")) == {"s0": True, "s1": True}
+    assert len(meta("rl_checkpoint")["published_weights"].splitlines()) == 2 + 3  # versions 0-2
 
     # The GPU stages ran as Slurm jobs that share no disk with this process: every output is on
     # S3 under the root, and what each job reported is what is there, file by file.
@@ -160,6 +169,10 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     logs = [e.user_message for r in results for e in instance.all_logs(r.run_id)]
     submitted = [m for m in logs if "[cluster:slurm] submitted job" in m]
     assert len(submitted) == len(set(GPU_STAGES.values())), submitted  # one job per stage, none retried
+    for name in ("rollout-0", "rollout-1"):  # each server one Slurm job, cancelled with its step
+        started = [m for m in logs if f"[service:slurm] {name}: submitted job" in m]
+        assert len(started) == 1 and any(f"[service:slurm] {name}: job {started[0].split()[-1]} cancelled" in m
+                                         for m in logs), (name, started)
     for stage in set(GPU_STAGES.values()):  # resumable state on S3, not on this disk
         assert st.find(f"{root}/work/{stage}"), stage
     assert not (tmp_path / "home" / "work").exists()
