@@ -44,6 +44,40 @@ def _stop(p: subprocess.Popen) -> None:
             p.wait()
 
 
+class _NewSteps:
+    """The trainer's ``metrics.jsonl`` lines written since the run started, as they complete."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.pos = path.stat().st_size if path.exists() else 0
+
+    def poll(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.pos += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+
+def step_line(rec: dict, steps: int) -> str:
+    """One progress line per trained step of the distributed run."""
+    servers = " ".join(f"{k}:{v}" for k, v in sorted((rec.get("servers") or {}).items()))
+    return (f"step {rec['step']:>4}/{steps} reward {rec.get('reward_mean', 0.0):.3f} "
+            f"loss {rec.get('loss') or 0.0:+.4f} staleness {rec.get('staleness')} episodes by server {servers or '-'} "
+            f"infra-masked {rec.get('infra_errors', 0)} retried {rec.get('retried', 0)} "
+            f"took {rec.get('step_s') or 0.0:.1f} s")
+
+
 def weights_url(cfg) -> str:
     """The URL the trainer publishes under (``weights_uri``, else ``out_dir/weights``)."""
     from ...storage import Storage
@@ -103,6 +137,7 @@ def run_distributed(cfg, rep: Reporter | None = None) -> dict:
         run_cfg = cfg.replace(fleet={"urls": urls})
         path = out / "fleet_config.json"
         path.write_text(json.dumps(run_cfg.to_dict()))
+        progress = _NewSteps(out / "metrics.jsonl")
         procs = {}
         for role in ("trainer", "orchestrator"):
             with open(out / f"{role}.out", "wb") as so, open(out / f"{role}.err", "wb") as se:
@@ -118,7 +153,11 @@ def run_distributed(cfg, rep: Reporter | None = None) -> dict:
                         break
                 if failed:
                     break
+                for rec in progress.poll():
+                    rep.progress(step_line(rec, cfg.steps))
                 time.sleep(0.5)
+            for rec in progress.poll():
+                rep.progress(step_line(rec, cfg.steps))
             failed = failed or next((r for r, p in procs.items() if p.returncode), None)
         finally:
             for p in procs.values():
