@@ -118,6 +118,24 @@ def learnable_base(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def learnable_warm(tmp_path_factory):
+    """The learnable family's setup with the tool-call warm-up (eight tasks, 100 steps): the
+    policy the learning tests start from, one process and distributed, built once per session
+    (about 45 s). Read it, copy it before changing anything."""
+    import torch
+
+    from composer_dag.rl.learnable import make_learnable_setup
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the warm-up: 44 s on two threads, 62 s on one; the same curve after it
+    try:
+        return make_learnable_setup(tmp_path_factory.mktemp("learnable-warm") / "setup", n_tasks=8, seed=0,
+                                    words=("red", "blue"), warmup_steps=100)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
 def bugfix_tasks(tmp_path_factory):
     """Two stdlib bug-fix tasks (one module each) built once per session (``out``, ``summary``):
     read them, copy them before changing anything."""

@@ -1,5 +1,6 @@
 """The distributed RL mode: two vLLM OpenAI servers (started once for the module), the trainer and
-the orchestrator as processes, weights through the moto S3 server; a server killed mid-episode;
+the orchestrator as processes, weights through the moto S3 server, learning the learnable family
+as in one process; a server killed mid-episode;
 the trainer killed and resumed; a server that skips a reload; an injected sandbox failure kept
 out of the advantages."""
 
@@ -77,36 +78,54 @@ def _publish_v0(cfg):
     return pub, state
 
 
-def test_fleet_distributed_run(learnable_base, servers, s3_bucket, tmp_path):
-    b = s3_bucket["bucket"]
-    # The untrained policy earns no reward, so the GRPO loss is 0; AdamW's decoupled weight decay
-    # still moves every weight, enough to change the bf16 values: each version really differs.
-    cfg = _cfg(learnable_base, tmp_path / "run", servers.urls, weights_uri=f"s3://{b}/weights",
-               trainer={"lr": 0.05, "weight_decay": 0.5, "micro_batch": 2},
-               fleet={"exchange_uri": f"s3://{b}/exchange"})
+def test_fleet_distributed_run_learns(learnable_warm, servers, s3_bucket, tmp_path):
+    """The learnable family of tests/test_rl_learn.py in the distributed mode, on the shared pair
+    of servers, weights and rollout batches through the moto S3 server: every published version
+    served by both servers (digest and probe checked), rollouts from both, staleness within the
+    bound, and the reward rising as it does in one process."""
+    from composer_dag.rl.learnable import first_action_success
+    from composer_dag.rl.run import LEARNABLE_RUN, RLConfig
+
+    b, steps = s3_bucket["bucket"], 10
+    cfg = RLConfig.load({**LEARNABLE_RUN, "policy_dir": learnable_warm["policy_dir"],
+                         "tasks_dir": learnable_warm["tasks_dir"], "out_dir": str(tmp_path / "run"), "steps": steps,
+                         "seed": 0, "max_staleness": 1, "full_every": 4, "weights_uri": f"s3://{b}/weights",
+                         "fleet": {"urls": servers.urls, "max_sandboxes": 16, "exchange_uri": f"s3://{b}/exchange",
+                                   "version_timeout": 240}})
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg.to_dict()))
     r = subprocess.run([sys.executable, "-m", "composer_dag.rl.run", "--config", str(path)], capture_output=True,
-                       text=True, timeout=400)
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert res["mode"] == "fleet" and res["steps"] == 3 and res["weights_verified"]
-    assert [p["version"] for p in res["published"]] == [0, 1, 2, 3]
-    assert [p["kind"] for p in res["published"]] == ["full", "delta", "full", "delta"]
+    # learned: the probability that the policy's first turn solves a task, exact (no sampling),
+    # 0.153 before; 0.275-0.373 after 10 steps in five runs here, one process and distributed
+    before = first_action_success(learnable_warm["policy_dir"], learnable_warm["tasks_dir"])
+    after = first_action_success(str(tmp_path / "run" / "hf"), learnable_warm["tasks_dir"])
+    curve = [round(v, 3) for _, v in res["reward_curve"]]
+    print(f"fleet: first-turn success {before:.3f} -> {after:.3f}; reward curve {curve}")
+    assert after >= before + 0.06, (before, after, curve)
+    assert res["mode"] == "fleet" and res["steps"] == steps and res["weights_verified"]
+    progress = [x.split() for x in r.stdout.splitlines() if x.startswith("step ")]  # one line per step, as trained
+    assert [x[1] for x in progress] == [f"{i}/{steps}" for i in range(1, steps + 1)], r.stdout[-3000:]
+    assert res["cheat_flag_rate"] == 0 and res["nan_loss_skipped"] == 0
+    versions = list(range(steps + 1))
+    assert [p["version"] for p in res["published"]] == versions
+    assert [p["kind"] for p in res["published"]] == ["full" if v % 4 == 0 else "delta" for v in versions]
     assert all(p["fraction"] > 0.05 for p in res["published"])  # versions differ
     assert res["weights_uri"].startswith(f"s3://{b}/weights")
     for s in res["fleet"]["servers"].values():  # every server served every version, probe-checked
-        assert s["versions_served"] == [0, 1, 2, 3] and s["alive"]
+        assert s["versions_served"] == versions and s["alive"]
         assert all(x["probe_diff"] <= cfg.fleet.probe_tolerance for x in s["reloads"])
-    rows = [pq.read_table(tmp_path / "run" / "rollouts" / f"step_{i:04d}.parquet").to_pylist() for i in range(3)]
-    assert [len(x) for x in rows] == [2, 2, 2]
+    rows = [pq.read_table(tmp_path / "run" / "rollouts" / f"step_{i:04d}.parquet").to_pylist() for i in range(steps)]
+    assert [len(x) for x in rows] == [16] * steps
     assert {r["server_id"] for x in rows for r in x} == {"s0", "s1"}
     for i, x in enumerate(rows):
         assert all(0 <= i - r["policy_version"] <= cfg.max_staleness and r["staleness"] == i - r["policy_version"]
                    and r["infra_error"] is None for r in x)
-        assert len({(r["group_id"], r["sample_index"]) for r in x}) == 2
+        assert len({(r["group_id"], r["sample_index"]) for r in x}) == 16
     assert res["staleness"]["max"] <= 1
-    print("fleet result", json.dumps({k: res[k] for k in ("step_seconds", "published", "staleness")}))
+    print("fleet result", json.dumps({k: res[k] for k in ("step_seconds", "staleness")}))
 
     # the rl_run asset's metadata from what this run wrote (result.json, rollouts, metrics.jsonl)
     from assets.rl import summary_metadata
@@ -115,38 +134,38 @@ def test_fleet_distributed_run(learnable_base, servers, s3_bucket, tmp_path):
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     flat = [r for x in rows for r in x]
     sm = rl_summary(res, flat, metrics)
-    assert sm["mode"] == "fleet" and sm["rollouts"] == 6
+    assert sm["mode"] == "fleet" and sm["rollouts"] == 16 * steps
     assert sm["retried_episodes"] == 0 and sm["infra_masked_episodes"] == 0
     assert [(x["step"], x["rollouts"], x["infra_masked"], x["retried"]) for x in sm["steps"]] == \
-        [(0, 2, 0, 0), (1, 2, 0, 0), (2, 2, 0, 0)]
-    assert all(sum(x["servers"].values()) == 2 and x["staleness_max"] <= 1 for x in sm["steps"])
-    assert {s["server"]: s["versions_served"] for s in sm["servers"]} == {"s0": [0, 1, 2, 3], "s1": [0, 1, 2, 3]}
-    assert sum(s["episodes"] for s in sm["servers"]) == 6 and all(s["episodes"] > 0 for s in sm["servers"])
+        [(i, 16, 0, 0) for i in range(steps)]
+    assert all(sum(x["servers"].values()) == 16 and x["staleness_max"] <= 1 for x in sm["steps"])
+    assert {s["server"]: s["versions_served"] for s in sm["servers"]} == {"s0": versions, "s1": versions}
+    assert sum(s["episodes"] for s in sm["servers"]) == 16 * steps and all(s["episodes"] > 0 for s in sm["servers"])
     assert sm["staleness_max"] <= 1 and 0 <= sm["staleness_mean"] <= sm["staleness_max"]
     deltas = [p for p in res["published"] if p["kind"] == "delta"]
-    assert sm["full_bytes"] == res["published"][-2]["bytes"] and sm["delta_bytes_mean"] == sum(
+    assert sm["full_bytes"] == res["published"][steps - steps % 4]["bytes"] and sm["delta_bytes_mean"] == sum(
         p["bytes"] for p in deltas) / len(deltas)
     assert sm["delta_share_max"] == max(p["fraction"] for p in deltas)
-    assert [x["version"] for x in sm["reloads"]] == [0, 1, 2, 3]
+    assert [x["version"] for x in sm["reloads"]] == versions
     assert all(set(x["reload_s"]) == {"s0", "s1"} and all(v > 0 for v in x["reload_s"].values())
                and x["probe_diff_max"] <= cfg.fleet.probe_tolerance and x["lag_s_max"] is not None for x in sm["reloads"])
     # from metrics.jsonl and the fleet block alone (no rollout rows), the same counts
     sm2 = rl_summary(res, None, metrics)
-    assert [(x["step"], x["infra_masked"], x["retried"]) for x in sm2["steps"]] == [(0, 0, 0), (1, 0, 0), (2, 0, 0)]
+    assert [(x["step"], x["infra_masked"], x["retried"]) for x in sm2["steps"]] == [(i, 0, 0) for i in range(steps)]
     assert {s["server"]: s["episodes"] for s in sm2["servers"]} == {s["server"]: s["episodes"] for s in sm["servers"]}
     ro, ck = summary_metadata(sm)
     assert ro["rl_mode"] == "fleet" and ro["retried_episodes"].value == 0 and ro["infra_masked_episodes"].value == 0
     assert ro["staleness_max"].value == sm["staleness_max"] and ro["servers_serving_every_version"].value == 2
-    assert ro["rollout_servers"].value.count("| 0, 1, 2, 3 |") == 2
+    assert ro["rollout_servers"].value.count("| " + ", ".join(map(str, versions)) + " |") == 2
     assert ro["episodes_per_step"].value.splitlines()[0] == \
         "| step | rollouts | infra-masked | retried | max staleness | policy versions | s0 | s1 |"
     assert ck["full_checkpoint_bytes"].value == sm["full_bytes"] and 0 < ck["delta_share_mean"].value
-    assert len(ck["published_weights"].value.splitlines()) == 2 + 4
-    assert len(ck["reload_seconds_by_version"].value.splitlines()) == 2 + 4
+    assert len(ck["published_weights"].value.splitlines()) == 2 + len(versions)
+    assert len(ck["reload_seconds_by_version"].value.splitlines()) == 2 + len(versions)
     # the one-process view of the same data (no fleet block, no server columns) is a valid summary too
     one = rl_summary({k: v for k, v in res.items() if k not in ("fleet", "mode")},
                      [{**r, "server_id": None, "attempts": None} for r in flat], metrics)
-    assert one["mode"] == "one_process" and one["servers"] == [] and one["rollouts"] == 6
+    assert one["mode"] == "one_process" and one["servers"] == [] and one["rollouts"] == 16 * steps
     summary_metadata(one)
 
 
