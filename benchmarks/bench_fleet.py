@@ -6,6 +6,10 @@ checkpoint at RL learning rates, and the time to publish, rebuild and reload a v
     .venv/bin/python benchmarks/bench_fleet.py run --out /tmp/bench_fleet [--steps 4]
 
     .venv/bin/python benchmarks/bench_fleet.py server-start --out /tmp/bench_fleet [--rounds 2]
+    .venv/bin/python benchmarks/bench_fleet.py learn --out /tmp/bench_fleet [--steps 10] [--sandboxes 4,16]
+
+``learn``: see ``learn``'s docstring (one process against the distributed mode on the learnable
+family, with the exact learning measure ``composer_dag.rl.learnable.first_action_success``).
 
 ``server-start``: one rollout server (``ServerProcess``, the arguments the fleet uses) on the
 ``deltas`` base model, started and stopped ``--rounds`` times in each mode, alternating: ``uni``
@@ -161,6 +165,76 @@ def run(args) -> dict:
     return res
 
 
+def learn(args) -> dict:
+    """The learnable family (``environment: learnable``'s settings, ``--steps`` updates) once in
+    one process and in the distributed mode for each ``--sandboxes`` cap, on one pair of rollout
+    servers started here (server i on core i) and shared by the distributed runs. Reported per
+    run: wall seconds, mean step seconds, the reward curve and ``first_action_success`` of the
+    final policy (the warm-up policy's is ``before``)."""
+    import shutil
+    import subprocess
+
+    import torch
+
+    from composer_dag.rl.fleet.server import ServerProcess
+    from composer_dag.rl.learnable import first_action_success, make_learnable_setup
+    from composer_dag.rl.run import LEARNABLE_RUN
+
+    out = os.path.abspath(args.out)
+    setup = os.path.join(out, "learnable-warm")
+    if not os.path.exists(os.path.join(setup, "policy", "config.json")):
+        torch.set_num_threads(2)
+        make_learnable_setup(setup, n_tasks=8, seed=0, words=("red", "blue"), warmup_steps=100)
+    policy, tasks = os.path.join(setup, "policy"), os.path.join(setup, "tasks")
+    res = {"before": first_action_success(policy, tasks), "runs": {}}
+    print(json.dumps({"first_action_success_before": res["before"]}), flush=True)
+    servers = []
+    try:
+        for mode in ["one_process"] + [f"fleet_{n}" for n in args.sandboxes.split(",")]:
+            cfg = {**LEARNABLE_RUN, "policy_dir": policy, "tasks_dir": tasks, "out_dir": os.path.join(out, mode, "run"),
+                   "steps": args.steps, "seed": 0}
+            if mode != "one_process":
+                if not servers:
+                    t0 = time.perf_counter()
+                    servers = [ServerProcess(policy, _port(), log_path=os.path.join(out, f"server_{i}.log"), cpu=i % 2,
+                                             max_model_len=1024, kv_cache_mb=32).start() for i in range(2)]
+                    for s in servers:
+                        s.wait_ready(900)
+                    res["servers_up_s"] = time.perf_counter() - t0
+                cfg.update(max_staleness=1, fleet={"urls": [s.url for s in servers],
+                                                   "max_sandboxes": int(mode.split("_")[1])})
+            shutil.rmtree(os.path.join(out, mode), ignore_errors=True)
+            os.makedirs(os.path.join(out, mode))
+            path = os.path.join(out, mode, "cfg.json")
+            with open(path, "w") as f:
+                json.dump(cfg, f)
+            t0 = time.perf_counter()
+            r = subprocess.run([sys.executable, "-m", "composer_dag.rl.run", "--config", path], capture_output=True,
+                               text=True)
+            if r.returncode:
+                raise SystemExit(f"{mode}: {r.stderr[-2000:]}")
+            wall = time.perf_counter() - t0
+            with open(os.path.join(cfg["out_dir"], "result.json")) as f:
+                result = json.load(f)
+            res["runs"][mode] = {"wall_s": round(wall, 1),
+                                 "step_s_mean": round(result["step_seconds"]["step_s"]["mean"], 2),
+                                 "reward_curve": [round(v, 3) for _, v in result["reward_curve"]],
+                                 "first_action_success": first_action_success(os.path.join(cfg["out_dir"], "hf"), tasks)}
+            print(json.dumps({mode: res["runs"][mode]}), flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+    return res
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return so.getsockname()[1]
+
+
 def base_model(args) -> str:
     """The ``deltas`` base model under ``--out`` (built once)."""
     from composer_dag.train.model import build_base_model
@@ -223,7 +297,7 @@ def server_start(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["deltas", "run", "server-start"])
+    ap.add_argument("what", choices=["deltas", "run", "server-start", "learn"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--vocab", type=int, default=4096)
@@ -234,8 +308,9 @@ def main() -> None:
     ap.add_argument("--levels", default="3,19")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sandboxes", default="4,16", help="learn: the distributed runs' max_sandboxes")
     args = ap.parse_args()
-    res = {"deltas": deltas, "run": run, "server-start": server_start}[args.what](args)
+    res = {"deltas": deltas, "run": run, "server-start": server_start, "learn": learn}[args.what](args)
     with open(os.path.join(args.out, f"{args.what}.json"), "w") as f:
         json.dump(res, f, indent=1)
 
