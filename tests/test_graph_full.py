@@ -36,8 +36,10 @@ TINY_RUN_CONFIG = {
             "sft_checkpoint": {"config": {"max_steps": 60, "eval_every": 30, "save_every": 30, "format_samples": 16,
                                           "min_format_share": 0.25}},
             # the distributed mode: two vLLM rollout servers started as Slurm service jobs, each
-            # taking sft_checkpoint from S3 and following the weights the RL job publishes there
-            "rl_run": {"config": {"steps": 2, "tasks_per_step": 4, "group_size": 4, "fleet": {"servers": 2}}},
+            # taking sft_checkpoint from S3 and following the weights the RL job publishes there;
+            # a step's 16 episodes at once, so that each server batches its requests
+            "rl_run": {"config": {"steps": 2, "tasks_per_step": 4, "group_size": 4,
+                                  "fleet": {"servers": 2, "max_sandboxes": 16}}},
             # transformers' generate for the tiny model: the RL stage above runs vLLM (and reloads
             # its weights); evaluation on vLLM is what `make run` does, at 25 s of engine start per job
             "evaluated_model": {"config": EVAL_CONFIG},
