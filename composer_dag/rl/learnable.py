@@ -147,39 +147,3 @@ def make_learnable_setup(out_dir, n_tasks: int = 8, seed: int = 0, words=WORDS, 
     return {"tasks_dir": str(out / "tasks"), "tokenizer_dir": tok_dir, "base_dir": base,
             "policy_dir": str(out / "policy"), "warmup": warm}
 
-
-def first_action_success(policy_dir: str, tasks_dir: str, system_style: str = "compact") -> float:
-    """The probability, under the policy at temperature 1, that its first turn solves the task
-    (the ``edit_file`` call writing the requested word into ``answer.txt``, then the end of the
-    turn), averaged over the learnable tasks in ``tasks_dir``: what RL on this family raises,
-    measured without sampling. A sampled reward curve of 16 episodes a step moves by about 0.1
-    from one step to the next; this moves only with the weights."""
-    import glob
-    import math
-    import os
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..agent import render_prompt
-    from ..envs.tools import Episode
-
-    tok = AutoTokenizer.from_pretrained(policy_dir)
-    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
-    probs = []
-    for d in sorted(glob.glob(os.path.join(tasks_dir, "*", "task.json"))):
-        task = json.loads(Path(d).read_text())
-        word = (task.get("reference") or {}).get("word")
-        if word is None:
-            continue
-        with Episode(os.path.dirname(d)) as ep:
-            prompt = tok(render_prompt(tok, ep.prompt(), system_style), add_special_tokens=False)["input_ids"]
-        turn = tok(tool_call_text("edit_file", {"path": ANSWER_FILE, "old": "", "new": word}) + "<|im_end|>",
-                   add_special_tokens=False)["input_ids"]  # tokenized apart from the prompt, as the agent does
-        ids = torch.tensor([prompt + turn])
-        with torch.no_grad():
-            logp = model(ids).logits[0, :-1].float().log_softmax(-1)
-        probs.append(math.exp(logp[len(prompt) - 1:].gather(1, ids[0, len(prompt):, None]).sum().item()))
-    if not probs:
-        raise ValueError(f"no learnable task (one with a reference word) under {tasks_dir}")
-    return sum(probs) / len(probs)
