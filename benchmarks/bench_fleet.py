@@ -115,11 +115,24 @@ def deltas(args) -> dict:
     return {"model": args.model, "steps": args.steps, "batch": args.batch, "seq": args.seq, "rows": rows}
 
 
+def _rl_run(cfg: dict, path: str, mode: str) -> tuple[dict, float]:
+    """``python -m composer_dag.rl.run`` on ``cfg`` (written to ``path``): its result.json and wall seconds."""
+    import subprocess
+
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "composer_dag.rl.run", "--config", path], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"{mode}: {r.stderr[-2000:]}")
+    wall = time.perf_counter() - t0
+    with open(os.path.join(cfg["out_dir"], "result.json")) as f:
+        return json.load(f), wall
+
+
 def run(args) -> dict:
     """The same RL config (learnable tasks, the small test policy, vLLM) once in one process and
     once in the distributed mode (2 rollout servers started by the run); the step time split."""
-    import subprocess
-
     import torch
 
     from composer_dag.rl.learnable import make_learnable_setup
@@ -143,17 +156,8 @@ def run(args) -> dict:
         import shutil
 
         shutil.rmtree(cfg["out_dir"], ignore_errors=True)
-        path = os.path.join(out, f"{mode}.json")
-        with open(path, "w") as f:
-            json.dump(cfg, f)
-        t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "composer_dag.rl.run", "--config", path], capture_output=True,
-                           text=True)
-        if r.returncode:
-            raise SystemExit(f"{mode}: {r.stderr[-2000:]}")
-        with open(os.path.join(cfg["out_dir"], "result.json")) as f:
-            result = json.load(f)
-        res[mode] = {"wall_s": time.perf_counter() - t0,
+        result, wall = _rl_run(cfg, os.path.join(out, f"{mode}.json"), mode)
+        res[mode] = {"wall_s": wall,
                      "step_seconds": {k: v.get("mean") for k, v in result["step_seconds"].items()},
                      "reward_curve": result["reward_curve"]}
         if mode == "fleet":
@@ -171,7 +175,6 @@ def run(args) -> dict:
 def learn(args) -> dict:
     """One process against the distributed mode on the learnable family (see the module's text)."""
     import shutil
-    import subprocess
 
     import torch
 
@@ -203,17 +206,7 @@ def learn(args) -> dict:
                                                    "max_sandboxes": int(mode.split("_")[1])})
             shutil.rmtree(os.path.join(out, mode), ignore_errors=True)
             os.makedirs(os.path.join(out, mode))
-            path = os.path.join(out, mode, "cfg.json")
-            with open(path, "w") as f:
-                json.dump(cfg, f)
-            t0 = time.perf_counter()
-            r = subprocess.run([sys.executable, "-m", "composer_dag.rl.run", "--config", path], capture_output=True,
-                               text=True)
-            if r.returncode:
-                raise SystemExit(f"{mode}: {r.stderr[-2000:]}")
-            wall = time.perf_counter() - t0
-            with open(os.path.join(cfg["out_dir"], "result.json")) as f:
-                result = json.load(f)
+            result, wall = _rl_run(cfg, os.path.join(out, mode, "cfg.json"), mode)
             curve = [v for _, v in result["reward_curve"]]
             n = len(curve)
             slope = sum((i - (n - 1) / 2) * v for i, v in enumerate(curve)) / sum((i - (n - 1) / 2) ** 2 for i in range(n))

@@ -146,4 +146,3 @@ def make_learnable_setup(out_dir, n_tasks: int = 8, seed: int = 0, words=WORDS, 
                          words=words)
     return {"tasks_dir": str(out / "tasks"), "tokenizer_dir": tok_dir, "base_dir": base,
             "policy_dir": str(out / "policy"), "warmup": warm}
-
