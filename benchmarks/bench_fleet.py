@@ -179,7 +179,9 @@ def learn(args) -> dict:
     import torch
 
     from composer_dag.rl.fleet.server import ServerProcess
+    from composer_dag.launch import free_port
     from composer_dag.rl.learnable import make_learnable_setup
+    from composer_dag.rl.report import reward_slope
     from composer_dag.rl.run import LEARNABLE_RUN
 
     out = os.path.abspath(args.out)
@@ -197,7 +199,7 @@ def learn(args) -> dict:
             if mode != "one_process":
                 if not servers:
                     t0 = time.perf_counter()
-                    servers = [ServerProcess(policy, _port(), log_path=os.path.join(out, f"server_{i}.log"), cpu=i % 2,
+                    servers = [ServerProcess(policy, free_port(), log_path=os.path.join(out, f"server_{i}.log"), cpu=i % 2,
                                              max_model_len=1024, kv_cache_mb=32).start() for i in range(2)]
                     for s in servers:
                         s.wait_ready(900)
@@ -208,25 +210,15 @@ def learn(args) -> dict:
             os.makedirs(os.path.join(out, mode))
             result, wall = _rl_run(cfg, os.path.join(out, mode, "cfg.json"), mode)
             curve = [v for _, v in result["reward_curve"]]
-            n = len(curve)
-            slope = sum((i - (n - 1) / 2) * v for i, v in enumerate(curve)) / sum((i - (n - 1) / 2) ** 2 for i in range(n))
             res["runs"][mode] = {"wall_s": round(wall, 1),
                                  "step_s_mean": round(result["step_seconds"]["step_s"]["mean"], 2),
-                                 "reward_curve": [round(v, 3) for v in curve], "slope_per_step": round(slope, 4),
+                                 "reward_curve": [round(v, 3) for v in curve], "slope_per_step": round(reward_slope(curve), 4),
                                  "first4": round(sum(curve[:4]) / 4, 3), "last4": round(sum(curve[-4:]) / 4, 3)}
             print(json.dumps({mode: res["runs"][mode]}), flush=True)
     finally:
         for s in servers:
             s.stop()
     return res
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        return so.getsockname()[1]
 
 
 def base_model(args) -> str:
@@ -247,19 +239,17 @@ def base_model(args) -> str:
 
 
 def server_start(args) -> dict:
-    import socket
     import subprocess
 
     from composer_dag.inference.engine import Sampling
+    from composer_dag.launch import free_port
     from composer_dag.rl.fleet import server as srv
 
     model = base_model(args)
     rows = {"uni": [], "mp": []}
     for r in range(args.rounds):
         for mode in ("uni", "mp"):
-            with socket.socket() as so:
-                so.bind(("127.0.0.1", 0))
-                port = so.getsockname()[1]
+            port = free_port()
             cmd = srv.server_command(model, port)
             env = srv.server_env(0)
             if mode == "mp":  # vLLM's own CPU default: engine core and a worker process

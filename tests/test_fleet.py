@@ -83,6 +83,7 @@ def test_fleet_distributed_run_learns(learnable_warm, servers, s3_bucket, tmp_pa
     of servers, weights and rollout batches through the moto S3 server: every published version
     served by both servers (digest and probe checked), rollouts from both, staleness within the
     bound, and the reward rising as it does in one process."""
+    from composer_dag.rl.report import reward_slope
     from composer_dag.rl.run import LEARNABLE_RUN, RLConfig
 
     b, steps = s3_bucket["bucket"], 14
@@ -101,8 +102,7 @@ def test_fleet_distributed_run_learns(learnable_warm, servers, s3_bucket, tmp_pa
     # 16 episodes moves by about 0.1 from step to step; over 10 steps the slope was +0.016 to
     # +0.044 in every one of ten runs here (one process and distributed), and 14 steps cut its noise to 0.6x.
     curve = [v for _, v in res["reward_curve"]]
-    t = range(len(curve))
-    slope = sum((i - (steps - 1) / 2) * v for i, v in zip(t, curve)) / sum((i - (steps - 1) / 2) ** 2 for i in t)
+    slope = reward_slope(curve)
     print(f"fleet reward curve {[round(v, 3) for v in curve]}, slope {slope:+.4f} per step")
     assert len(curve) == steps and slope > 0, curve
     assert res["mode"] == "fleet" and res["steps"] == steps and res["weights_verified"]

@@ -320,3 +320,14 @@ def test_fleet_mode_refuses_sparse_checkpoints():
     assert RLConfig.load(base).save_every == 2  # one process: its engine is in the trainer's process
     with pytest.raises(ConfigError, match="save_every 2: the distributed mode .* save_every must be 1"):
         RLConfig.load({**base, "fleet": {"servers": 2}})
+
+
+def test_reward_slope_is_the_least_squares_fit():
+    import numpy as np
+
+    from composer_dag.rl.report import reward_slope
+
+    curve = [0.188, 0.125, 0.188, 0.25, 0.125, 0.375, 0.188, 0.375, 0.438, 0.562]
+    assert reward_slope(curve) == pytest.approx(np.polyfit(range(len(curve)), curve, 1)[0])
+    assert reward_slope(curve[::-1]) == pytest.approx(-reward_slope(curve)) and reward_slope(curve) > 0
+    assert reward_slope([0.5] * 6) == 0.0 and reward_slope([0.3]) == 0.0 and reward_slope([]) == 0.0

@@ -36,6 +36,16 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def reward_slope(curve: list[float]) -> float:
+    """The least-squares slope of a reward curve per step (0.0 for fewer than two steps): the
+    trend of a run whose per-step means are noisy (16 episodes a step move by about 0.1)."""
+    n = len(curve)
+    if n < 2:
+        return 0.0
+    mid = (n - 1) / 2
+    return sum((i - mid) * v for i, v in enumerate(curve)) / sum((i - mid) ** 2 for i in range(n))
+
+
 def rl_summary(result: dict, rows: list[dict] | None = None, metrics: list[dict] | None = None) -> dict:
     rows, metrics = list(rows or []), list(metrics or [])
     fleet = result.get("fleet") or {}

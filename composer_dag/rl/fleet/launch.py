@@ -138,6 +138,11 @@ def run_distributed(cfg, rep: Reporter | None = None) -> dict:
         path = out / "fleet_config.json"
         path.write_text(json.dumps(run_cfg.to_dict()))
         progress = _NewSteps(out / "metrics.jsonl")
+
+        def relay() -> None:
+            for rec in progress.poll():
+                rep.progress(step_line(rec, cfg.steps))
+
         procs = {}
         for role in ("trainer", "orchestrator"):
             with open(out / f"{role}.out", "wb") as so, open(out / f"{role}.err", "wb") as se:
@@ -153,11 +158,9 @@ def run_distributed(cfg, rep: Reporter | None = None) -> dict:
                         break
                 if failed:
                     break
-                for rec in progress.poll():
-                    rep.progress(step_line(rec, cfg.steps))
+                relay()
                 time.sleep(0.5)
-            for rec in progress.poll():
-                rep.progress(step_line(rec, cfg.steps))
+            relay()
             failed = failed or next((r for r, p in procs.items() if p.returncode), None)
         finally:
             for p in procs.values():
