@@ -7,12 +7,18 @@ checkpoint at RL learning rates, and the time to publish, rebuild and reload a v
 
     .venv/bin/python benchmarks/bench_fleet.py server-start --out /tmp/bench_fleet [--rounds 2]
     .venv/bin/python benchmarks/bench_fleet.py learn --out /tmp/bench_fleet [--steps 10] [--sandboxes 4,16]
+        [--repeat 1] [--set JSON] [--no-one-process]
 
 ``learn``: the learnable family (``environment: learnable``'s settings, ``--steps`` updates) once
-in one process and in the distributed mode for each ``--sandboxes`` cap (``max_staleness`` 1),
-on one pair of rollout servers started here (server i on core i) and shared by the distributed
-runs. Reported per run: wall seconds, mean step seconds, the reward curve, its least-squares
-slope per step and the mean reward of its first and last four steps.
+in one process and in the distributed mode for each ``--sandboxes`` cap (``max_staleness`` 1,
+``full_every`` 4), on one pair of rollout servers started here (server i on core i) and shared
+by the distributed runs; each distributed run ``--repeat`` times (the distributed mode is not
+deterministic: which version samples which episode depends on timing). ``--set`` merges JSON
+into every run's config (a dict value into the setting's dict), e.g.
+``'{"trainer": {"lr": 0.0015, "kl_coef": 0}}'``. Reported per run: wall seconds, mean step
+seconds, the reward curve, its least-squares slope per step, the mean reward of its first and
+last four steps, and ``collapsed``: the last three steps' reward all 0 (a policy that solves
+nothing gets no group-relative signal back).
 
 ``server-start``: one rollout server (``ServerProcess``, the arguments the fleet uses) on the
 ``deltas`` base model, started and stopped ``--rounds`` times in each mode, alternating: ``uni``
@@ -190,12 +196,17 @@ def learn(args) -> dict:
         torch.set_num_threads(2)
         make_learnable_setup(setup, n_tasks=8, seed=0, words=("red", "blue"), warmup_steps=100)
     policy, tasks = os.path.join(setup, "policy"), os.path.join(setup, "tasks")
-    res = {"runs": {}}
+    res = {"runs": {}, "set": json.loads(args.set)}
     servers = []
+    modes = [] if args.no_one_process else ["one_process"]
+    modes += [f"fleet_{n}" + (f"_r{k}" if args.repeat > 1 else "") for n in args.sandboxes.split(",")
+              for k in range(args.repeat)]
     try:
-        for mode in ["one_process"] + [f"fleet_{n}" for n in args.sandboxes.split(",")]:
+        for mode in modes:
             cfg = {**LEARNABLE_RUN, "policy_dir": policy, "tasks_dir": tasks, "out_dir": os.path.join(out, mode, "run"),
                    "steps": args.steps, "seed": 0}
+            for key, v in res["set"].items():
+                cfg[key] = {**cfg.get(key, {}), **v} if isinstance(v, dict) else v
             if mode != "one_process":
                 if not servers:
                     t0 = time.perf_counter()
@@ -204,8 +215,8 @@ def learn(args) -> dict:
                     for s in servers:
                         s.wait_ready(900)
                     res["servers_up_s"] = time.perf_counter() - t0
-                cfg.update(max_staleness=1, fleet={"urls": [s.url for s in servers],
-                                                   "max_sandboxes": int(mode.split("_")[1])})
+                cfg.update(max_staleness=1, full_every=4, fleet={"urls": [s.url for s in servers],
+                                                                 "max_sandboxes": int(mode.split("_")[1])})
             shutil.rmtree(os.path.join(out, mode), ignore_errors=True)
             os.makedirs(os.path.join(out, mode))
             result, wall = _rl_run(cfg, os.path.join(out, mode, "cfg.json"), mode)
@@ -213,11 +224,19 @@ def learn(args) -> dict:
             res["runs"][mode] = {"wall_s": round(wall, 1),
                                  "step_s_mean": round(result["step_seconds"]["step_s"]["mean"], 2),
                                  "reward_curve": [round(v, 3) for v in curve], "slope_per_step": round(reward_slope(curve), 4),
-                                 "first4": round(sum(curve[:4]) / 4, 3), "last4": round(sum(curve[-4:]) / 4, 3)}
+                                 "first4": round(sum(curve[:4]) / 4, 3), "last4": round(sum(curve[-4:]) / 4, 3),
+                                 "collapsed": len(curve) >= 3 and not any(curve[-3:])}
             print(json.dumps({mode: res["runs"][mode]}), flush=True)
     finally:
         for s in servers:
             s.stop()
+    fleet = [r for m, r in res["runs"].items() if m.startswith("fleet")]
+    if fleet:
+        res["fleet_summary"] = {"runs": len(fleet), "collapsed": sum(r["collapsed"] for r in fleet),
+                                "slope_positive": sum(r["slope_per_step"] > 0 for r in fleet),
+                                "slope_mean": round(statistics.mean(r["slope_per_step"] for r in fleet), 4),
+                                "slope_min": min(r["slope_per_step"] for r in fleet)}
+        print(json.dumps(res["fleet_summary"]), flush=True)
     return res
 
 
@@ -293,6 +312,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sandboxes", default="4,16", help="learn: the distributed runs' max_sandboxes")
+    ap.add_argument("--repeat", type=int, default=1, help="learn: runs of each distributed setting")
+    ap.add_argument("--set", default="{}", help="learn: JSON merged into every run's config")
+    ap.add_argument("--no-one-process", action="store_true", help="learn: the distributed runs only")
     args = ap.parse_args()
     res = {"deltas": deltas, "run": run, "server-start": server_start, "learn": learn}[args.what](args)
     with open(os.path.join(args.out, f"{args.what}.json"), "w") as f:

@@ -81,13 +81,16 @@ class RLConfig(StageConfig):
 
 
 LEARNABLE_RUN = {"steps": 16, "tasks_per_step": 2, "group_size": 8, "async_generation": False, "torch_threads": 1,
-                 "trainer": {"lr": 1e-3, "micro_batch": 16},
+                 "trainer": {"lr": 1e-3, "micro_batch": 16, "kl_coef": 0.1},
                  "orchestrator": {"max_turns": 2, "max_new_tokens": 40, "max_context": 512, "system_style": "compact",
                                   "workers": 2},
                  "inference": {"engine": "hf"}}
 """``environment: learnable``: the small task family a tiny model learns on CPU within minutes
 (tests/test_rl_learn.py), with a freshly built policy warmed up on the tool-call syntax; these
-settings replace the run's."""
+settings replace the run's. The KL term to the warmed-up policy keeps this learning rate from
+collapsing the policy: without it, some runs drift into repeating one token, every episode fails,
+and with no group-relative signal left nothing brings them back (benchmarks/RESULTS.md, "The
+learnable family's collapse")."""
 
 
 def prepare(cfg: RLConfig, log=lambda msg: None) -> RLConfig:
