@@ -205,8 +205,6 @@ def learn(args) -> dict:
         for mode in modes:
             cfg = {**LEARNABLE_RUN, "policy_dir": policy, "tasks_dir": tasks, "out_dir": os.path.join(out, mode, "run"),
                    "steps": args.steps, "seed": 0}
-            for key, v in res["set"].items():
-                cfg[key] = {**cfg.get(key, {}), **v} if isinstance(v, dict) else v
             if mode != "one_process":
                 if not servers:
                     t0 = time.perf_counter()
@@ -217,6 +215,8 @@ def learn(args) -> dict:
                     res["servers_up_s"] = time.perf_counter() - t0
                 cfg.update(max_staleness=1, full_every=4, fleet={"urls": [s.url for s in servers],
                                                                  "max_sandboxes": int(mode.split("_")[1])})
+            for key, v in res["set"].items():  # last, so that --set overrides the mode's settings too
+                cfg[key] = {**(cfg.get(key) or {}), **v} if isinstance(v, dict) else v
             shutil.rmtree(os.path.join(out, mode), ignore_errors=True)
             os.makedirs(os.path.join(out, mode))
             result, wall = _rl_run(cfg, os.path.join(out, mode, "cfg.json"), mode)
@@ -224,7 +224,7 @@ def learn(args) -> dict:
             res["runs"][mode] = {"wall_s": round(wall, 1),
                                  "step_s_mean": round(result["step_seconds"]["step_s"]["mean"], 2),
                                  "reward_curve": [round(v, 3) for v in curve], "slope_per_step": round(reward_slope(curve), 4),
-                                 "first4": round(sum(curve[:4]) / 4, 3), "last4": round(sum(curve[-4:]) / 4, 3),
+                                 "first4": round(statistics.mean(curve[:4]), 3), "last4": round(statistics.mean(curve[-4:]), 3),
                                  "collapsed": len(curve) >= 3 and not any(curve[-3:])}
             print(json.dumps({mode: res["runs"][mode]}), flush=True)
     finally:
