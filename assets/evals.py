@@ -34,7 +34,10 @@ EvalParams = dagster_config(EvalConfig, module=__name__)
     retry_policy=dg.RetryPolicy(max_retries=1, delay=5),
     check_specs=[
         dg.AssetCheckSpec("rl_not_worse_than_sft", asset="evaluated_model", blocking=True,
-                          description="RL pass@1 within the estimator's noise of its parent, the SFT checkpoint, or better, and no more cheat flags."),
+                          description="The promotion gate: every capability row of RL against its parent, the SFT "
+                                      "checkpoint (pass@1, each task source's pass@1, HumanEval, perplexity, cheat "
+                                      "flags), and its perplexity against the mid-trained checkpoint, each within "
+                                      "its tolerance in GateConfig."),
         dg.AssetCheckSpec("eval_tasks_not_in_training_shards", asset="evaluated_model", blocking=True,
                           description="No eval task's text or solution shares a long n-gram with the training shards."),
     ],
@@ -111,12 +114,17 @@ def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artif
             **{f"{k}.pass@1": float(summaries[k].get("pass@1") or 0.0) for k in names},
             **{f"{k}.cost": dg.MetadataValue.json(summaries[k].get("cost") or {}) for k in names},
             "gate_passed": gate["passed"],
+            "gate_failed_rows": dg.MetadataValue.json(gate["failed_rows"]),
+            **{f"{k}.val_ppl": float((summaries[k].get("perplexity") or {}).get("val_ppl") or float("nan")) for k in names},
+            "rl_gain": dg.MetadataValue.json(gate["measured_gain"]),
             "summary_json": json.dumps(summaries["rl_checkpoint"], default=str),
             "rl_checkpoint_uri": latest_uri(context.instance, "rl_checkpoint"),
         }
     )
     yield dg.AssetCheckResult(check_name="rl_not_worse_than_sft", passed=gate["passed"],
-                              metadata={"reasons": dg.MetadataValue.json(gate["reasons"]), "pass@1_gain": gate["gain"]})
+                              metadata={"reasons": dg.MetadataValue.json(gate["reasons"]),
+                                        "failed_rows": dg.MetadataValue.json(gate["failed_rows"]),
+                                        "pass@1_gain": gate["gain"]})
     yield dg.AssetCheckResult(check_name="eval_tasks_not_in_training_shards", passed=not leaks,
                               metadata={"leaks": len(leaks), "examples": dg.MetadataValue.json(leaks[:10])})
 
@@ -141,3 +149,29 @@ def promoted_model(context: dg.AssetExecutionContext, artifacts: ArtifactStorage
         "pass@1": float(entry["pass@1"] or 0.0),
         "summary_json": meta.get("summary_json", ""),
     })
+
+
+def terminal_summary(meta: dict) -> str:
+    """A few lines for the end of ``make run``, from ``evaluated_model``'s metadata: pass@1 by
+    task source and validation perplexity per checkpoint, the gate's verdict, where the report is.
+    The full summaries stay in the artifacts and the event log."""
+    sources = sorted({k.split(".pass@1.", 1)[1] for k in meta if ".pass@1." in k})
+    head = ["checkpoint", "pass@1", *[f"pass@1 {s}" for s in sources], "val ppl"]
+    rows = [[label, f"{float(meta.get(f'{k}.pass@1', 0.0)):.3f}",
+             *[f"{float(meta.get(f'{k}.pass@1.{s}', 0.0)):.3f}" for s in sources],
+             f"{float(meta.get(f'{k}.val_ppl', float('nan'))):,.1f}"] for k, label in zip(CANDIDATES, LABELS)]
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    failed = meta.get("gate_failed_rows") or []
+    gain = meta.get("rl_gain") or {}
+    lines = [fmt(head), *map(fmt, rows), ""]
+    if gain.get("gain") is not None:
+        lines.append(f"RL vs SFT on {gain['source']}: {gain['gain']:+.3f} pass@1 "
+                     f"({gain['sigmas']:g} se over {gain['samples'][0]} samples: {gain['sigmas'] * gain['se']:.3f}, "
+                     f"{'measurable' if gain['measurable'] else 'within the noise'})")
+    lines.append("gate: " + ("passed, RL promoted" if meta.get("gate_passed") else
+                             "FAILED on " + ", ".join(failed) + ": RL not promoted"))
+    uri = str(meta.get("dagster/uri", ""))
+    lines.append(f"report: {uri.removeprefix('file://')}/report.md")
+    lines.append("open the Dagster UI with: make dev")
+    return "\n".join(lines)

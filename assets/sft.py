@@ -79,7 +79,7 @@ def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams
 
 
 @dg.asset(
-    deps=[sft_trajectories, midtrained_checkpoint],
+    deps=[sft_trajectories, midtrained_checkpoint, "token_shards"],
     group_name="sft",
     kinds={"pytorch", "deepspeed"},
     pool="gpu",
@@ -98,18 +98,21 @@ def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams
 def sft_checkpoint(context: dg.AssetExecutionContext, config: SFTParams, artifacts: ArtifactStorage,
                    cluster: ClusterResource):
     """The mid-trained checkpoint fine-tuned on the trajectories (loss on the assistant's tokens),
-    with the mid-training trainer on the cluster resource; resumes when retried with the same inputs."""
+    with windows of the pre-training shards replayed in every micro-batch so that it keeps what
+    mid-training taught, with the mid-training trainer on the cluster resource; resumes when
+    retried with the same inputs."""
     storage = artifacts.get()
     _, job = run_stage(
-        context, storage, cluster, "sft", SFTConfig, config, ["sft_trajectories", "midtrained_checkpoint"],
+        context, storage, cluster, "sft", SFTConfig, config, ["sft_trajectories", "midtrained_checkpoint", "token_shards"],
         lambda d, wd: {"trajectories_dir": d["sft_trajectories"], "model_dir": d["midtrained_checkpoint"],
-                       "out_dir": os.path.join(wd, "run")},
+                       "pretrain_dir": d["token_shards"], "out_dir": os.path.join(wd, "run")},
         "composer_dag.sft.run", outputs={"sft_checkpoint": CHECKPOINT_FILES})
     result = job["summary"]
     out = job["outputs"]["sft_checkpoint"]
     losses = [float(loss) for _, loss in result.get("loss_curve") or []]
     steps = [int(step) for step, _ in result.get("loss_curve") or []]
     evals = [e for e in result.get("evals") or [] if e.get("val_loss") is not None]
+    code = [e for e in evals if e.get("val_code_ppl") is not None]
     fc = result.get("format_check") or {"samples": 0, "parsed": 0, "share": 0.0, "ok": False, "new_tokens": 0,
                                          "examples": [], "min_share": 0.0}
     tk = result.get("tokenize") or {}
@@ -117,8 +120,13 @@ def sft_checkpoint(context: dg.AssetExecutionContext, config: SFTParams, artifac
         "dagster/uri": out["url"],
         "manifest_digest": out["digest"],
         "loss_curve": plot_md([("train loss", steps, losses),
-                               ("val loss", [e["step"] for e in evals], [e["val_loss"] for e in evals])],
-                              "step", "loss (assistant tokens)", "SFT loss"),
+                               ("val loss", [e["step"] for e in evals], [e["val_loss"] for e in evals]),
+                               ("code val loss", [e["step"] for e in code], [e["val_code_loss"] for e in code])],
+                              "step", "loss", "SFT loss (assistant tokens; code: the replayed shards' validation)"),
+        "code_val_ppl_before": round(float(code[0]["val_code_ppl"]), 2) if code else float("nan"),
+        "code_val_ppl_after": round(float(code[-1]["val_code_ppl"]), 2) if code else float("nan"),
+        "replay_share": float((result.get("config") or {}).get("pretrain_share") or 0.0),
+        "stopped_early": bool(result.get("stopped_early")),
         "tokens_seen": int(result["tokens_seen"]),
         "tokens_per_s": round(float(result.get("tokens_per_s") or 0.0), 1),
         "supervised_tokens": int(tk.get("supervised_tokens") or 0),

@@ -145,6 +145,9 @@ def materialize_all(
             break
     ok = all(r.success for r in results)
     log("all assets materialized" if ok else "a step failed: see the run in the UI (make dev)")
+    evaluated = instance.get_latest_materialization_event(dg.AssetKey("evaluated_model"))
+    if evaluated is not None and any(evaluated.run_id == r.run_id for r in results):
+        log(evals.terminal_summary({k: v.value for k, v in evaluated.asset_materialization.metadata.items()}))
     return results
 
 

@@ -3,8 +3,8 @@
 When the process was launched by Dagster Pipes (``DAGSTER_PIPES_CONTEXT`` is set and the
 ``dagster_pipes`` package imports), rank 0 opens the Pipes session and forwards logs, asset
 materializations and custom messages. Otherwise log lines go to stderr and ``result`` prints
-the final JSON summary as the last line of stdout (and writes it to ``$COMPOSER_RESULT_PATH``
-when set). Ranks other than 0 stay silent.
+the final JSON summary as the last line of stdout, or writes it to ``$COMPOSER_RESULT_PATH``
+when that is set (a cluster job reads it there). Ranks other than 0 stay silent.
 
 Pipes context and messages travel through files (the local backend) or through artifact
 storage (a cluster job that shares no disk with Dagster): when the context parameters hold a
@@ -110,17 +110,21 @@ class Reporter:
 
     def result(self, summary: dict[str, Any]) -> None:
         """The final summary: a Pipes custom message (the launching asset turns it into its
-        materialization), else the last line of stdout."""
+        materialization), else the file ``$COMPOSER_RESULT_PATH`` names (a cluster job reads it),
+        else the last line of stdout."""
         if self.rank != 0:
             return
         if self.pipes is None:
             text = json.dumps(summary, default=str)
             if os.environ.get(RESULT_PATH_ENV):
+                # a cluster job reads the file: the summary (up to tens of KB) stays off the
+                # terminal, in the artifacts and the Dagster event log
                 tmp = os.environ[RESULT_PATH_ENV] + ".tmp"
                 with open(tmp, "w") as f:
                     f.write(text)
                 os.replace(tmp, os.environ[RESULT_PATH_ENV])
-            print(text, flush=True)
+            else:
+                print(text, flush=True)
         else:
             self.pipes.report_custom_message(summary)
 

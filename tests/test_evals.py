@@ -15,8 +15,8 @@ import pytest
 
 from composer_dag.envs.task_format import TaskLimits
 from composer_dag.envs.tasks_humaneval import humaneval_task
-from composer_dag.evals import (EvalConfig, checkpoint_digest, compare, contamination_report, eval_cli, evaluate,
-                                pass_at_k, report_markdown, score_completions, truncate)
+from composer_dag.evals import (EvalConfig, GateConfig, checkpoint_digest, compare, contamination_report, decide,
+                                eval_cli, evaluate, gain, pass_at_k, report_markdown, score_completions, truncate)
 from composer_dag.evals.humaneval import check_completion, load_problems
 from composer_dag.inference.engine import Completion, Engine, EngineStats
 
@@ -58,26 +58,76 @@ def test_gate_directions():
     assert not bad["passed"] and "pass@1" in bad["reasons"][0]
     assert compare(_summary(0.42), base)["passed"]  # within noise
     assert compare(_summary(0.60), base)["passed"]  # better
-    assert not compare(_summary(0.42), base, noise_sigmas=0.5)["passed"]  # the noise level is configurable
+    assert not compare(_summary(0.42), base, GateConfig(noise_sigmas=0.5))["passed"]  # the noise level is configurable
     flags = compare(_summary(0.55, flag_rate=0.02), base)
     assert not flags["passed"] and "cheat-flag" in flags["reasons"][0]
-    assert compare(_summary(0.55, flag_rate=0.02), base, max_flag_rate_increase=0.05)["passed"]
+    assert compare(_summary(0.55, flag_rate=0.02), base, GateConfig(max_flag_rate_increase=0.05))["passed"]
+    assert compare(_summary(0.55, flag_rate=0.02), base, GateConfig(max_flag_rate_increase=None))["passed"]
     assert not compare({"num_tasks": 10, "flag_rate": 0.0}, base)["passed"]  # a missing metric never passes
     # small task sets are noisier: the same drop passes on 10 tasks and fails on 1,000
     assert compare(_summary(0.40, tasks=10), _summary(0.50, tasks=10))["passed"]
     assert not compare(_summary(0.40, tasks=1000), _summary(0.50, tasks=1000))["passed"]
-    # more metrics can be held to the same rule, each with its own count
+    # HumanEval function completion gates by the same rule, with its own count and tolerance
     he = lambda p, n: _summary(0.5, humaneval={"pass@1": p, "problems": n})
-    assert compare(he(0.2, 20), he(0.3, 20), metrics=("pass@1", "humaneval.pass@1"))["passed"]
-    res = compare(he(0.2, 400), he(0.3, 400), metrics=("pass@1", "humaneval.pass@1"))
-    assert not res["passed"] and res["reasons"][0].startswith("humaneval.pass@1")
+    assert compare(he(0.2, 20), he(0.3, 20))["passed"]
+    res = compare(he(0.2, 400), he(0.3, 400))
+    assert not res["passed"] and res["reasons"][0].startswith("HumanEval fn-completion pass@1")
+    assert compare(he(0.2, 400), he(0.3, 400), GateConfig(humaneval_sigmas=None))["passed"]
+
+
+def test_gate_rows_sources_and_perplexity():
+    """Each task source's pass@1 gates once it has min_tasks tasks; perplexity gates as a relative
+    increase over the parent and over the mid-trained checkpoint, and the verdict names the row."""
+    src = lambda p, n: {"pass@1": p, "tasks": n}
+    summ = lambda ppl, learn, bug, n=400: _summary(0.5, tasks=1000, perplexity={"val_ppl": ppl},
+                                                   by_source={"learnable": src(learn, n), "bugfix": src(bug, 3)})
+    parent = summ(600.0, 0.6, 0.5)
+    # a source with fewer than min_tasks tasks is reported, not gating (bugfix: 3 tasks, 0.5 -> 0.0)
+    res = compare(summ(600.0, 0.6, 0.0), parent)
+    row = next(r for r in res["rows"] if r["metric"] == "pass@1 bugfix")
+    assert res["passed"] and row["gating"] is False and "min_tasks" in row["note"]
+    assert not compare(summ(600.0, 0.6, 0.0), parent, GateConfig(min_tasks=3, source_sigmas=0.5))["passed"]
+    # a source large enough gates by the noise rule
+    res = compare(summ(600.0, 0.4, 0.5), parent)
+    assert not res["passed"] and res["reasons"][0].startswith("pass@1 learnable 0.4000 is below")
+    # perplexity: +10 % over the parent is allowed by default, +20 % is not
+    assert compare(summ(655.0, 0.6, 0.5), parent)["passed"]
+    res = compare(summ(720.0, 0.6, 0.5), parent)
+    assert not res["passed"] and res["reasons"] == [
+        "val perplexity 720.00 exceeds the baseline's 600.00 by more than 10% (x1.2, threshold 660.00)"]
+    assert compare(summ(720.0, 0.6, 0.5), parent, GateConfig(max_ppl_increase=None))["passed"]
+    # neither side measured: nothing to hold; one side missing fails
+    no_ppl = lambda: _summary(0.5)
+    assert compare(no_ppl(), no_ppl())["passed"]
+    assert not compare(no_ppl(), parent)["passed"]
+
+    # the decision: a candidate that kept the parent's perplexity but forgot against the
+    # mid-trained checkpoint fails on that row, and the report names it with its threshold
+    summaries = {"midtrained_checkpoint": summ(500.0, 0.0, 0.0), "sft_checkpoint": summ(90_000.0, 0.6, 0.5),
+                 "rl_checkpoint": summ(91_000.0, 0.7, 0.5)}
+    gate = decide(summaries, "rl_checkpoint", "sft_checkpoint", GateConfig())
+    assert not gate["passed"] and gate["failed_rows"] == ["val perplexity"]
+    assert gate["reasons"][0].endswith("[against midtrained_checkpoint]") and "threshold 650.00" in gate["reasons"][0]
+    assert "| val perplexity | midtrained_checkpoint | 9.1e+04 | 500 | 650 | **FAIL** |" in gate["report"]
+    assert decide(summaries, "rl_checkpoint", "sft_checkpoint",
+                  GateConfig(max_ppl_increase_vs_midtrained=None))["passed"]
+
+
+def test_gain_over_samples():
+    """RL's gain over its parent on one source, against twice the standard error over samples."""
+    s = lambda p, tasks, n: {"pass@1": p, "samples_per_task": n, "by_source": {"learnable": {"pass@1": p, "tasks": tasks}}}
+    g = gain(s(0.80, 20, 8), s(0.60, 20, 8), "learnable")  # se = sqrt(.16/160 + .24/160) = .05
+    assert g["gain"] == pytest.approx(0.2) and g["se"] == pytest.approx(0.05) and g["measurable"]
+    assert not gain(s(0.75, 20, 2), s(0.60, 20, 2), "learnable")["measurable"]  # se ~.1: within the noise
+    assert not gain(s(0.60, 20, 8), s(0.60, 20, 8), "learnable")["measurable"]
+    assert gain(s(0.8, 20, 8), {}, "learnable")["gain"] is None
 
 
 def test_report_markdown():
     cand = _summary(0.45, perplexity={"val_ppl": 12.5})
     parent, promoted = _summary(0.44, perplexity={"val_ppl": 13.0}), _summary(0.70, perplexity={"val_ppl": 12.0})
     md = report_markdown([compare(cand, parent, baseline_name="parent"),
-                          compare(cand, promoted, baseline_name="last promoted")])
+                          compare(cand, promoted, baseline_name="last promoted", ppl_tolerance=None)])
     lines = md.splitlines()
     assert lines[0].split("|")[1:-1] == [" metric ", " candidate ", " parent ", " Δ vs parent ",
                                          " last promoted ", " Δ vs last promoted "]

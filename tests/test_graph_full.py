@@ -198,41 +198,47 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     assert scan_tree(tmp_path, list(secrets.values())) == []
 
 
+# SFT made to forget: the old schedule's learning rate, higher, with no replay of the pre-training
+# shards; a one-process RL step from it on transformers, so its candidate carries what SFT lost
+FORGET_CONFIG = {
+    "ops": {
+        "sft_checkpoint": {"config": {"max_steps": 20, "lr": 5e-3, "min_lr": 5e-3, "warmup_steps": 2,
+                                      "pretrain_share": 0.0, "early_stop_patience": None, "eval_every": 10,
+                                      "save_every": 20, "format_samples": 2, "min_format_share": 0.0}},
+        "rl_run": {"config": {"steps": 1, "tasks_per_step": 2, "group_size": 2, "async_generation": False,
+                              "inference": {"engine": "hf"}}},
+        "evaluated_model": {"config": EVAL_CONFIG},
+    }
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_gate_fails_and_blocks_promotion_when_rl_is_worse(graph):
-    """RL made worse on purpose (its weights scrambled, published as a new rl_checkpoint): only
-    evaluated_model and promoted_model run again, the gate fails for a measured reason, and
-    promoted_model is not materialized."""
-    import numpy as np
-    from safetensors.numpy import load_file, save_file
-
-    instance, st, tmp = graph["instance"], graph["storage"], graph["tmp"]
-    good = _meta(instance, "rl_checkpoint")["dagster/uri"]
-    worse = tmp / "worse"
-    st.get_dir(good, str(worse))
-    (worse / "manifest.json").unlink()
-    weights = load_file(str(worse / "model.safetensors"))
-    rng = np.random.default_rng(0)
-    save_file({k: (v + rng.standard_normal(v.shape).astype(v.dtype) * (v.std() + 1e-3)).astype(v.dtype)
-               for k, v in weights.items()}, str(worse / "model.safetensors"), metadata={"format": "pt"})
-    url = st.url("rl_checkpoint", "made-worse")
-    st.put_dir(str(worse), url)
-    instance.report_runless_asset_event(dg.AssetMaterialization(
-        "rl_checkpoint", metadata={"dagster/uri": url, "manifest_digest": st.write_manifest(url)}))
+def test_gate_fails_on_perplexity_when_sft_forgets(graph):
+    """SFT made to forget on purpose (a large learning rate, no replay), from the session's
+    mid-trained checkpoint, then RL from it and the evaluation: the gate fails on the perplexity
+    row against the mid-trained checkpoint, the report names the row and its threshold, and
+    promoted_model is not materialized. Nothing upstream of SFT runs again."""
+    instance, defs = graph["instance"], graph["defs"]
     promoted = instance.get_latest_materialization_event(dg.AssetKey("promoted_model"))
-
-    # on ten held-out tasks the drop may sit inside the noise rule's two standard errors, so the
-    # gate also asks that RL not lose pass@1 against its parent
-    gate_cfg = {"ops": {"evaluated_model": {"config": {**EVAL_CONFIG, "gate": {"required_gain": 0.0}}}}}
-    result = graph["defs"].resolve_job_def("evaluate").execute_in_process(instance=instance, raise_on_error=False,
-                                                                         run_config=gate_cfg)
+    mid_before = instance.get_latest_materialization_event(dg.AssetKey("midtrained_checkpoint"))
+    result = defs.resolve_job_def("train").execute_in_process(
+        instance=instance, raise_on_error=False, run_config=FORGET_CONFIG,
+        asset_selection=[dg.AssetKey(k) for k in ("sft_checkpoint", "rl_rollouts", "rl_checkpoint",
+                                                  "evaluated_model", "promoted_model")])
     ran = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
-    assert ran == {"evaluated_model"}  # nothing upstream re-ran, and promotion did not happen
+    assert ran == {"sft_checkpoint", "rl_rollouts", "rl_checkpoint", "evaluated_model"}, ran  # promotion did not happen
+    assert instance.get_latest_materialization_event(dg.AssetKey("midtrained_checkpoint")).run_id == mid_before.run_id
+    sft = _meta(instance, "sft_checkpoint")
+    assert sft["replay_share"] == 0.0 and sft["code_val_ppl_after"] > 1.3 * sft["code_val_ppl_before"], sft
     gate = next(e for e in result.get_asset_check_evaluations() if e.check_name == "rl_not_worse_than_sft")
     assert not gate.passed
+    assert "val perplexity" in gate.metadata["failed_rows"].value
     reasons = gate.metadata["reasons"].value
-    # a measured reason: below the parent beyond the noise, or a pass@1 gain under the required one
-    assert reasons and "pass@1" in reasons[0] and "below the" in reasons[0], reasons
+    row = next(r for r in reasons if r.startswith("val perplexity") and r.endswith("[against midtrained_checkpoint]"))
+    assert "by more than 30%" in row and "threshold" in row, reasons
+    ev = _meta(instance, "evaluated_model")
+    assert ev["rl_checkpoint.val_ppl"] > 1.3 * ev["midtrained_checkpoint.val_ppl"], ev
+    assert "| val perplexity | midtrained_checkpoint |" in ev["comparison"] and "**FAIL**" in ev["comparison"]
     latest = instance.get_latest_materialization_event(dg.AssetKey("promoted_model"))
     assert (latest.run_id, latest.timestamp) == (promoted.run_id, promoted.timestamp)

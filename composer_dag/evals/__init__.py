@@ -8,10 +8,10 @@ perplexity, cost; the promotion gate; the contamination guard (plain Python, no 
 
 from .contamination import contamination_report, task_index
 from .evaluate import EvalConfig, checkpoint_digest, eval_cli, evaluate
-from .gate import compare, report_markdown
+from .gate import GateConfig, compare, decide, gain, report_markdown
 from .humaneval import STOP_SEQUENCES, check_completion, score_completions, truncate
 from .metrics import aggregate, pass_at_k, stderr
 
 __all__ = ["contamination_report", "task_index", "EvalConfig", "checkpoint_digest", "eval_cli", "evaluate",
-           "compare", "report_markdown", "STOP_SEQUENCES", "check_completion", "score_completions", "truncate",
+           "GateConfig", "compare", "decide", "gain", "report_markdown", "STOP_SEQUENCES", "check_completion", "score_completions", "truncate",
            "aggregate", "pass_at_k", "stderr"]

@@ -457,7 +457,6 @@ def eval_cli(checkpoint, tasks_dir, out_dir: str | None = None, baseline: str | 
     summary = evaluate(checkpoint, tasks_dir, out_dir, cfg)
     if baseline:
         base = json.loads(Path(baseline).read_text())
-        cmp = compare(summary, base, noise_sigmas=cfg.gate.noise_sigmas,
-                      max_flag_rate_increase=cfg.gate.max_flag_rate_increase, baseline_name=str(baseline))
+        cmp = compare(summary, base, cfg.gate, baseline_name=str(baseline))
         summary["gate"] = {"passed": cmp["passed"], "reasons": cmp["reasons"], "markdown": report_markdown([cmp])}
     return summary

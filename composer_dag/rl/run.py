@@ -260,7 +260,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
                 "sync_s": batch.seconds.get("sync", 0.0), "wait_s": wait_s, "train_s": ts["train_seconds"],
                 "save_weights_s": save_s, "publish_s": pub["seconds"], "publish_kind": pub["kind"],
                 "publish_fraction": pub["fraction"], "step_s": time.perf_counter() - t_step,
-                **{k: ts[k] for k in ("loss", "clip_frac", "ratio_mean", "kl", "grad_norm", "nan_skipped", "train_tokens")},
+                **{k: ts[k] for k in ("loss", "lr", "clip_frac", "ratio_mean", "kl", "grad_norm", "nan_skipped", "train_tokens")},
                 "dropped_stale_rollouts": counters["dropped_stale_rollouts"],
             }
             with open(metrics_path, "a") as f:

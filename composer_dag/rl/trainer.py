@@ -23,6 +23,8 @@ class TrainerConfig(StageConfig):
     the run: ``tasks_per_step * group_size``, the orchestrator's temperature, the run's seed."""
 
     lr: float = 1e-5
+    warmup_steps: int = Field(0, ge=0, description="updates over which the learning rate rises linearly to lr "
+                                                   "(Adam's first update moves every weight by about lr)")
     clip_eps: float = 0.2
     clip_eps_high: Optional[float] = None
     kl_coef: float = Field(0.0, description="> 0 loads a frozen copy of the initial policy as reference")
@@ -58,7 +60,9 @@ class GRPOTrainer:
               "gradient_clipping": cfg.grad_clip, "zero_optimization": {"stage": cfg.zero_stage},
               "bf16": {"enabled": self.bf16}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+        warm = cfg.warmup_steps
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds)
         self.ref = None
         if cfg.kl_coef:
             self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
@@ -80,6 +84,7 @@ class GRPOTrainer:
             raise ValueError(f"{len(rollouts)} rollouts exceed batch_size {self.batch_size}")
         chunks += [[]] * (self.grad_accum - len(chunks))
         agg = {"loss": 0.0, "clip_frac": 0.0, "ratio_sum": 0.0, "tokens": 0.0, "kl_sum": 0.0}
+        lr = self.engine.get_lr()[0]  # this update's (where the warm-up stands)
         nan = 0
         self.engine.train()
         for chunk in chunks:
@@ -107,7 +112,7 @@ class GRPOTrainer:
         self.nan_skipped += nan
         self.version += 1
         n = agg["tokens"] or 1.0
-        return {"loss": agg["loss"], "clip_frac": agg["clip_frac"] / n, "ratio_mean": agg["ratio_sum"] / n,
+        return {"loss": agg["loss"], "lr": lr, "clip_frac": agg["clip_frac"] / n, "ratio_mean": agg["ratio_sum"] / n,
                 "kl": agg["kl_sum"] / n, "train_tokens": int(agg["tokens"]), "nan_skipped": nan,
                 "grad_norm": _float(self.engine.get_global_grad_norm()), "train_seconds": time.perf_counter() - t0}
 

@@ -50,6 +50,16 @@ class SFTConfig(MidtrainConfig):
     format_samples: int = Field(16, description="first turns sampled after training to check the call format")
     format_max_new_tokens: int = 96
     min_format_share: float = Field(0.25, description="share of sampled first turns (temperature 1) that must parse as a tool call")
+    pretrain_dir: str = Field("", description="token shards (train.bin/.idx, val.bin/.idx) to replay and to measure "
+                                              "forgetting on; the asset gives token_shards")
+    pretrain_share: float = Field(0.5, ge=0.0, lt=1.0, description="the replay's weight in each micro-batch's loss "
+                                                                  "(0: transcripts only)")
+    pretrain_windows: int = Field(2, ge=1, description="replay windows per micro-batch")
+    pretrain_seq_len: int = Field(256, description="tokens per replay window (also the code validation's)")
+
+    def replay(self):
+        return (self.pretrain_dir, self.pretrain_share, self.pretrain_windows, self.pretrain_seq_len) \
+            if self.pretrain_dir else None
 
 
 def transcript(messages: list[dict], tok, system_style: str = "compact") -> tuple[list[int], list[int]]:

@@ -321,3 +321,12 @@ class TranscriptDataset(TokenShardDataset):
             x[i, :len(ids)] = ids
             y[i, :len(ids)] = np.where(mask == 1, ids, -100)
         return x, y
+
+
+def mixed_batches(transcripts: Iterator, pretrain: TokenShardDataset, windows: int) -> Iterator:
+    """Each transcript micro-batch ``(inputs, labels)`` with ``windows`` pre-training windows of
+    ``pretrain`` appended as a third array ``[windows, seq_len + 1]``: the replay that keeps SFT
+    from erasing what mid-training taught (the trainer weighs the two losses)."""
+    replay = pretrain.batches(windows)
+    for inputs, labels in transcripts:
+        yield inputs, labels, next(replay)

@@ -43,7 +43,7 @@ from pydantic import Field
 
 from ..pipes import Reporter, entry_point
 from ..runtime.config import StageConfig
-from .data import TokenShardDataset, TranscriptDataset
+from .data import TokenShardDataset, TranscriptDataset, mixed_batches
 from ..runtime.checkpoint import (atomic_dir, clear_checkpoint, pause_before_seal, resume_checkpoint, rng_state,
                                   seal_checkpoint, set_rng_state, trim_metrics, write_json_atomic)
 from ..runtime.distributed import setup_distributed
@@ -78,12 +78,20 @@ class MidtrainConfig(StageConfig):
     bf16: Optional[bool] = Field(None, description="None: bf16 on a GPU with bf16, fp32 otherwise")
     eval_every: int = Field(50, description="steps; validation also runs at step 0 and at the end")
     eval_batches: int = Field(8, description="micro-batches per rank per validation")
+    early_stop_patience: Optional[int] = Field(
+        None, description="stop once the validation loss has not improved for this many validations in a "
+                          "row (the export is the checkpoint at the stop); None: run every step")
     save_every: int = Field(50, description="steps; a checkpoint is also written at the end")
     keep_checkpoints: int = 2
     log_every: int = 10
     shuffle: bool = Field(True, description="shuffle sample order per epoch (seeded)")
     sample_tokens: int = Field(48, description="> 0: the final checkpoint samples this many tokens (a check)")
     seed: int = 0
+
+    def replay(self) -> Optional[tuple[str, float, int, int]]:
+        """``(token shard dir, loss share, windows per micro-batch, window tokens)`` of the
+        pre-training replay mixed into each micro-batch, or None (mid-training has none)."""
+        return None
 
     def total_steps(self, world_size: int) -> int:
         if self.max_tokens is None:
@@ -141,10 +149,50 @@ def _dataset(cfg: "MidtrainConfig", split: str, pad_id: int = 0, **kw):
 
 
 def _tokens(batch, pad_id: int) -> int:
-    """Tokens a micro-batch feeds the model (padding left out)."""
+    """Tokens a micro-batch feeds the model (padding left out; replay windows counted)."""
     if isinstance(batch, tuple):
-        return int((batch[0][:, :-1] != pad_id).sum())
+        replay = batch[2].shape[0] * (batch[2].shape[1] - 1) if len(batch) == 3 else 0
+        return int((batch[0][:, :-1] != pad_id).sum()) + replay
     return int(batch.shape[0] * (batch.shape[1] - 1))
+
+
+def batch_loss(engine, batch, device, replay_share: float = 0.0):
+    """The loss of one micro-batch: packed windows (every token a target), or transcripts (the
+    assistant's tokens), or transcripts plus replay windows, weighted ``1 - replay_share`` and
+    ``replay_share`` (each part a mean over its own targets, whatever the transcripts' lengths)."""
+    import torch
+
+    if not isinstance(batch, tuple):
+        return lm_loss(engine, torch.from_numpy(batch).to(device, non_blocking=True))
+    x, y = (torch.from_numpy(a).to(device) for a in batch[:2])
+    loss = lm_loss(engine, x, y)
+    if len(batch) == 3:
+        loss = (1 - replay_share) * loss + replay_share * lm_loss(engine, torch.from_numpy(batch[2]).to(device))
+    return loss
+
+
+def _train_batches(cfg: MidtrainConfig, pad_id: int, rank: int, world: int, samples: int):
+    """The training micro-batches from global sample ``samples`` on; with a replay, each carries
+    its pre-training windows, which resume at the exact window too (``windows`` per ``micro_batch``
+    transcripts)."""
+    data = _dataset(cfg, "train", pad_id, rank=rank, world_size=world, start_sample=samples,
+                    shuffle_seed=cfg.seed if cfg.shuffle else None).batches(cfg.micro_batch)
+    spec = cfg.replay()
+    if spec is None or spec[1] <= 0:
+        return data
+    shards, _, windows, seq_len = spec
+    replay = TokenShardDataset(os.path.join(shards, "train"), seq_len, rank=rank, world_size=world,
+                               start_sample=samples // cfg.micro_batch * windows,
+                               shuffle_seed=cfg.seed if cfg.shuffle else None)
+    return mixed_batches(data, replay, windows)
+
+
+def stalled(evals: list[dict], patience: Optional[int]) -> bool:
+    """Whether the last ``patience`` validations all failed to beat the best loss before them."""
+    losses = [e["val_loss"] for e in evals if e.get("val_loss") is not None]
+    if not patience or len(losses) <= patience:
+        return False
+    return min(losses[-patience:]) >= min(losses[:-patience])
 
 
 def val_samples_per_rank(cfg: MidtrainConfig, world: int) -> int:
@@ -159,33 +207,49 @@ def val_samples_per_rank(cfg: MidtrainConfig, world: int) -> int:
     return min(cfg.eval_batches * cfg.micro_batch, n // world)
 
 
-def evaluate(engine, cfg: MidtrainConfig, rank: int, world: int, device, pad_id: int = 0) -> float | None:
-    """Mean token loss on the first val samples (same count on every rank; sft: on the
-    assistant's tokens); None if no val."""
+def _mean_loss(engine, ds, per_rank: int, micro_batch: int, rank: int, world: int, device) -> float:
+    """Mean token loss over the first ``per_rank * world`` samples of ``ds``, split over the
+    ranks (transcripts: the assistant's tokens)."""
     import torch
     import torch.distributed as dist
 
-    per_rank = val_samples_per_rank(cfg, world)
-    if per_rank == 0:
-        return None
-    ds = _dataset(cfg, "val", pad_id)
     idx = [rank + k * world for k in range(per_rank)]
     total = torch.zeros(2, dtype=torch.float64, device=device)
     engine.eval()
     with torch.no_grad():
-        for i in range(0, len(idx), cfg.micro_batch):
-            samples = [ds[g] for g in idx[i:i + cfg.micro_batch]]
-            if cfg.objective == "sft":
-                x, y = (torch.from_numpy(a).to(device) for a in ds.collate(samples))
+        for i in range(0, len(idx), micro_batch):
+            batch = ds.collate([ds[g] for g in idx[i:i + micro_batch]])
+            if isinstance(batch, tuple):
+                x, y = (torch.from_numpy(a).to(device) for a in batch)
                 n = int((y[:, 1:] != -100).sum())
             else:
-                x, y = torch.from_numpy(np.stack(samples)).to(device), None
+                x, y = torch.from_numpy(batch).to(device), None
                 n = x[:, 1:].numel()
             if n:
                 total += torch.tensor([lm_loss(engine, x, y).item() * n, n], dtype=torch.float64, device=device)
     engine.train()
     dist.all_reduce(total)
     return (total[0] / total[1]).item()
+
+
+def evaluate(engine, cfg: MidtrainConfig, rank: int, world: int, device, pad_id: int = 0) -> float | None:
+    """Mean token loss on the first val samples (same count on every rank; sft: on the
+    assistant's tokens); None if no val."""
+    per_rank = val_samples_per_rank(cfg, world)
+    if per_rank == 0:
+        return None
+    return _mean_loss(engine, _dataset(cfg, "val", pad_id), per_rank, cfg.micro_batch, rank, world, device)
+
+
+def code_val_loss(engine, cfg: MidtrainConfig, rank: int, world: int, device) -> float | None:
+    """With a replay's token shards: the mean loss on their validation windows (the code the
+    model must not forget), at the replay's window length; None without them."""
+    spec = cfg.replay()
+    if spec is None or not os.path.exists(os.path.join(spec[0], "val.idx")):
+        return None
+    ds = TokenShardDataset(os.path.join(spec[0], "val"), spec[3])
+    per_rank = min(cfg.eval_batches * cfg.micro_batch, ds.num_samples // world)
+    return _mean_loss(engine, ds, per_rank, cfg.micro_batch, rank, world, device) if per_rank else None
 
 
 # ---- the run ---------------------------------------------------------------------------
@@ -235,6 +299,8 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
         with open(os.path.join(ckpt_root, resumed, "trainer_state.json")) as f:
             st = json.load(f)
         step, samples, history, evals = st["step"], st["samples"], st["loss_history"], st["evals"]
+        if st.get("stopped_early"):
+            total_steps = step
         tokens_seen = int(st.get("tokens", samples * cfg.seq_len))
         set_rng_state(st["rng"])
         if rank == 0 and trim_metrics(metrics_path, step):
@@ -250,10 +316,14 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
         loss = evaluate(engine, cfg, rank, world, device, pad_id)
         ppl = None if loss is None else math.exp(min(loss, 50))
         rec = {"step": step, "val_loss": loss, "val_ppl": ppl}
+        code = code_val_loss(engine, cfg, rank, world, device)
+        if code is not None:
+            rec.update(val_code_loss=code, val_code_ppl=math.exp(min(code, 50)))
         evals.append(rec)
         log_metrics(rec)
         if loss is not None:
-            rep.progress(f"step {step:>6} val_loss {loss:.4f} val_ppl {ppl:.2f}")
+            rep.progress(f"step {step:>6} val_loss {loss:.4f} val_ppl {ppl:.2f}"
+                         + (f" code_ppl {rec['val_code_ppl']:.2f}" if code is not None else ""))
 
     def save() -> str:
         tag = f"step_{step:07d}"
@@ -270,7 +340,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
             write_json_atomic(os.path.join(ckpt_root, tag, "trainer_state.json"), {
                 "step": step, "samples": samples, "tokens": tokens_seen,
                 "world_size": world, "rng": rng_state(), "loss_history": history,
-                "evals": evals, "config": cfg.to_dict()})
+                "evals": evals, "stopped_early": step < cfg.total_steps(world), "config": cfg.to_dict()})
         dist.barrier()  # every rank's optimizer partition is on disk
         if rank == 0:
             seal_checkpoint(os.path.join(ckpt_root, tag))
@@ -285,8 +355,8 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
         if val_samples_per_rank(cfg, world) == 0:
             rep.log(f"no usable validation split in {cfg.data_dir}: validation is skipped")
         run_eval()
-    data = _dataset(cfg, "train", pad_id, rank=rank, world_size=world, start_sample=samples,
-                    shuffle_seed=cfg.seed if cfg.shuffle else None).batches(cfg.micro_batch)
+    data = _train_batches(cfg, pad_id, rank, world, samples)
+    replay_share = (cfg.replay() or ("", 0.0))[1]
     rep.log(f"{'sft' if cfg.objective == 'sft' else 'midtrain'}: {n_params:,} params, world {world}, {'bf16' if bf16 else 'fp32'}, "
             f"ZeRO-{cfg.zero_stage}, steps {step}->{total_steps}, "
             f"{samples_per_step * cfg.seq_len} tokens/step")
@@ -300,9 +370,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
         for _ in range(cfg.grad_accum):
             batch = next(data)
             fed += _tokens(batch, pad_id)
-            x, y = (torch.from_numpy(a).to(device) for a in batch) if isinstance(batch, tuple) else \
-                (torch.from_numpy(batch).to(device, non_blocking=True), None)
-            loss = lm_loss(engine, x, y)
+            loss = batch_loss(engine, batch, device, replay_share)
             engine.backward(loss)
             engine.step()
             loss_acc += loss.detach() / cfg.grad_accum
@@ -334,6 +402,10 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps:
             if not evals or evals[-1]["step"] != step:
                 run_eval()
+                if step < total_steps and stalled(evals, cfg.early_stop_patience):
+                    rep.log(f"validation loss not improved in {cfg.early_stop_patience} validations: "
+                            f"stopping early at step {step} of {total_steps}")
+                    total_steps = step
         if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps:
             tag = save()
 
@@ -342,6 +414,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
     hf_dir = os.path.join(cfg.out_dir, "hf")
     result = {
         "steps": step, "total_steps": total_steps, "world_size": world,
+        "stopped_early": step < cfg.total_steps(world),
         "tokens_seen": tokens_seen, "samples_seen": samples, "objective": cfg.objective,
         "tokens_this_run": run_tokens, "train_seconds": round(train_time, 3),
         "tokens_per_s": run_tokens / train_time if train_time else None,

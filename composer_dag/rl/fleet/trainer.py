@@ -120,7 +120,7 @@ def run(cfg, rep: Reporter | None = None) -> dict:
                "generated_tokens": secs["generated_tokens"], "generate_s": secs["generate"], "queue_s": secs["queue"],
                "tools_s": secs["tools"], "grade_s": secs["grade"], "sandbox_s": secs["sandbox"], "rollout_wall_s": secs["wall"],
                "wait_s": wait_s, "train_s": ts["train_seconds"],
-               **{k: ts[k] for k in ("loss", "clip_frac", "kl", "grad_norm", "nan_skipped", "train_tokens")}}
+               **{k: ts[k] for k in ("loss", "lr", "clip_frac", "kl", "grad_norm", "nan_skipped", "train_tokens")}}
         # checkpoint first, then publish: a version number is never published twice with
         # different weights (a trainer killed in between publishes it when it resumes). The
         # step's record goes into the checkpoint too, so a kill before its metrics line is

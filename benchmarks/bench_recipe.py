@@ -1,0 +1,145 @@
+"""The recipe after mid-training, measured: SFT schedules and replay shares, then RL settings,
+each judged on what the gate judges: code perplexity on the validation shard (against the
+mid-trained checkpoint's) and pass@1 on the held-out learnable tasks (8 samples per task).
+
+    python benchmarks/bench_recipe.py sft --inputs DIR --out OUT [--grid NAME] [--only a,b]
+    python benchmarks/bench_recipe.py rl --inputs DIR --out OUT --sft OUT/sft/NAME/hf [--grid NAME]
+
+``--inputs`` holds what a ``make run`` made (copied from ``.composer/artifacts``): ``mid/`` (the
+mid-trained checkpoint), ``traj/`` (sft_trajectories), ``shards/`` (token_shards),
+``eval_tasks/``, ``rl_tasks/``. Every variant runs through the stage's own entry point
+(``composer_dag.sft.run``, ``composer_dag.rl.run``) with the engine's defaults plus the variant's
+settings; one evaluation job then scores every variant on one vLLM engine
+(``composer_dag.evals.run``). A Markdown table goes to stdout and ``OUT/<mode>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SFT_GRIDS = {
+    # the schedule and the replay share together: the old default, then replay at three learning
+    # rates and three shares; 80 steps at most, stopped early on the held-out trajectories
+    "sweep1": {
+        "old-default": {"pretrain_share": 0.0, "lr": 2e-3, "min_lr": 2e-3, "warmup_steps": 3, "max_steps": 60,
+                        "early_stop_patience": None},
+        "r50-lr2e-3": {"pretrain_share": 0.5, "lr": 2e-3, "min_lr": 2e-3},
+        "r50-lr1e-3": {"pretrain_share": 0.5, "lr": 1e-3, "min_lr": 1e-3},
+        "r50-lr5e-4": {"pretrain_share": 0.5, "lr": 5e-4, "min_lr": 5e-4},
+        "r25-lr1e-3": {"pretrain_share": 0.25, "lr": 1e-3, "min_lr": 1e-3},
+        "r75-lr1e-3": {"pretrain_share": 0.75, "lr": 1e-3, "min_lr": 1e-3},
+    },
+}
+SFT_COMMON = {"max_steps": 80, "warmup_steps": 3, "eval_every": 10, "save_every": 10, "early_stop_patience": 2}
+RL_GRIDS = {
+    "default": {"default": {}},
+}
+
+
+def _job(module: str, cfg: dict, path: str, log: str) -> tuple[int, float]:
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    env = {**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu"}
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        rc = subprocess.run([sys.executable, "-m", module, "--config", path], cwd=ROOT, env=env,
+                            stdout=out, stderr=subprocess.STDOUT).returncode
+    return rc, time.perf_counter() - t0
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out.get(k) or {}, v) if isinstance(v, dict) else v
+    return out
+
+
+def evaluate(checkpoints: dict[str, str], inputs: str, out: str, samples: int) -> dict:
+    cfg = {"checkpoints": checkpoints, "tasks_dir": os.path.join(inputs, "eval_tasks"), "out_dir": out,
+           "val_dir": os.path.join(inputs, "shards"), "samples_per_task": samples, "ks": [1],
+           "every_task_of": ["learnable"], "max_tasks": 0, "humaneval_ids": []}
+    rc, secs = _job("composer_dag.evals.run", cfg, out + ".json", out + ".log")
+    if rc:
+        sys.exit(f"evaluation failed: see {out}.log")
+    return {k: json.load(open(os.path.join(out, k, "summary.json"))) for k in checkpoints}
+
+
+def row(name: str, summary: dict, mid_ppl: float, extra: dict) -> dict:
+    learn = summary["by_source"]["learnable"]
+    n = learn["tasks"] * summary["samples_per_task"]
+    p = learn["pass@1"]
+    ppl = summary["perplexity"]["val_ppl"]
+    return {"name": name, "ppl": ppl, "ppl_ratio": ppl / mid_ppl, "pass@1": p,
+            "se": math.sqrt(p * (1 - p) / n), "samples": n, **extra}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=["sft", "rl"])
+    ap.add_argument("--inputs", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--grid", default=None)
+    ap.add_argument("--only", default="", help="comma-separated variant names")
+    ap.add_argument("--set", default="{}", help="JSON merged into every variant")
+    ap.add_argument("--sft", default="", help="rl: the SFT checkpoint to start from")
+    ap.add_argument("--samples", type=int, default=8)
+    a = ap.parse_args()
+    inputs, out = os.path.abspath(a.inputs), os.path.abspath(os.path.join(a.out, a.mode))
+    os.makedirs(out, exist_ok=True)
+    grids = SFT_GRIDS if a.mode == "sft" else RL_GRIDS
+    variants = {k: v for g in ([a.grid] if a.grid else grids) for k, v in grids[g].items()}
+    if a.only:
+        variants = {k: variants.get(k, {}) for k in a.only.split(",")}
+    common = json.loads(a.set)
+    done, info = {}, {}
+    for name, settings in variants.items():
+        d = os.path.join(out, name)
+        if a.mode == "sft":
+            cfg = _merge({"model_dir": os.path.join(inputs, "mid"), "trajectories_dir": os.path.join(inputs, "traj"),
+                          "pretrain_dir": os.path.join(inputs, "shards"), "out_dir": d},
+                         _merge(_merge(SFT_COMMON, common), settings))
+            rc, secs = _job("composer_dag.sft.run", cfg, d + ".json", d + ".log")
+        else:
+            cfg = _merge({"policy_dir": os.path.abspath(a.sft), "tasks_dir": os.path.join(inputs, "rl_tasks"),
+                          "out_dir": d}, _merge(common, settings))
+            rc, secs = _job("composer_dag.rl.run", cfg, d + ".json", d + ".log")
+        if rc:
+            print(f"{name}: failed (rc {rc}), see {d}.log", flush=True)
+            continue
+        res = json.load(open(os.path.join(d, "result.json")))
+        done[name] = os.path.join(d, "hf")
+        if a.mode == "sft":
+            ev = [e for e in res["evals"] if e.get("val_loss") is not None]
+            info[name] = {"seconds": round(secs, 1), "steps": res["steps"], "stopped_early": res.get("stopped_early"),
+                          "val_loss": [round(e["val_loss"], 3) for e in ev],
+                          "format": f"{res['format_check']['parsed']}/{res['format_check']['samples']}",
+                          "settings": settings}
+        else:
+            rewards = [m["reward_mean"] for m in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "reward_mean" in m]
+            info[name] = {"seconds": round(secs, 1), "rewards": [round(r, 3) for r in rewards], "settings": settings}
+        print(f"{name}: trained in {secs:.1f} s", flush=True)
+    base = {"mid": os.path.join(inputs, "mid")} if a.mode == "sft" else {"sft": os.path.abspath(a.sft)}
+    summaries = evaluate({**base, **done}, inputs, os.path.join(out, "eval"), a.samples)
+    mid_ppl = evaluate({"mid": os.path.join(inputs, "mid")}, inputs, os.path.join(out, "eval"), a.samples)["mid"][
+        "perplexity"]["val_ppl"] if "mid" not in summaries else summaries["mid"]["perplexity"]["val_ppl"]
+    rows = [row(k, s, mid_ppl, info.get(k, {})) for k, s in summaries.items()]
+    print("\n| variant | settings | seconds | code ppl | x mid-trained | learnable pass@1 (se) | extra |")
+    print("|---|---|---:|---:|---:|---|---|")
+    for r in rows:
+        extra = {k: v for k, v in r.items() if k in ("steps", "stopped_early", "val_loss", "format", "rewards")}
+        print(f"| {r['name']} | `{json.dumps(r.get('settings', {}))}` | {r.get('seconds', '')} | {r['ppl']:,.1f} | "
+              f"{r['ppl_ratio']:.2f} | {r['pass@1']:.3f} ({r['se']:.3f}, n {r['samples']}) | {json.dumps(extra)} |")
+    with open(os.path.join(out, f"{a.mode}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
