@@ -4,6 +4,7 @@ mid-trained checkpoint's) and pass@1 on the held-out learnable tasks (8 samples 
 
     python benchmarks/bench_recipe.py sft --inputs DIR --out OUT [--grid NAME] [--only a,b]
     python benchmarks/bench_recipe.py rl --inputs DIR --out OUT --sft OUT/sft/NAME/hf [--grid NAME]
+    python benchmarks/bench_recipe.py warmup --out OUT [--repeat 2] [--steps 10]
 
 ``--inputs`` holds what a ``make run`` made (copied from ``.composer/artifacts``): ``mid/`` (the
 mid-trained checkpoint), ``traj/`` (sft_trajectories), ``shards/`` (token_shards),
@@ -11,6 +12,11 @@ mid-trained checkpoint), ``traj/`` (sft_trajectories), ``shards/`` (token_shards
 (``composer_dag.sft.run``, ``composer_dag.rl.run``) with the engine's defaults plus the variant's
 settings; one evaluation job then scores every variant on one vLLM engine
 (``composer_dag.evals.run``). A Markdown table goes to stdout and ``OUT/<mode>.json``.
+
+``warmup`` measures the RL trainer's learning-rate warm-up where the first update hurt most: the
+learnable family's own settings (``environment: learnable``: lr 1e-3, KL 0.1 to the warmed-up
+policy, one process), with ``trainer.warmup_steps`` 0 and 3, seeds 0..repeat-1: the KL to the
+starting policy after each update, and the reward curve.
 """
 
 from __future__ import annotations
@@ -37,11 +43,26 @@ SFT_GRIDS = {
         "r25-lr1e-3": {"pretrain_share": 0.25, "lr": 1e-3, "min_lr": 1e-3},
         "r75-lr1e-3": {"pretrain_share": 0.75, "lr": 1e-3, "min_lr": 1e-3},
     },
+    # round two: a smaller share at the schedule that taught the format, longer, slower warm-up,
+    # one window per micro-batch
+    "sweep2": {
+        "r25-lr2e-3": {"pretrain_share": 0.25, "lr": 2e-3, "min_lr": 2e-3},
+        "r10-lr2e-3": {"pretrain_share": 0.1, "lr": 2e-3, "min_lr": 2e-3},
+        "r25-lr2e-3-120": {"pretrain_share": 0.25, "lr": 2e-3, "min_lr": 2e-3, "max_steps": 120},
+        "r25-lr2e-3-warm10": {"pretrain_share": 0.25, "lr": 2e-3, "min_lr": 2e-3, "warmup_steps": 10},
+        "r25-lr2e-3-w1": {"pretrain_share": 0.25, "lr": 2e-3, "min_lr": 2e-3, "pretrain_windows": 1},
+    },
 }
 SFT_COMMON = {"max_steps": 80, "warmup_steps": 3, "eval_every": 10, "save_every": 10, "early_stop_patience": 2}
 RL_GRIDS = {
-    "default": {"default": {}},
+    # the learning rate, with the KL term to the SFT policy, and the warm-up's effect
+    "sweep1": {
+        "lr3e-4": {"trainer": {"lr": 3e-4, "kl_coef": 0.1}},
+        "lr3e-4-warm3": {"trainer": {"lr": 3e-4, "kl_coef": 0.1, "warmup_steps": 3}},
+        "lr1e-4-warm3": {"trainer": {"lr": 1e-4, "kl_coef": 0.1, "warmup_steps": 3}},
+    },
 }
+RL_COMMON = {"steps": 8}
 
 
 def _job(module: str, cfg: dict, path: str, log: str) -> tuple[int, float]:
@@ -81,10 +102,45 @@ def row(name: str, summary: dict, mid_ppl: float, extra: dict) -> dict:
             "se": math.sqrt(p * (1 - p) / n), "samples": n, **extra}
 
 
+def warmup(out: str, repeat: int, steps: int) -> None:
+    rows = []
+    for seed in range(repeat):
+        for warm in (0, 3):
+            d = os.path.join(out, f"seed{seed}", f"warm{warm}")  # the learnable setup is built once per seed, beside
+            os.makedirs(os.path.dirname(d), exist_ok=True)
+            cfg = {"policy_dir": "", "tasks_dir": "", "out_dir": d, "environment": "learnable", "seed": seed}
+            path = os.path.join(out, f"warm{warm}-seed{seed}.json")
+            with open(path, "w") as f:
+                json.dump(cfg, f)
+            env = {**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu"}
+            t0 = time.perf_counter()
+            p = subprocess.run([sys.executable, "-m", "composer_dag.rl.run", "--config", path, "--set", f"steps={steps}",
+                                "--set", f"trainer.warmup_steps={warm}"], cwd=ROOT, env=env, capture_output=True, text=True)
+            if p.returncode:
+                sys.exit(f"warm-up {warm}, seed {seed} failed: {p.stderr[-2000:]}")
+            m = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+            rewards = [x["reward_mean"] for x in m]
+            first, last = rewards[:4], rewards[-4:]
+            rows.append({"warmup_steps": warm, "seed": seed, "seconds": round(time.perf_counter() - t0, 1),
+                         "kl": [round(x["kl"], 3) for x in m], "lr": [x["lr"] for x in m],
+                         "rewards": [round(r, 3) for r in rewards],
+                         "first4": sum(first) / len(first), "last4": sum(last) / len(last)})
+            print(json.dumps(rows[-1]), flush=True)
+    print("\n| warm-up | seed | KL after update 1 | KL max | reward first 4 | reward last 4 | rewards |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['warmup_steps']} | {r['seed']} | {r['kl'][1]:.3f} | {max(r['kl']):.3f} | {r['first4']:.3f} | "
+              f"{r['last4']:.3f} | {' '.join(f'{x:.2f}' for x in r['rewards'])} |")
+    with open(os.path.join(out, "warmup.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["sft", "rl"])
-    ap.add_argument("--inputs", required=True)
+    ap.add_argument("mode", choices=["sft", "rl", "warmup"])
+    ap.add_argument("--inputs", default="")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", required=True)
     ap.add_argument("--grid", default=None)
     ap.add_argument("--only", default="", help="comma-separated variant names")
@@ -92,6 +148,8 @@ def main() -> None:
     ap.add_argument("--sft", default="", help="rl: the SFT checkpoint to start from")
     ap.add_argument("--samples", type=int, default=8)
     a = ap.parse_args()
+    if a.mode == "warmup":
+        return warmup(os.path.abspath(a.out), a.repeat, a.steps)
     inputs, out = os.path.abspath(a.inputs), os.path.abspath(os.path.join(a.out, a.mode))
     os.makedirs(out, exist_ok=True)
     grids = SFT_GRIDS if a.mode == "sft" else RL_GRIDS
@@ -109,7 +167,7 @@ def main() -> None:
             rc, secs = _job("composer_dag.sft.run", cfg, d + ".json", d + ".log")
         else:
             cfg = _merge({"policy_dir": os.path.abspath(a.sft), "tasks_dir": os.path.join(inputs, "rl_tasks"),
-                          "out_dir": d}, _merge(common, settings))
+                          "out_dir": d}, _merge(_merge(RL_COMMON, common), settings))
             rc, secs = _job("composer_dag.rl.run", cfg, d + ".json", d + ".log")
         if rc:
             print(f"{name}: failed (rc {rc}), see {d}.log", flush=True)
@@ -123,8 +181,9 @@ def main() -> None:
                           "format": f"{res['format_check']['parsed']}/{res['format_check']['samples']}",
                           "settings": settings}
         else:
-            rewards = [m["reward_mean"] for m in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "reward_mean" in m]
-            info[name] = {"seconds": round(secs, 1), "rewards": [round(r, 3) for r in rewards], "settings": settings}
+            steps = [m for m in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "reward_mean" in m]
+            info[name] = {"seconds": round(secs, 1), "rewards": [round(m["reward_mean"], 3) for m in steps],
+                          "kl": [round(m.get("kl") or 0.0, 3) for m in steps], "settings": settings}
         print(f"{name}: trained in {secs:.1f} s", flush=True)
     base = {"mid": os.path.join(inputs, "mid")} if a.mode == "sft" else {"sft": os.path.abspath(a.sft)}
     summaries = evaluate({**base, **done}, inputs, os.path.join(out, "eval"), a.samples)
@@ -134,7 +193,7 @@ def main() -> None:
     print("\n| variant | settings | seconds | code ppl | x mid-trained | learnable pass@1 (se) | extra |")
     print("|---|---|---:|---:|---:|---|---|")
     for r in rows:
-        extra = {k: v for k, v in r.items() if k in ("steps", "stopped_early", "val_loss", "format", "rewards")}
+        extra = {k: v for k, v in r.items() if k in ("steps", "stopped_early", "val_loss", "format", "rewards", "kl")}
         print(f"| {r['name']} | `{json.dumps(r.get('settings', {}))}` | {r.get('seconds', '')} | {r['ppl']:,.1f} | "
               f"{r['ppl_ratio']:.2f} | {r['pass@1']:.3f} ({r['se']:.3f}, n {r['samples']}) | {json.dumps(extra)} |")
     with open(os.path.join(out, f"{a.mode}.json"), "w") as f:

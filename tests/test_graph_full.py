@@ -17,7 +17,7 @@ from tests.conftest import FAKE_KEY, FAKE_SECRET
 from tests.leak_scan import scan_instance, scan_tree
 from tests.test_graph_data import check_outcomes, make_source
 
-EVAL_CONFIG = {"inference": {"engine": "hf"}}
+EVAL_CONFIG = {"inference": {"engine": "hf"}, "samples_per_task": 2}  # make run: 8 on vLLM
 TINY_RUN_CONFIG = {
     # the soundness checks re-verify a seeded sample of 4 tasks per side (tests/test_envs_tasks.py
     # checks every task of its sets)
@@ -96,10 +96,13 @@ def graph(tmp_path_factory, slurm_cluster, s3_server):
         (tmp_path / "dagster_home").mkdir()
         with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
             defs = build_defs(resources)
-            results = materialize_all(instance=instance, definitions=defs, log=print, run_config=TINY_RUN_CONFIG)
+            printed = []
+            results = materialize_all(instance=instance, definitions=defs, run_config=TINY_RUN_CONFIG,
+                                      log=lambda line: (print(line), printed.append(line)))
             print_step_times(instance, results)
             st = open_storage(root)
             yield {"instance": instance, "defs": defs, "results": results, "tmp": tmp_path, "secrets": secrets,
+                   "printed": printed,
                    "root": root, "scratch": scratch, "storage": st,
                    "catalog": Catalog(str(tmp_path / "catalog.duckdb"), st)}
 
@@ -192,6 +195,13 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     assert cat.query("SELECT count(*) FROM rollouts WHERE advantage <> 0")[0][0] > 0
     ppl = dict(cat.query("SELECT checkpoint, val_ppl FROM eval_summaries"))
     assert ppl["rl_checkpoint"] != ppl["sft_checkpoint"], ppl
+    # SFT (with its replay of the pre-training shards) and RL (with its KL term) keep what
+    # mid-training taught: code perplexity at most 1.3 times the mid-trained checkpoint's
+    assert max(ppl["sft_checkpoint"], ppl["rl_checkpoint"]) <= 1.3 * ppl["midtrained_checkpoint"], ppl
+    # the end of the run is a short table, not the jobs' JSON: a row per checkpoint, the verdict
+    end = "\n".join(graph["printed"][graph["printed"].index("all assets materialized") + 1:])
+    assert [l.split()[0] for l in end.splitlines()[:5]] == ["checkpoint", "base", "mid-trained", "SFT", "RL"], end
+    assert "gate: passed, RL promoted" in end and "/report.md" in end and "make dev" in end, end
     by_source = dict(cat.query("SELECT checkpoint, pass_at_1_learnable FROM eval_summaries"))
     assert set(by_source) == {"base_model", "midtrained_checkpoint", "sft_checkpoint", "rl_checkpoint"}
     assert scan_instance(instance, list(secrets.values())) == []

@@ -15,7 +15,7 @@ from composer_dag.agent import render_prompt, tool_call_text
 from composer_dag.envs.tasks_learnable import build_learnable_tasks
 from composer_dag.sft import trajectories as traj
 from composer_dag.sft.run import transcript
-from composer_dag.train.data import TranscriptDataset
+from composer_dag.train.data import TranscriptDataset, pack_documents
 from composer_dag.train.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,17 +134,63 @@ def test_transcript_dataset_pads_and_labels(tmp_path):
     assert resumed[1][0].tolist() == [9, 10] and next(iter(resumed))[0].tolist() == [9, 10]
 
 
+def _code_shards(tokenizer_dir, out, max_bytes=400_000):
+    """Token shards of a few standard-library modules, in the tokenizer's ids (Megatron format)."""
+    import glob
+
+    docs, total = [], 0
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
+        text = open(path, encoding="utf-8").read()
+        docs.append((os.path.basename(path), text, "stdlib", "Python"))
+        total += len(text)
+        if total > max_bytes:
+            break
+    pack_documents(docs, tokenizer_dir, str(out), val_fraction=0.2, seed=0)
+    return out
+
+
+def test_replay_windows_ride_with_each_micro_batch_and_resume_exactly(learnable_base, tmp_path):
+    """Each SFT micro-batch carries its replay windows; a run resumed at global sample k gets the
+    batches, transcripts and windows, an uninterrupted run gets from k on."""
+    import pyarrow.parquet as pq
+
+    from composer_dag.sft.run import SFTConfig
+    from composer_dag.train.midtrain import _train_batches
+
+    shards = _code_shards(learnable_base["tokenizer_dir"], tmp_path / "shards", 120_000)
+    rng = np.random.default_rng(0)
+    rows = [{"input_ids": rng.integers(5, 50, n).tolist(), "loss_mask": [0, 1] * (n // 2)} for n in range(10, 60, 2)]
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), data / "train.parquet")
+    cfg = SFTConfig(trajectories_dir="unused", model_dir="unused", out_dir=str(tmp_path), data_dir=str(data),
+                    micro_batch=4, seq_len=64, pretrain_dir=str(shards), pretrain_share=0.5, pretrain_windows=3,
+                    pretrain_seq_len=32)
+    full = _train_batches(cfg, 0, 0, 1, 0)
+    batches = [next(full) for _ in range(6)]
+    assert all(len(b) == 3 and b[2].shape == (3, 33) for b in batches)
+    assert len({b[2].tobytes() for b in batches}) == 6  # fresh windows in every batch
+    resumed = _train_batches(cfg, 0, 0, 1, 8)  # two micro-batches (8 samples) consumed
+    for want in batches[2:]:
+        got = next(resumed)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    # no share, no replay: the plain transcript batches
+    assert len(next(_train_batches(cfg.replace(pretrain_share=0.0), 0, 0, 1, 0))) == 2
+
+
 @pytest.mark.slow
 def test_sft_job_teaches_the_call_format(learnable_base, tmp_path):
-    """The SFT entry point on an untrained policy: loss down on held-out trajectories, and the
-    sampled first turns parse as tool calls; a second run with more steps resumes."""
+    """The SFT entry point on an untrained policy, with code windows replayed: loss down on
+    held-out trajectories and on the code validation windows, and the sampled first turns parse
+    as tool calls; a second run with more steps resumes."""
     words = ("red", "blue", "green", "gold", "teal", "pink", "gray", "navy", "lime", "plum", "rust", "sand")
     build_learnable_tasks(tmp_path / "tasks", len(words), seed=5, words=words, canaries=False, workers=2)
     out = tmp_path / "trajectories"
     traj.build(tmp_path / "tasks", out, {"val_fraction": 0.25})
+    shards = _code_shards(learnable_base["tokenizer_dir"], tmp_path / "shards")
     cfg = {"trajectories_dir": str(out), "model_dir": learnable_base["base_dir"], "out_dir": str(tmp_path / "run"),
            "seq_len": 512, "max_steps": 30, "eval_every": 15, "save_every": 15, "log_every": 5,
-           "format_samples": 16, "min_format_share": 0.1}
+           "format_samples": 16, "min_format_share": 0.1, "pretrain_dir": str(shards)}
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     env = {**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "composer_dag.sft.run", "--config", str(tmp_path / "cfg.json")],
@@ -164,6 +210,9 @@ def test_sft_job_teaches_the_call_format(learnable_base, tmp_path):
     assert r2["val_loss_after"] < r["val_loss_after"]
     assert r2["format_check"]["ok"] and r2["format_check"]["parsed"] >= 2, r2["format_check"]
     assert np.isfinite(r2["val_loss_after"])
+    # the replay trained on code too: every validation measured it, and it fell
+    code = [e["val_code_loss"] for e in r2["evals"]]
+    assert len(code) == len(r2["evals"]) == 5 and code[-1] < code[0], r2["evals"]
 
 
 def test_transcript_order_is_a_seeded_permutation_bucketed_by_length(tmp_path):

@@ -29,6 +29,15 @@ def test_plain_mode_prints_summary_last():
     assert "hello" in p.stderr
 
 
+def test_a_cluster_job_reads_the_summary_from_its_file_not_the_terminal(tmp_path):
+    """Under a job (``$COMPOSER_RESULT_PATH`` set) the summary goes to the file only: the job reads it
+    there, and the terminal of `make run` gets progress lines, not tens of KB of JSON."""
+    path = tmp_path / "result.json"
+    p = run_child({"RANK": "0", "COMPOSER_RESULT_PATH": str(path)})
+    assert p.stdout.splitlines() == ["step 1"]
+    assert json.loads(path.read_text()) == {"tokens": 5, "curve": [[1, 2.0]]}
+
+
 def test_other_ranks_are_silent():
     p = run_child({"RANK": "1"})
     assert p.stdout == "" and "hello" not in p.stderr

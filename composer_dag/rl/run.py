@@ -48,7 +48,7 @@ class RLConfig(StageConfig):
     task_sources: Optional[list[str]] = Field(
         ["learnable"], description="train on tasks of these sources only (None: every task); the default fits the "
                                    "tiny CPU model, which solves no HumanEval or bug-fix task yet")
-    steps: int = Field(2, description="policy updates")
+    steps: int = Field(8, description="policy updates")
     tasks_per_step: int = 4
     group_size: int = Field(4, description="samples per task (a GRPO group)")
     max_staleness: int = Field(1, description="versions a batch may lag the trainer")
@@ -64,7 +64,10 @@ class RLConfig(StageConfig):
     torch_threads: Optional[int] = None
     seed: int = 0
     max_flag_rate: float = Field(0.5, description="the cheat-flag rate the rl_rollouts check allows")
-    trainer: TrainerConfig = TrainerConfig()
+    trainer: TrainerConfig = Field(
+        TrainerConfig(lr=3e-4, kl_coef=0.1, warmup_steps=3),
+        description="the default run's: a KL term to the starting (SFT) policy, the learning rate warmed up over "
+                    "3 updates (benchmarks/RESULTS.md, 'The recipe')")
     orchestrator: AgentConfig = AgentConfig()
     inference: InferenceConfig = InferenceConfig()
     fleet: Optional[FleetConfig] = Field(None, description="distributed mode: rollout servers, orchestrator and "
@@ -81,7 +84,7 @@ class RLConfig(StageConfig):
 
 
 LEARNABLE_RUN = {"steps": 16, "tasks_per_step": 2, "group_size": 8, "async_generation": False, "torch_threads": 1,
-                 "trainer": {"lr": 1e-3, "micro_batch": 16, "kl_coef": 0.1},
+                 "trainer": {"lr": 1e-3, "micro_batch": 16, "kl_coef": 0.1, "warmup_steps": 0},
                  "orchestrator": {"max_turns": 2, "max_new_tokens": 40, "max_context": 512, "system_style": "compact",
                                   "workers": 2},
                  "inference": {"engine": "hf"}}
