@@ -4,7 +4,7 @@ mid-trained checkpoint's) and pass@1 on the held-out learnable tasks (8 samples 
 
     python benchmarks/bench_recipe.py sft --inputs DIR --out OUT [--grid NAME] [--only a,b]
     python benchmarks/bench_recipe.py rl --inputs DIR --out OUT --sft OUT/sft/NAME/hf [--grid NAME]
-    python benchmarks/bench_recipe.py warmup --out OUT [--repeat 2] [--steps 10]
+    python benchmarks/bench_recipe.py warmup --out OUT [--repeat 2] [--steps 16]
 
 ``--inputs`` holds what a ``make run`` made (copied from ``.composer/artifacts``): ``mid/`` (the
 mid-trained checkpoint), ``traj/`` (sft_trajectories), ``shards/`` (token_shards),
@@ -14,7 +14,7 @@ settings; one evaluation job then scores every variant on one vLLM engine
 (``composer_dag.evals.run``). A Markdown table goes to stdout and ``OUT/<mode>.json``.
 
 ``warmup`` measures the RL trainer's learning-rate warm-up where the first update hurt most: the
-learnable family's own settings (``environment: learnable``: lr 1e-3, KL 0.1 to the warmed-up
+learnable family's own settings and setup (``LEARNABLE_RUN``: lr 1e-3, KL 0.1 to the warmed-up
 policy, one process), with ``trainer.warmup_steps`` 0 and 3, seeds 0..repeat-1: the KL to the
 starting policy after each update, and the reward curve.
 """
@@ -103,19 +103,26 @@ def row(name: str, summary: dict, mid_ppl: float, extra: dict) -> dict:
 
 
 def warmup(out: str, repeat: int, steps: int) -> None:
+    from composer_dag.rl.learnable import make_learnable_setup
+    from composer_dag.rl.run import LEARNABLE_RUN
+
     rows = []
     for seed in range(repeat):
+        root = os.path.join(out, f"seed{seed}", "learnable")  # what `environment: learnable` builds
+        if not os.path.exists(os.path.join(root, "policy", "config.json")):
+            make_learnable_setup(root, n_tasks=8, seed=seed, words=("red", "blue"))
         for warm in (0, 3):
-            d = os.path.join(out, f"seed{seed}", f"warm{warm}")  # the learnable setup is built once per seed, beside
-            os.makedirs(os.path.dirname(d), exist_ok=True)
-            cfg = {"policy_dir": "", "tasks_dir": "", "out_dir": d, "environment": "learnable", "seed": seed}
-            path = os.path.join(out, f"warm{warm}-seed{seed}.json")
+            d = os.path.join(out, f"seed{seed}", f"warm{warm}")
+            cfg = _merge({**LEARNABLE_RUN, "policy_dir": os.path.join(root, "policy"), "out_dir": d, "seed": seed,
+                          "tasks_dir": os.path.join(root, "tasks"), "steps": steps},
+                         {"trainer": {"warmup_steps": warm}})
+            path = d + ".json"
             with open(path, "w") as f:
                 json.dump(cfg, f)
             env = {**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu"}
             t0 = time.perf_counter()
-            p = subprocess.run([sys.executable, "-m", "composer_dag.rl.run", "--config", path, "--set", f"steps={steps}",
-                                "--set", f"trainer.warmup_steps={warm}"], cwd=ROOT, env=env, capture_output=True, text=True)
+            p = subprocess.run([sys.executable, "-m", "composer_dag.rl.run", "--config", path], cwd=ROOT, env=env,
+                               capture_output=True, text=True)
             if p.returncode:
                 sys.exit(f"warm-up {warm}, seed {seed} failed: {p.stderr[-2000:]}")
             m = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
@@ -140,7 +147,7 @@ def main() -> None:
     ap.add_argument("mode", choices=["sft", "rl", "warmup"])
     ap.add_argument("--inputs", default="")
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--out", required=True)
     ap.add_argument("--grid", default=None)
     ap.add_argument("--only", default="", help="comma-separated variant names")
