@@ -16,8 +16,11 @@ cannot forge a turn or a call.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -139,34 +142,66 @@ class _Run:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
 
-class UntouchedGrades:
-    """The grade of each task's untouched checkout (an episode in which no tool ran), kept by
-    task directory. Its workspace is the task's repository as checked out, byte for byte, and
-    its action log is empty, so the grader sees the same input every time, whichever model
-    played it: the first such episode of a task is graded, the others get its result (a model
-    that never emits a parsable call, early in training or before SFT, would otherwise pay a
-    sandboxed test run per sample). A grade that raised is not kept. One instance may serve
-    several loops in turn (the candidates of one evaluation job)."""
+def workspace_digest(root) -> str:
+    """sha256 over everything grading can read of a workspace: each path (directories too), its
+    type and mode, and a file's bytes or a link's target; symbolic links are not followed."""
+    h = hashlib.sha256()
+    root = os.fspath(root)
+    for base, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in [*dirs, *sorted(files)]:
+            path = os.path.join(base, name)
+            st = os.lstat(path)
+            h.update(f"{os.path.relpath(path, root)}\0{st.st_mode}\0".encode("utf-8", "surrogateescape"))
+            if stat.S_ISLNK(st.st_mode):
+                h.update(os.readlink(path).encode("utf-8", "surrogateescape"))
+            elif stat.S_ISREG(st.st_mode):
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+            h.update(b"\n")
+    return h.hexdigest()
+
+
+class GradeCache:
+    """Grades kept by everything the grader reads: the task directory, the final workspace
+    (``workspace_digest``) and the action log (each call with its arguments and outcome; the
+    times a call and its command took are left out). Two episodes that end in the same bytes after the same calls
+    get the same grade, so the first is graded and the others reuse its result: every untouched
+    checkout of a task (a model that never emits a parsable call, early in training or before
+    SFT), and the many identical solutions of a policy that has learned a task, which would
+    otherwise each pay sandboxed test runs. A grade that raised is not kept. One instance may
+    serve several loops in turn (the candidates of one evaluation job)."""
 
     def __init__(self):
-        self._slots: dict[str, list] = {}  # task dir -> [lock, grade]
+        self._slots: dict[tuple, list] = {}  # key -> [lock, grade]
         self._lock = threading.Lock()
+        self.graded = self.reused = 0
 
-    def get(self, task_dir: str, grade):
+    @staticmethod
+    def key(task_dir, workspace, log: list[dict]) -> tuple:
+        actions = json.dumps([{k: v for k, v in e.items() if not k.endswith("seconds")} for e in log],
+                             sort_keys=True, default=str)
+        return str(task_dir), workspace_digest(workspace), hashlib.sha256(actions.encode()).hexdigest()
+
+    def get(self, key: tuple, grade):
         with self._lock:
-            slot = self._slots.setdefault(task_dir, [threading.Lock(), None])
+            slot = self._slots.setdefault(key, [threading.Lock(), None])
         with slot[0]:
             if slot[1] is None:
                 slot[1] = grade()
+                self.graded += 1
+            else:
+                self.reused += 1
             return slot[1]
 
 
 class AgentLoop:
     """Runs groups of episodes against an ``Engine``; returns rollout records (dicts).
-    ``untouched``: a grade cache shared with other loops (default: the loop's own)."""
+    ``grades``: a grade cache shared with other loops (default: the loop's own)."""
 
     def __init__(self, engine: Engine, tokenizer, config: AgentConfig = AgentConfig(),
-                 episode: EpisodeConfig = EpisodeConfig(), untouched: UntouchedGrades | None = None):
+                 episode: EpisodeConfig = EpisodeConfig(), grades: GradeCache | None = None):
         self.engine, self.tok, self.cfg, self.episode = engine, tokenizer, config, episode
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.stops = (self.im_end, tokenizer.eos_token_id)
@@ -174,7 +209,7 @@ class AgentLoop:
         extra = [t for t in getattr(tokenizer, "all_special_tokens", None) or [] if len(t) > 1]
         self.control = sorted(set(CONTROL_TOKENS) | set(extra), key=len, reverse=True)
         self.pool = ThreadPoolExecutor(max(1, config.workers), thread_name_prefix="agent")
-        self.untouched = untouched if untouched is not None else UntouchedGrades()
+        self.grades = grades if grades is not None else GradeCache()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -269,7 +304,8 @@ class AgentLoop:
 
     def _grade(self, r: _Run) -> None:
         t0 = time.perf_counter()
-        r.result = r.episode.grade() if r.episode.log else self.untouched.get(str(r.task_dir), r.episode.grade)
+        ep = r.episode
+        r.result = self.grades.get(GradeCache.key(r.task_dir, ep.workspace, ep.log), ep.grade)
         r.grade_s = time.perf_counter() - t0
 
     def _record(self, r: _Run, version: int) -> dict:

@@ -11,7 +11,7 @@ import torch
 
 from composer_dag.envs.task_format import TaskLimits
 from composer_dag.inference.engine import Completion, Engine, EngineStats
-from composer_dag.agent import AgentConfig, AgentLoop, UntouchedGrades, parse_tool_calls, rollouts_to_table
+from composer_dag.agent import AgentConfig, AgentLoop, GradeCache, parse_tool_calls, rollouts_to_table, workspace_digest
 from composer_dag.rl.grpo import group_advantages, grpo_loss, pack
 from composer_dag.rl.learnable import build_learnable_tasks
 from composer_dag.rl.loop import Batch, RolloutSource
@@ -117,10 +117,11 @@ def test_turn_budget_ends_episode(tasks):
     assert rs[0]["malformed_calls"] == 2
 
 
-def test_an_untouched_checkout_is_graded_once_per_task(tasks, monkeypatch):
+def test_the_same_workspace_after_the_same_calls_is_graded_once(tasks, monkeypatch):
     """Episodes in which no tool ran share their task's one grade, also across loops that share
-    the cache (the candidates of one evaluation job); one with a tool call (even a read) is
-    graded on its own, and a grade that raised is not kept."""
+    the cache (the candidates of one evaluation job); episodes that made the same calls and left
+    the same bytes share one grade too, and any other call or byte is graded on its own; a grade
+    that raised is not kept."""
     import composer_dag.envs.tools as tools
 
     real, graded, failed = tools.grade, [], []
@@ -134,9 +135,9 @@ def test_an_untouched_checkout_is_graded_once_per_task(tasks, monkeypatch):
 
     monkeypatch.setattr(tools, "grade", counting)
     tok = _Tok()
-    shared = UntouchedGrades()
+    shared = GradeCache()
     quiet_cfg = AgentConfig(max_turns=1, max_new_tokens=50, max_context=50_000, workers=2)
-    quiet = AgentLoop(_Scripted(tok, ["no call<|im_end|>"]), tok, quiet_cfg, untouched=shared)
+    quiet = AgentLoop(_Scripted(tok, ["no call<|im_end|>"]), tok, quiet_cfg, grades=shared)
     jobs = [(str(t), t.name, j) for t in tasks for j in range(3)]
     with pytest.raises(OSError):
         quiet.run(jobs[:1], version=0)
@@ -145,16 +146,41 @@ def test_an_untouched_checkout_is_graded_once_per_task(tasks, monkeypatch):
     assert sorted(graded) == sorted([(tasks[0].name, 0)] * 2 + [(tasks[1].name, 0)])  # the failed one, then one per task
     assert [(r["reward"], r["tests_passed"], r["tests_failed"]) for r in rs] == [(0.0, 0, 1)] * 6
     graded.clear()
-    again = AgentLoop(_Scripted(tok, ["still no call<|im_end|>"]), tok, quiet_cfg, untouched=shared)
+    again = AgentLoop(_Scripted(tok, ["still no call<|im_end|>"]), tok, quiet_cfg, grades=shared)
     rs = again.run(jobs, version=0)
     again.close()
     assert graded == [] and [r["reward"] for r in rs] == [0.0] * 6  # the next candidate reuses the grades
     reader = AgentLoop(_Scripted(tok, ['<tool_call>{"name": "read_file", "arguments": {"path": "answer.txt"}}'
                                        '</tool_call><|im_end|>']), tok,
-                       AgentConfig(max_turns=1, max_new_tokens=200, max_context=50_000, workers=2))
+                       AgentConfig(max_turns=1, max_new_tokens=200, max_context=50_000, workers=2), grades=shared)
     reader.run(jobs[:3], version=0)
     reader.close()
-    assert graded == [(tasks[0].name, 1)] * 3
+    assert graded == [(tasks[0].name, 1)]  # three identical reads: one grade
+    graded.clear()
+    writers = [AgentLoop(_Scripted(tok, ['<tool_call>{"name": "run_terminal_cmd", "arguments": {"command": '
+                                         f'"echo {word} > answer.txt"}}}}</tool_call><|im_end|>']), tok,
+                         AgentConfig(max_turns=1, max_new_tokens=200, max_context=50_000, workers=2), grades=shared)
+               for word in ("one", "one", "two")]
+    for w in writers:
+        w.run(jobs[:1], version=0)
+        w.close()
+    assert graded == [(tasks[0].name, 1)] * 2  # "two" is another call and other bytes: graded again
+
+
+def test_workspace_digest_sees_bytes_modes_and_links(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "f.py").write_text("x = 1\n")
+    first = workspace_digest(tmp_path)
+    assert workspace_digest(tmp_path) == first
+    changes = [lambda: (tmp_path / "a" / "f.py").write_text("x = 2\n"),
+               lambda: (tmp_path / "a" / "f.py").chmod(0o755),
+               lambda: (tmp_path / "a" / "g").symlink_to("f.py"),
+               lambda: (tmp_path / "b").mkdir()]
+    seen = {first}
+    for change in changes:
+        change()
+        seen.add(workspace_digest(tmp_path))
+    assert len(seen) == len(changes) + 1
 
 
 # ---------------------------------------------------------------- GRPO

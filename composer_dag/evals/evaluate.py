@@ -194,14 +194,14 @@ def _load_batch(path: Path, jobs: list[tuple[str, str, int]], log) -> list[dict]
 
 
 def _run_agent(engine, tok, tasks, cfg: EvalConfig, log, progress_dir: Path | None = None,
-               untouched=None) -> tuple[list[dict], int]:
+               grades=None) -> tuple[list[dict], int]:
     """Rollouts of every sample of every task, and how many batches came from ``progress_dir``
-    (batches finished by an earlier, interrupted run with the same inputs). ``untouched``: an
-    ``agent.UntouchedGrades`` shared across the candidates of one job."""
+    (batches finished by an earlier, interrupted run with the same inputs). ``grades``: an
+    ``agent.GradeCache`` shared across the candidates of one job."""
     from ..agent import AgentLoop, rollouts_to_table
     from ..storage import Storage
 
-    agent = AgentLoop(engine, tok, cfg.agent, untouched=untouched)
+    agent = AgentLoop(engine, tok, cfg.agent, grades=grades)
     size = cfg.batch_tasks or len(tasks)
     store = Storage(str(progress_dir)) if progress_dir is not None else None
     rollouts, reused = [], 0
@@ -227,13 +227,13 @@ def _run_agent(engine, tok, tasks, cfg: EvalConfig, log, progress_dir: Path | No
 
 
 def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | None = None, rep=None,
-             engine=None, untouched=None) -> dict:
+             engine=None, grades=None) -> dict:
     """Evaluate the Hugging Face checkpoint at ``checkpoint_dir`` on the tasks under
     ``tasks_dir``; write the files listed in the module docstring to ``out_dir`` and return
     the summary. ``rep``: a ``pipes.Reporter`` (or anything with ``log``) for progress.
     ``engine``: a running engine of the same architecture to load the checkpoint's weights
     into (see ``evaluate_many``); it stays open. Without it, one is started and closed.
-    ``untouched``: the grades of untouched checkouts kept from earlier candidates (``agent.UntouchedGrades``)."""
+    ``grades``: the grades kept from earlier candidates (``agent.GradeCache``)."""
     import torch
 
     from ..inference import engine_from_config, fit_to_model
@@ -287,7 +287,7 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
     try:
         tok = load_tokenizer(checkpoint_dir)
         t0 = time.perf_counter()
-        rollouts, reused = _run_agent(engine, tok, tasks, cfg, log, progress_dir, untouched)
+        rollouts, reused = _run_agent(engine, tok, tasks, cfg, log, progress_dir, grades)
         agent_wall = time.perf_counter() - t0
         gen_tokens, gen_seconds = engine.stats.generated_tokens - gen_tokens0, engine.stats.seconds - gen_seconds0
         if he_ids:
@@ -397,14 +397,14 @@ def evaluate_many(checkpoints: dict[str, str], tasks_dir, out_dir, config: EvalC
     keyed by the tasks and settings, not by the checkpoints) is not evaluated again; one whose
     digest changed is. After each checkpoint, ``out_dir/latest`` lists the finished ones (name:
     digest), which marks the directory as a state a job resumes from."""
-    from ..agent import UntouchedGrades
+    from ..agent import GradeCache
     from ..inference import engine_from_config, fit_to_model
     from ..storage import ArtifactError, Storage
 
     cfg = EvalConfig.load(config)
     log = rep.log if rep is not None else (lambda msg: None)
     summaries, engine, engine_dir = {}, None, None
-    untouched = UntouchedGrades()  # a task's untouched checkout grades the same for every candidate
+    grades = GradeCache()  # the same final workspace after the same calls grades the same for every candidate
     try:
         for name, ckpt in checkpoints.items():
             out = Path(out_dir) / name
@@ -432,7 +432,7 @@ def evaluate_many(checkpoints: dict[str, str], tasks_dir, out_dir, config: EvalC
                 engine, engine_dir = engine_from_config(inference, ckpt, seed=cfg.seed), ckpt
             log(f"eval: {name}")
             own = cfg.replace(samples_per_task=cfg.samples_per_task_of.get(name, cfg.samples_per_task))
-            summaries[name] = evaluate(ckpt, tasks_dir, out, own, rep, engine=engine, untouched=untouched)
+            summaries[name] = evaluate(ckpt, tasks_dir, out, own, rep, engine=engine, grades=grades)
             _mark_done(Path(out_dir), summaries)
     finally:
         if engine is not None:

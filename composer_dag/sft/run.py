@@ -45,8 +45,8 @@ class SFTConfig(MidtrainConfig):
     weight_decay: float = 0.0
     beta2: float = 0.999
     max_steps: int = 80
-    eval_every: int = 10
-    early_stop_patience: Optional[int] = 2
+    eval_every: int = 20
+    early_stop_patience: Optional[int] = 1
     save_every: int = 40
     eval_batches: int = 4
     sample_tokens: int = 0
