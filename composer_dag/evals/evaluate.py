@@ -54,7 +54,7 @@ class EvalConfig(StageConfig):
                                                        "standard error over samples of a pass@1 near 0.6 on the "
                                                        "default's 25 held-out learnable tasks at 0.035")
     samples_per_task_of: dict[str, int] = Field(
-        {"base_model": 2, "midtrained_checkpoint": 2},
+        {"base_model": 1, "midtrained_checkpoint": 1},
         description="samples per task for these named candidates of a multi-checkpoint evaluation (the lineage's "
                     "starting points: the gate compares them on perplexity, and they score 0 on the agent tasks "
                     "at this model size)")
