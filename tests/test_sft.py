@@ -230,3 +230,14 @@ def test_transcript_order_is_a_seeded_permutation_bucketed_by_length(tmp_path):
     resumed = TranscriptDataset(str(tmp_path / "train.parquet"), seq_len=64, pad_id=0, shuffle_seed=1, start_sample=37)
     it = iter(resumed)
     assert [len(next(it)[0]) for _ in range(10)] == [lengths[order[g]] for g in range(37, 47)]
+
+
+def test_early_stop_needs_patience_validations_without_improvement():
+    from composer_dag.train.midtrain import stalled
+
+    ev = lambda *losses: [{"step": 10 * i, "val_loss": x} for i, x in enumerate(losses)]
+    assert not stalled(ev(3.0, 2.0, 1.0), 1)
+    assert stalled(ev(3.0, 1.0, 1.5), 1) and not stalled(ev(3.0, 1.0, 1.5), 2)
+    assert stalled(ev(3.0, 1.0, 1.5, 1.2), 2) and not stalled(ev(3.0, 1.0, 1.5, 0.9), 2)
+    assert not stalled(ev(3.0, 4.0), None)  # no patience: never
+    assert not stalled([{"step": 0, "val_loss": None}, {"step": 10, "val_loss": None}], 1)  # no validation split

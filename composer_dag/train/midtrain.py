@@ -291,6 +291,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     os.makedirs(ckpt_root, exist_ok=True)
     step, samples, history, evals, tokens_seen = 0, 0, [], [], 0
+    stopped_early = False  # set once the validation loss stalls (early_stop_patience)
     found = [resume_checkpoint(cfg.out_dir, ckpt_root, rep.log) if rank == 0 else None]
     dist.broadcast_object_list(found, src=0)  # every rank loads the checkpoint rank 0 verified
     resumed = found[0]
@@ -299,8 +300,8 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
         with open(os.path.join(ckpt_root, resumed, "trainer_state.json")) as f:
             st = json.load(f)
         step, samples, history, evals = st["step"], st["samples"], st["loss_history"], st["evals"]
-        if st.get("stopped_early"):
-            total_steps = step
+        if st.get("stopped_early"):  # the run had stopped early at this checkpoint: it is complete
+            stopped_early, total_steps = True, step
         tokens_seen = int(st.get("tokens", samples * cfg.seq_len))
         set_rng_state(st["rng"])
         if rank == 0 and trim_metrics(metrics_path, step):
@@ -340,7 +341,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
             write_json_atomic(os.path.join(ckpt_root, tag, "trainer_state.json"), {
                 "step": step, "samples": samples, "tokens": tokens_seen,
                 "world_size": world, "rng": rng_state(), "loss_history": history,
-                "evals": evals, "stopped_early": step < cfg.total_steps(world), "config": cfg.to_dict()})
+                "evals": evals, "stopped_early": stopped_early, "config": cfg.to_dict()})
         dist.barrier()  # every rank's optimizer partition is on disk
         if rank == 0:
             seal_checkpoint(os.path.join(ckpt_root, tag))
@@ -405,7 +406,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
                 if step < total_steps and stalled(evals, cfg.early_stop_patience):
                     rep.log(f"validation loss not improved in {cfg.early_stop_patience} validations: "
                             f"stopping early at step {step} of {total_steps}")
-                    total_steps = step
+                    stopped_early, total_steps = True, step
         if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps:
             tag = save()
 
@@ -414,7 +415,7 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
     hf_dir = os.path.join(cfg.out_dir, "hf")
     result = {
         "steps": step, "total_steps": total_steps, "world_size": world,
-        "stopped_early": step < cfg.total_steps(world),
+        "stopped_early": stopped_early,
         "tokens_seen": tokens_seen, "samples_seen": samples, "objective": cfg.objective,
         "tokens_this_run": run_tokens, "train_seconds": round(train_time, 3),
         "tokens_per_s": run_tokens / train_time if train_time else None,
