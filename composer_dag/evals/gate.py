@@ -11,7 +11,8 @@ with its own tolerance (``GateConfig``).
   knew about code before it learned the harness).
 - the cheat-flag rate: at most the baseline's plus ``max_flag_rate_increase``.
 
-A tolerance set to None makes its row informational. ``gain`` measures what RL added over its
+A tolerance set to None makes its row informational, and so does a capability that only one
+side measured (HumanEval, perplexity: an evaluation may leave them out). ``gain`` measures what RL added over its
 parent on one source, with the standard error over samples.
 """
 
@@ -76,8 +77,18 @@ def _row(metric, cand, base, threshold, ok, gating, reason=None) -> dict:
             "ok": ok, "gating": gating, "reason": None if ok or not gating else reason}
 
 
-def _noise_row(label: str, path: str, cand: dict, base: dict, sigmas: Optional[float], baseline: str) -> dict:
+def _unmeasured(label: str, cand, base) -> dict:
+    """A capability one side did not measure (an evaluation run without it): reported, not gating."""
+    row = _row(label, cand, base, None, None, False)
+    row["note"] = "measured on one side only"
+    return row
+
+
+def _noise_row(label: str, path: str, cand: dict, base: dict, sigmas: Optional[float], baseline: str,
+               required: bool = True) -> dict:
     (pc, nc), (pb, nb) = _value(cand, path), _value(base, path)
+    if (pc is None or pb is None) and not required:
+        return _unmeasured(label, pc, pb)
     if pc is None or pb is None:
         return _row(label, pc, pb, None, False if sigmas is not None else None, sigmas is not None,
                     f"{label} missing from {'candidate' if pc is None else baseline}")
@@ -93,11 +104,10 @@ def _noise_row(label: str, path: str, cand: dict, base: dict, sigmas: Optional[f
 
 def _ppl_row(label: str, cand: dict, base: dict, tolerance: Optional[float], baseline: str) -> dict:
     pc, pb = _get(cand, ("perplexity", "val_ppl")), _get(base, ("perplexity", "val_ppl"))
-    if tolerance is None or pc is None or pb is None:
-        # neither measured (an evaluation without validation shards): nothing to hold
-        missing = tolerance is not None and (pc is None) != (pb is None)
-        return _row(label, pc, pb, None, False if missing else None, missing,
-                    f"{label} missing from {'candidate' if pc is None else baseline}")
+    if pc is None or pb is None:  # an evaluation without validation shards
+        return _unmeasured(label, pc, pb)
+    if tolerance is None:
+        return _row(label, pc, pb, None, None, False)
     threshold = pb * (1 + tolerance)
     ok = pc <= threshold * (1 + 1e-12)
     return _row(label, pc, pb, threshold, ok, True,
@@ -126,7 +136,7 @@ def compare(candidate_summary: dict, baseline_summary: dict, gate: GateConfig | 
         rows.append(row)
     if _get(cand, ("humaneval", "pass@1")) is not None or _get(base, ("humaneval", "pass@1")) is not None:
         rows.append(_noise_row("HumanEval fn-completion pass@1", "humaneval.pass@1", cand, base,
-                               gate.humaneval_sigmas, baseline_name))
+                               gate.humaneval_sigmas, baseline_name, required=False))
     rows.append(_ppl_row("val perplexity", cand, base, tol, baseline_name))
     fc, fb = cand.get("flag_rate"), base.get("flag_rate")
     allowed = gate.max_flag_rate_increase
