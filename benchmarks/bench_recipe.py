@@ -194,8 +194,15 @@ def main() -> None:
         print(f"{name}: trained in {secs:.1f} s", flush=True)
     base = {"mid": os.path.join(inputs, "mid")} if a.mode == "sft" else {"sft": os.path.abspath(a.sft)}
     summaries = evaluate({**base, **done}, inputs, os.path.join(out, "eval"), a.samples)
-    mid_ppl = evaluate({"mid": os.path.join(inputs, "mid")}, inputs, os.path.join(out, "eval"), a.samples)["mid"][
-        "perplexity"]["val_ppl"] if "mid" not in summaries else summaries["mid"]["perplexity"]["val_ppl"]
+    if "mid" in summaries:
+        mid_ppl = summaries["mid"]["perplexity"]["val_ppl"]
+    else:  # the RL sweep: the mid-trained checkpoint's perplexity alone, as the evaluation measures it
+        from composer_dag.evals.evaluate import EvalConfig
+        from composer_dag.evals.perplexity import perplexity
+
+        e = EvalConfig()
+        mid_ppl = perplexity(os.path.join(inputs, "mid"), os.path.join(inputs, "shards"), e.ppl_seq_len,
+                             e.ppl_batch_size, e.ppl_max_batches)["val_ppl"]
     rows = [row(k, s, mid_ppl, info.get(k, {})) for k, s in summaries.items()]
     print("\n| variant | settings | seconds | code ppl | x mid-trained | learnable pass@1 (se) | extra |")
     print("|---|---|---:|---:|---:|---|---|")

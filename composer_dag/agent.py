@@ -176,7 +176,6 @@ class GradeCache:
     def __init__(self):
         self._slots: dict[tuple, list] = {}  # key -> [lock, grade]
         self._lock = threading.Lock()
-        self.graded = self.reused = 0
 
     @staticmethod
     def key(task_dir, workspace, log: list[dict]) -> tuple:
@@ -190,9 +189,6 @@ class GradeCache:
         with slot[0]:
             if slot[1] is None:
                 slot[1] = grade()
-                self.graded += 1
-            else:
-                self.reused += 1
             return slot[1]
 
 
