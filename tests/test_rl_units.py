@@ -237,6 +237,30 @@ def test_async_source_drops_stale_batches():
     assert all(s <= 0 for s in src.staleness)
 
 
+def test_async_source_waits_for_the_trainer_instead_of_running_ahead():
+    # One batch ahead at most: each batch samples the weights of the update before the one that
+    # takes it, so nothing is dropped at max_staleness 1, and no batch is made past the limit.
+    trainer = {"version": 0}
+    made = []
+
+    def produce(index, version):
+        time.sleep(0.02)
+        made.append(index)
+        return Batch(index, version, [{} for _ in range(4)])
+
+    src = RolloutSource(produce, lambda: trainer["version"], max_staleness=1, limit=5).start()
+    lags = []
+    for _ in range(5):
+        b = src.get(trainer["version"])
+        lags.append(trainer["version"] - b.version)
+        time.sleep(0.15)  # a slow update: the generator waits instead of sampling old weights
+        trainer["version"] += 1
+    time.sleep(0.2)
+    src.stop()
+    assert src.dropped_batches == 0 and lags == [0, 1, 1, 1, 1]
+    assert made == [0, 1, 2, 3, 4]
+
+
 def test_sync_source_is_never_stale():
     src = RolloutSource(lambda i, v: Batch(i, v, []), lambda: 7, max_staleness=0, async_generation=False)
     assert src.get(7).version == 7 and src.dropped_batches == 0

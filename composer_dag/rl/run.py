@@ -213,7 +213,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
             "wall": time.perf_counter() - t0})
 
     source = RolloutSource(produce, sync, cfg.max_staleness, cfg.async_generation, cfg.queue_size,
-                           start_index=counters["next_batch"])
+                           start_index=counters["next_batch"], limit=cfg.steps - trainer.version)
     dropped0 = (counters["dropped_stale_rollouts"], counters["dropped_stale_batches"])
     rep.log(f"rl: {len(tasks)} tasks, {cfg.tasks_per_step}x{cfg.group_size} rollouts/step, engine {inference.engine}, "
             f"steps {trainer.version}->{cfg.steps}, async {cfg.async_generation}, max staleness {cfg.max_staleness}")
