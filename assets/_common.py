@@ -1,7 +1,14 @@
-"""Small helpers shared by the asset modules: artifact lookup and metadata formatting."""
+"""Small helpers shared by the asset modules: artifact lookup, metadata formatting, provenance."""
 
 
+import ast
+import functools
+import hashlib
 import json
+import os
+import re
+import subprocess
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import dagster as dg
@@ -118,8 +125,6 @@ def run_stage(context, storage, cluster, stage: str, model, params, inputs: list
     relative to the stage's ``out_dir``, see ``composer_dag.runtime.job``); each goes to
     ``<root>/<asset key>/<run id>``.
     Returns the engine config and ``{"summary": the stage's result, "outputs": {key: {url, digest}}}``."""
-    import hashlib
-
     from resources.dagster_config import engine_config
 
     from composer_dag.runtime.job import SCRATCH
@@ -172,3 +177,115 @@ def plot_md(series, xlabel: str, ylabel: str, title: str) -> dg.MetadataValue:
     fig.savefig(buf, format="png")
     plt.close(fig)
     return dg.MetadataValue.md(f"![{title}](data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()})")
+
+
+# ---------------------------------------------------------------- provenance
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_LOCAL_PACKAGES = ("composer_dag", "assets", "resources")
+_MODULE_NAME = re.compile(r"^(composer_dag|assets|resources)(\.[A-Za-z_]\w*)+$")
+
+
+def _module_file(name: str) -> Path | None:
+    base = REPO_ROOT.joinpath(*name.split("."))
+    for p in (base.with_suffix(".py"), base / "__init__.py"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _imported(path: Path) -> set[str]:
+    """Project modules ``path`` imports (anywhere in it, lazily too) or names as a dotted string,
+    the way a stage's entry point is named for the job that runs it."""
+    pkg = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    if path.name == "__init__.py":
+        pkg += ".__init__"
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = pkg.split(".")[:-node.level]
+                base = ".".join(parent + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE_NAME.match(node.value):
+            names.add(node.value)
+    out = set()
+    for n in names:
+        if n.split(".")[0] in _LOCAL_PACKAGES:   # each enclosing package runs its __init__ too
+            parts = n.split(".")
+            out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def code_version(module_file: str) -> str:
+    """A digest of the source of ``module_file`` and of every project module it reaches through
+    its imports (or runs as a job's entry point): it changes when code the asset runs changes, so
+    the UI marks the asset and everything downstream of it stale."""
+    seen: dict[str, Path] = {}
+    todo = [Path(module_file).resolve()]
+    while todo:
+        path = todo.pop()
+        key = str(path.relative_to(REPO_ROOT))
+        if key in seen:
+            continue
+        seen[key] = path
+        for name in _imported(path):
+            found = _module_file(name)
+            if found is not None and str(found.relative_to(REPO_ROOT)) not in seen:
+                todo.append(found)
+    h = hashlib.sha256()
+    for key in sorted(seen):
+        h.update(key.encode() + b"\0" + seen[key].read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def code_commit() -> str:
+    """The checkout's commit, ``+dirty`` when tracked files differ from it; ``$COMPOSER_CODE_COMMIT``
+    where the code is not a git checkout (an installed image); ``unknown`` otherwise."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True,
+                               timeout=30, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("COMPOSER_CODE_COMMIT", "unknown")
+    return commit + ("+dirty" if dirty else "")
+
+
+def _seeds(config: Any, path: str = "") -> dict[str, int]:
+    if isinstance(config, Mapping):
+        out = {}
+        for k, v in config.items():
+            where = f"{path}.{k}" if path else str(k)
+            if "seed" in str(k).lower() and isinstance(v, int) and not isinstance(v, bool):
+                out[where] = v
+            out.update(_seeds(v, where))
+        return out
+    return {}
+
+
+def record_provenance(context: dg.AssetExecutionContext) -> dict:
+    """Write on each of this step's materializations the code commit, the asset's code version,
+    the digest of its run config and every seed in that config: which code and settings made it.
+    Returns the same values."""
+    op_config = context.op_execution_context.op_config or {}
+    config = op_config if isinstance(op_config, Mapping) else {}
+    meta = {
+        "code_commit": code_commit(),
+        "config_digest": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16],
+        "seeds": dg.MetadataValue.json(_seeds(config)),
+    }
+    adef = context.assets_def
+    for key in context.selected_asset_keys:
+        version = adef.specs_by_key[key].code_version
+        context.add_output_metadata({**meta, "code_version": version or ""},
+                                    output_name=adef.get_output_name_for_asset_key(key))
+    return meta

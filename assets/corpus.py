@@ -3,7 +3,7 @@
 
 import dagster as dg
 
-from assets._common import RETRY, column_schema, counts_table, progress_logger
+from assets._common import RETRY, column_schema, counts_table, progress_logger, record_provenance
 from composer_dag.corpus import ingest
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
 
@@ -36,6 +36,7 @@ def code_corpus(
     catalog: CatalogResource,
     sources: SourceRegistry,
 ):
+    record_provenance(context)
     names = list(context.partition_keys)
     if len(names) == 1:  # the common case: one source, its own metadata
         metadata, counts = _ingest_one(context, names[0], artifacts, catalog, sources)

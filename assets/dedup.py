@@ -32,7 +32,7 @@ import sys
 
 import dagster as dg
 
-from assets._common import RETRY, counts_table, latest_metadata, latest_uri, progress_logger
+from assets._common import RETRY, counts_table, latest_metadata, latest_uri, progress_logger, record_provenance
 from assets.corpus import code_corpus, sources_partitions
 from assets.envs import eval_task_texts
 from composer_dag import dedup as engine
@@ -120,6 +120,7 @@ def deduped_shards(
     catalog: CatalogResource,
     cluster: ClusterResource,
 ) -> dg.MaterializeResult:
+    record_provenance(context)
     storage = artifacts.get()
     found = corpus_sources(context, storage)
     digests = {name: digest for name, (_, digest) in found.items()}

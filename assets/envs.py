@@ -7,7 +7,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets._common import RETRY, counts_table, latest_uri, local_copy
+from assets._common import RETRY, counts_table, latest_uri, local_copy, record_provenance
 from composer_dag.envs import tasks as engine
 from composer_dag.envs.task_format import TaskBuildConfig, task_dirs
 from resources import ArtifactStorage, CatalogResource
@@ -27,6 +27,7 @@ TaskCheckParams = dagster_config(engine.TaskCheckConfig, module=__name__)
     retry_policy=RETRY,
 )
 def task_sets(context: dg.AssetExecutionContext, config: TaskParams, artifacts: ArtifactStorage, catalog: CatalogResource):
+    record_provenance(context)
     storage = artifacts.get()
     cfg = engine_config(TaskBuildConfig, config)
     with tempfile.TemporaryDirectory(prefix="composer-tasks-") as tmp:

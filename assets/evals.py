@@ -11,7 +11,7 @@ import os
 
 import dagster as dg
 
-from assets._common import latest_metadata, latest_uri, local_copy, plot_md, run_stage
+from assets._common import latest_metadata, latest_uri, local_copy, plot_md, run_stage, record_provenance
 from composer_dag.evals.contamination import contamination_report
 from composer_dag.evals.evaluate import EvalConfig, summary_record
 from composer_dag.evals.gate import decide
@@ -46,6 +46,7 @@ def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artif
                     catalog: CatalogResource, cluster: ClusterResource):
     """Base, mid-trained, SFT and RL checkpoints on the held-out tasks: pass@k by source,
     HumanEval pass@1, perplexity, cost; the comparison table and the gate (RL against SFT)."""
+    record_provenance(context)
     storage = artifacts.get()
     # one job, one inference engine: each next checkpoint's weights load into the running engine
     cfg, job = run_stage(
@@ -132,6 +133,7 @@ def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artif
 @dg.asset(deps=[evaluated_model], group_name="eval", kinds={"json"})
 def promoted_model(context: dg.AssetExecutionContext, artifacts: ArtifactStorage):
     """A small registry entry pointing at the RL checkpoint that passed the gate."""
+    record_provenance(context)
     storage = artifacts.get()
     meta = latest_metadata(context.instance, "evaluated_model") or {}
     entry = {

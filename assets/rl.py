@@ -15,7 +15,7 @@ import os
 
 import dagster as dg
 
-from assets._common import latest_uri, md_table, plot_md, run_stage
+from assets._common import latest_uri, md_table, plot_md, run_stage, record_provenance
 from assets.sft import sft_checkpoint
 from assets.train import CHECKPOINT_FILES
 from composer_dag.rl.fleet.config import FleetConfig
@@ -112,6 +112,7 @@ def summary_metadata(sm: dict) -> tuple[dict, dict]:
 )
 def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: ArtifactStorage,
            catalog: CatalogResource, cluster: ClusterResource):
+    record_provenance(context)
     storage = artifacts.get()
     fleet = config.model_dump().get("fleet")
     with contextlib.ExitStack() as stack:

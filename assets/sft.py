@@ -13,7 +13,7 @@ import tempfile
 
 import dagster as dg
 
-from assets._common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, plot_md, run_stage
+from assets._common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, plot_md, run_stage, record_provenance
 from assets.train import CHECKPOINT_FILES, midtrained_checkpoint
 from composer_dag.sft import trajectories as engine
 from composer_dag.sft.run import SFTConfig
@@ -44,6 +44,7 @@ def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams
     """Agent trajectories in the harness's format, each known to succeed: the training tasks'
     reference solutions played through real episodes, plus the last RL run's successful,
     unflagged rollouts; none from or overlapping an evaluation task."""
+    record_provenance(context)
     storage = artifacts.get()
     cfg = engine_config(engine.TrajectoryConfig, config)
     url = storage.url("sft_trajectories", context.run.run_id)
@@ -101,6 +102,7 @@ def sft_checkpoint(context: dg.AssetExecutionContext, config: SFTParams, artifac
     with windows of the pre-training shards replayed in every micro-batch so that it keeps what
     mid-training taught, with the mid-training trainer on the cluster resource; resumes when
     retried with the same inputs."""
+    record_provenance(context)
     storage = artifacts.get()
     _, job = run_stage(
         context, storage, cluster, "sft", SFTConfig, config, ["sft_trajectories", "midtrained_checkpoint", "token_shards"],

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets._common import RETRY, counts_table, latest_uri, local_copy, plot_md, run_stage
+from assets._common import RETRY, counts_table, latest_uri, local_copy, plot_md, run_stage, record_provenance
 from assets.dedup import deduped_shards
 from composer_dag.train import data as data_engine
 from composer_dag.train import model as model_engine
@@ -57,6 +57,7 @@ def _fetch_base(settings, dest: str) -> None:
 def tokenizer(context: dg.AssetExecutionContext, artifacts: ArtifactStorage, model_settings: ModelSettings):
     """The base model's own tokenizer when it has one; otherwise a byte-level BPE trained on the
     deduplicated shards, with the harness's special tokens (chat turns, tool calls, end of text)."""
+    record_provenance(context)
     storage = artifacts.get()
     url = storage.url("tokenizer", context.run.run_id)
     with tempfile.TemporaryDirectory(prefix="composer-tok-") as tmp:
@@ -101,6 +102,7 @@ def token_shards(context: dg.AssetExecutionContext, config: TokenShardParams, ar
     """Documents tokenized and packed into Megatron-Core .bin/.idx (train and validation),
     joined by end-of-text, split by a hash of the document id, weighted by the mixture; or
     shards made elsewhere (``external_prefix``), checked against the tokenizer."""
+    record_provenance(context)
     storage = artifacts.get()
     cfg = engine_config(data_engine.TokenShardConfig, config)
     url = storage.url("token_shards", context.run.run_id)
@@ -135,6 +137,7 @@ def token_shards(context: dg.AssetExecutionContext, config: TokenShardParams, ar
 def base_model(context: dg.AssetExecutionContext, artifacts: ArtifactStorage, model_settings: ModelSettings):
     """The open-weights starting point: a Hugging Face directory from a path or s3:// URL, or a
     small Llama built from a named config (no model hub is needed)."""
+    record_provenance(context)
     storage = artifacts.get()
     url = storage.url("base_model", context.run.run_id)
     with tempfile.TemporaryDirectory(prefix="composer-base-") as tmp:
@@ -180,6 +183,7 @@ def midtrained_checkpoint(
 ):
     """Continued pre-training of the base model on the token shards with DeepSpeed, run on the
     cluster resource; resumes from its last checkpoint when retried with the same inputs."""
+    record_provenance(context)
     storage = artifacts.get()
     _, job = run_stage(
         context, storage, cluster, "midtrain", MidtrainConfig, config, ["token_shards", "base_model"],

@@ -14,6 +14,7 @@ import dagster as dg
 
 from assets import corpus, dedup, envs, evals, rl, sensors, sft, train
 from assets import jobs as jobs_module
+from assets._common import code_version
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
 from resources.cluster import ClusterResource
 from resources.model_settings import ModelSettings
@@ -67,6 +68,16 @@ def make_resources() -> dict:
     }
 
 
+def versioned(*groups) -> list[dg.AssetsDefinition]:
+    """Each ``(module, *assets)``'s assets with the code version of their module: a digest of the
+    code it runs (``assets._common.code_version``)."""
+    out = []
+    for module, *assets_defs in groups:
+        version = code_version(module.__file__)
+        out += dg.map_asset_specs(lambda spec: spec.replace_attributes(code_version=version), assets_defs)
+    return out
+
+
 DOWNSTREAM_JOBS = ["build_tasks", "data_refresh", "train"]
 """Jobs ``materialize_all`` runs in order: tasks, then every source and the shards in one run, then
 mid-training through evaluation."""
@@ -75,20 +86,15 @@ mid-training through evaluation."""
 def build_defs(resources: dict | None = None) -> dg.Definitions:
     """The Definitions; ``resources`` override those built from the environment (tests pass theirs)."""
     return dg.Definitions(
-        assets=[
-            corpus.code_corpus,
-            dedup.deduped_shards,
-            envs.task_sets,
-            train.tokenizer,
-            train.token_shards,
-            train.base_model,
-            train.midtrained_checkpoint,
-            sft.sft_trajectories,
-            sft.sft_checkpoint,
-            rl.rl_run,
-            evals.evaluated_model,
-            evals.promoted_model,
-        ],
+        assets=versioned(
+            (corpus, corpus.code_corpus),
+            (dedup, dedup.deduped_shards),
+            (envs, envs.task_sets),
+            (train, train.tokenizer, train.token_shards, train.base_model, train.midtrained_checkpoint),
+            (sft, sft.sft_trajectories, sft.sft_checkpoint),
+            (rl, rl.rl_run),
+            (evals, evals.evaluated_model, evals.promoted_model),
+        ),
         asset_checks=[
             dedup.kept_files_unique,
             dedup.no_contamination,

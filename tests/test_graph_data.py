@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -138,6 +139,12 @@ def test_data_half_local(tmp_path):
     assert "hunter2-very-secret" not in text and "ops@example.com" not in text
     assert mats["deduped_shards"]["dagster/uri"].startswith("file://")
     storage.verify_manifest(mats["deduped_shards"]["dagster/uri"])
+    # Provenance: the code and the settings that made it, on the materialization itself.
+    meta = mats["deduped_shards"]
+    spec_version = build_defs(resources).resolve_asset_graph().get(dg.AssetKey("deduped_shards")).code_version
+    assert meta["code_version"] == spec_version and len(spec_version) == 16
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?|unknown", meta["code_commit"]), meta["code_commit"]
+    assert re.fullmatch(r"[0-9a-f]{16}", meta["config_digest"]) and meta["seeds"].get("seed") == 42, meta["seeds"]  # DedupConfig.seed (MinHash)
 
 
 def test_data_half_on_s3_server(tmp_path, s3_bucket):

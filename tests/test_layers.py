@@ -123,3 +123,42 @@ def test_run_config_errors_are_one_line_and_refuse_unknown_fields():
         with pytest.raises(dg.Failure) as err:
             engine_config(RLConfig, bad, **paths)
         assert "\n" not in err.value.description and words in err.value.description, err.value.description
+
+
+def test_every_asset_declares_a_code_version_that_follows_its_code(tmp_path, monkeypatch):
+    """An asset's code version is a digest of the code it reaches through its imports (and the
+    stage entry points it names), so an engine change marks it stale in the UI, and a change to
+    code it never runs does not."""
+    from assets import _common
+    from composer_dag.definitions import defs
+
+    graph = defs.resolve_asset_graph()
+    versions = {k.to_user_string(): graph.get(k).code_version for k in graph.get_all_asset_keys()}
+    assert versions and all(v and len(v) == 16 for v in versions.values()), versions
+    assert versions["rl_rollouts"] == versions["rl_checkpoint"] != versions["code_corpus"]
+
+    (tmp_path / "composer_dag" / "stage").mkdir(parents=True)
+    (tmp_path / "assets").mkdir()
+    files = {
+        "composer_dag/__init__.py": "", "composer_dag/stage/__init__.py": "",
+        "composer_dag/stage/run.py": "from ..lower import helper\n",
+        "composer_dag/lower.py": "def helper():\n    return 1\n",
+        "composer_dag/unrelated.py": "X = 1\n",
+        "assets/__init__.py": "",
+        "assets/stage.py": "ENTRY = 'composer_dag.stage.run'\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(_common, "REPO_ROOT", tmp_path)
+
+    def version() -> str:
+        _common.code_version.cache_clear()
+        return _common.code_version(str(tmp_path / "assets" / "stage.py"))
+
+    v0 = version()
+    (tmp_path / "composer_dag/unrelated.py").write_text("X = 2\n")
+    assert version() == v0
+    (tmp_path / "composer_dag/lower.py").write_text("def helper():\n    return 2\n")
+    assert version() != v0
+    _common.code_version.cache_clear()
+
