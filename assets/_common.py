@@ -194,7 +194,8 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
-def _imported(path: Path) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _imported(path: Path) -> frozenset[str]:
     """Project modules ``path`` imports (anywhere in it, lazily too) or names as a dotted string,
     the way a stage's entry point is named for the job that runs it."""
     pkg = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
@@ -218,7 +219,7 @@ def _imported(path: Path) -> set[str]:
         if n.split(".")[0] in _LOCAL_PACKAGES:   # each enclosing package runs its __init__ too
             parts = n.split(".")
             out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    return out
+    return frozenset(out)
 
 
 @functools.lru_cache(maxsize=None)
