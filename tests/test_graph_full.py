@@ -31,9 +31,11 @@ TINY_RUN_CONFIG = {
                 "config": {"max_steps": 16, "seq_len": 64, "micro_batch": 4, "warmup_steps": 2,
                            "eval_every": 8, "save_every": 8, "eval_batches": 4, "lr": 2e-3}
             },
-            # the learnable family only: its transcripts are short, so 60 steps teach the behaviour
+            # the learnable family only: its transcripts are short, so the default 80 steps teach the
+            # behaviour (at 60, with a quarter of each micro-batch replayed code, 1 of 16 sampled first
+            # turns parsed on one machine and 13 of 16 at 80)
             "sft_trajectories": {"config": {"max_per_source": {"humaneval": 0, "stdlib-bugfix": 0}}},
-            "sft_checkpoint": {"config": {"max_steps": 60, "eval_every": 30, "save_every": 30, "format_samples": 16,
+            "sft_checkpoint": {"config": {"max_steps": 80, "eval_every": 40, "save_every": 40, "format_samples": 16,
                                           "min_format_share": 0.25}},
             # the distributed mode: two vLLM rollout servers started as Slurm service jobs, each
             # taking sft_checkpoint from S3 and following the weights the RL job publishes there;
