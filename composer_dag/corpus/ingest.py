@@ -22,18 +22,15 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
-
-from pydantic import Field, field_validator
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from composer_dag.corpus.languages import (
-    LANGUAGES, is_binary_name, language_from_name, language_from_shebang,
+    is_binary_name, language_from_name, language_from_shebang,
 )
-from composer_dag.corpus.sources import Entry, SourceSpec, open_entries
-from composer_dag.runtime.config import StageConfig
+from composer_dag.corpus.sources import CorpusConfig, Entry, SourceSpec, open_entries
 from composer_dag.storage import Storage
 
 FILES_SCHEMA = pa.schema([
@@ -47,42 +44,6 @@ SKIPPED_SCHEMA = pa.schema([
 ])
 LFS_POINTER = b"version https://git-lfs.github.com/spec/v1"
 _OWN_FILES = re.compile(r"files-\d{5}\.parquet|skipped\.parquet|manifest\.json")
-
-
-class CorpusConfig(StageConfig):
-    """Filters and limits of one ingest.
-
-    The caps (``max_total_bytes`` of kept text, ``max_files`` kept) stop reading once reached;
-    every file met afterwards is counted as ``over_budget`` from its listing alone (the file
-    that would overflow ``max_total_bytes`` is the first one). None = no cap (the default: a
-    source declares its own cap, as the default ``python`` source does in ``sources.yaml``).
-    The ``python`` source walks its parts in order, so 40 MB holds the whole stdlib with its
-    tests (about 33 MB for CPython 3.11) and the first packages of site-packages.
-    """
-
-    max_file_bytes: int = 1_000_000
-    max_total_bytes: Optional[int] = None
-    max_files: Optional[int] = None
-    languages: Optional[tuple[str, ...]] = Field(None, description="allow-list of language ids; None = all known")
-    skip_dirs: tuple[str, ...] = (".git", ".hg", ".svn", "__pycache__")
-    python_parts: tuple[str, ...] = ("stdlib", "site-packages")
-    shard_bytes: int = Field(64 << 20, description="start a new files-NNNNN.parquet after this much content")
-    progress_every: int = 2000
-
-    @field_validator("languages")
-    @classmethod
-    def _known_languages(cls, langs):
-        unknown = set(langs or ()) - LANGUAGES
-        if unknown:
-            raise ValueError(f"unknown language ids {sorted(unknown)}; known: {sorted(LANGUAGES)}")
-        return langs
-
-    @field_validator("python_parts")
-    @classmethod
-    def _known_parts(cls, parts):
-        if set(parts) - {"stdlib", "site-packages"}:
-            raise ValueError("python_parts may hold 'stdlib' and 'site-packages' only")
-        return parts
 
 
 @dataclass

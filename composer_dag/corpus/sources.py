@@ -28,16 +28,50 @@ import subprocess
 import sysconfig
 import tempfile
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Optional
+from typing import Any, Callable, Iterator, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..runtime.config import ConfigError, StageConfig
-
-if TYPE_CHECKING:
-    from .ingest import CorpusConfig
+from .languages import LANGUAGES
 
 KINDS = ("python", "local", "git", "s3")
+
+
+class CorpusConfig(StageConfig):
+    """Filters and limits of one ingest.
+
+    The caps (``max_total_bytes`` of kept text, ``max_files`` kept) stop reading once reached;
+    every file met afterwards is counted as ``over_budget`` from its listing alone (the file
+    that would overflow ``max_total_bytes`` is the first one). None = no cap (the default: a
+    source declares its own cap, as the default ``python`` source does in ``sources.yaml``).
+    The ``python`` source walks its parts in order, so 40 MB holds the whole stdlib with its
+    tests (about 33 MB for CPython 3.11) and the first packages of site-packages.
+    """
+
+    max_file_bytes: int = 1_000_000
+    max_total_bytes: Optional[int] = None
+    max_files: Optional[int] = None
+    languages: Optional[tuple[str, ...]] = Field(None, description="allow-list of language ids; None = all known")
+    skip_dirs: tuple[str, ...] = (".git", ".hg", ".svn", "__pycache__")
+    python_parts: tuple[str, ...] = ("stdlib", "site-packages")
+    shard_bytes: int = Field(64 << 20, description="start a new files-NNNNN.parquet after this much content")
+    progress_every: int = 2000
+
+    @field_validator("languages")
+    @classmethod
+    def _known_languages(cls, langs):
+        unknown = set(langs or ()) - LANGUAGES
+        if unknown:
+            raise ValueError(f"unknown language ids {sorted(unknown)}; known: {sorted(LANGUAGES)}")
+        return langs
+
+    @field_validator("python_parts")
+    @classmethod
+    def _known_parts(cls, parts):
+        if set(parts) - {"stdlib", "site-packages"}:
+            raise ValueError("python_parts may hold 'stdlib' and 'site-packages' only")
+        return parts
 
 
 @dataclass(frozen=True)
@@ -81,8 +115,7 @@ class SourceEntry(StageConfig):
         return SourceSpec(name=self.name, kind=self.kind, uri=self.uri or self.kind, rev=self.rev,
                           storage_options=storage_options if self.kind == "s3" else None)
 
-    def corpus_config(self) -> "CorpusConfig":
-        from .ingest import CorpusConfig
+    def corpus_config(self) -> CorpusConfig:
 
         return CorpusConfig.load({
             "max_file_bytes": int(self.max_file_mb * 1_000_000),
