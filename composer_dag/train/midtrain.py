@@ -35,6 +35,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import numpy as np
@@ -47,7 +48,7 @@ from .data import TokenShardDataset, TranscriptDataset, mixed_batches
 from ..runtime.checkpoint import (atomic_dir, clear_checkpoint, pause_before_seal, resume_checkpoint, rng_state,
                                   seal_checkpoint, set_rng_state, trim_metrics, write_json_atomic)
 from ..runtime.distributed import setup_distributed
-from .model import param_count, save_hf_dir
+from .model import param_count, sample_text, save_hf_dir
 
 
 class MidtrainConfig(StageConfig):
@@ -253,28 +254,28 @@ def code_val_loss(engine, cfg: MidtrainConfig, rank: int, world: int, device) ->
 
 
 # ---- the run ---------------------------------------------------------------------------
-def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
-    import torch
-    import torch.distributed as dist
+@dataclass
+class _Progress:
+    """Where a run is: what a checkpoint's ``trainer_state.json`` holds besides the RNG states."""
+    step: int = 0
+    samples: int = 0
+    tokens: int = 0
+    history: list = field(default_factory=list)   # [step, loss] per log step
+    evals: list = field(default_factory=list)     # one record per validation
+    stopped_early: bool = False                   # set once the validation loss stalls (early_stop_patience)
 
-    rank, world, device = setup_distributed()
-    rep = rep or Reporter(rank)
+
+def _engine(cfg: MidtrainConfig, device, bf16: bool, total_steps: int):
+    """The model, its AdamW (no decay on vectors) and LR schedule, under DeepSpeed; and its pad id
+    and parameter count."""
     import deepspeed
+    import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-
-    bf16 = cfg.bf16 if cfg.bf16 is not None else (
-        device.type == "cuda" and torch.cuda.is_bf16_supported())
-    total_steps = cfg.total_steps(world)
-    samples_per_step = cfg.micro_batch * cfg.grad_accum * world
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-
     model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32)
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id or 0
     n_params = param_count(model)
@@ -286,87 +287,128 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg, total_steps))
     engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                                config=ds_config(cfg, bf16, device.type == "cuda"))
+    return engine, sched, pad_id, n_params
 
-    ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
-    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    os.makedirs(ckpt_root, exist_ok=True)
-    step, samples, history, evals, tokens_seen = 0, 0, [], [], 0
-    stopped_early = False  # set once the validation loss stalls (early_stop_patience)
+
+def _resume(engine, cfg: MidtrainConfig, ckpt_root: str, metrics_path: str, rank: int, rep: Reporter):
+    """Load the newest checkpoint rank 0 verified (every rank loads the same one): its tag and
+    progress, or (None, a fresh progress)."""
+    import torch.distributed as dist
+
     found = [resume_checkpoint(cfg.out_dir, ckpt_root, rep.log) if rank == 0 else None]
-    dist.broadcast_object_list(found, src=0)  # every rank loads the checkpoint rank 0 verified
-    resumed = found[0]
+    dist.broadcast_object_list(found, src=0)
+    resumed, run = found[0], _Progress()
     if resumed:
         engine.load_checkpoint(ckpt_root, tag=resumed)
         with open(os.path.join(ckpt_root, resumed, "trainer_state.json")) as f:
             st = json.load(f)
-        step, samples, history, evals = st["step"], st["samples"], st["loss_history"], st["evals"]
-        if st.get("stopped_early"):  # the run had stopped early at this checkpoint: it is complete
-            stopped_early, total_steps = True, step
-        tokens_seen = int(st.get("tokens", samples * cfg.seq_len))
+        run = _Progress(st["step"], st["samples"], int(st.get("tokens", st["samples"] * cfg.seq_len)),
+                        st["loss_history"], st["evals"], bool(st.get("stopped_early")))
         set_rng_state(st["rng"])
-        if rank == 0 and trim_metrics(metrics_path, step):
+        if rank == 0 and trim_metrics(metrics_path, run.step):
             rep.log(f"dropped torn lines from {metrics_path}")
-        rep.log(f"resumed from {resumed}: step {step}, sample {samples}")
+        rep.log(f"resumed from {resumed}: step {run.step}, sample {run.samples}")
+    return resumed, run
 
-    def log_metrics(rec: dict) -> None:
-        if rank == 0:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
 
-    def run_eval() -> None:
-        loss = evaluate(engine, cfg, rank, world, device, pad_id)
-        ppl = None if loss is None else math.exp(min(loss, 50))
-        rec = {"step": step, "val_loss": loss, "val_ppl": ppl}
-        code = code_val_loss(engine, cfg, rank, world, device)
-        if code is not None:
-            rec.update(val_code_loss=code, val_code_ppl=math.exp(min(code, 50)))
-        evals.append(rec)
-        log_metrics(rec)
-        if loss is not None:
-            rep.progress(f"step {step:>6} val_loss {loss:.4f} val_ppl {ppl:.2f}"
-                         + (f" code_ppl {rec['val_code_ppl']:.2f}" if code is not None else ""))
+def _append_metrics(path: str, rank: int, rec: dict) -> None:
+    if rank == 0:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
-    def save() -> str:
-        tag = f"step_{step:07d}"
-        if rank == 0:
-            clear_checkpoint(os.path.join(ckpt_root, tag))
-        dist.barrier()
-        engine.save_checkpoint(ckpt_root, tag=tag, save_latest=False)
-        full = engine._zero3_consolidated_16bit_state_dict() if cfg.zero_stage == 3 else None
-        if rank == 0:
-            pause_before_seal()
-            engine.module.config.dtype = "bfloat16" if bf16 else "float32"
-            save_hf_dir(engine.module, os.path.join(ckpt_root, tag, "hf"),
-                        tokenizer_dir=cfg.model_dir, state_dict=full)
-            write_json_atomic(os.path.join(ckpt_root, tag, "trainer_state.json"), {
-                "step": step, "samples": samples, "tokens": tokens_seen,
-                "world_size": world, "rng": rng_state(), "loss_history": history,
-                "evals": evals, "stopped_early": stopped_early, "config": cfg.to_dict()})
-        dist.barrier()  # every rank's optimizer partition is on disk
-        if rank == 0:
-            seal_checkpoint(os.path.join(ckpt_root, tag))
-            write_json_atomic(os.path.join(cfg.out_dir, "latest"),
-                              {"tag": tag, "step": step, "samples": samples})
-            tags = sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))
-            for old in tags[:-cfg.keep_checkpoints]:
-                shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
-        return tag
 
-    if not evals:
+def _validate(engine, cfg: MidtrainConfig, run: _Progress, rank: int, world: int, device, pad_id: int,
+              metrics_path: str, rep: Reporter) -> None:
+    """One validation (the held-out split, and the replayed code's when there is one), recorded."""
+    loss = evaluate(engine, cfg, rank, world, device, pad_id)
+    ppl = None if loss is None else math.exp(min(loss, 50))
+    rec = {"step": run.step, "val_loss": loss, "val_ppl": ppl}
+    code = code_val_loss(engine, cfg, rank, world, device)
+    if code is not None:
+        rec.update(val_code_loss=code, val_code_ppl=math.exp(min(code, 50)))
+    run.evals.append(rec)
+    _append_metrics(metrics_path, rank, rec)
+    if loss is not None:
+        rep.progress(f"step {run.step:>6} val_loss {loss:.4f} val_ppl {ppl:.2f}"
+                     + (f" code_ppl {rec['val_code_ppl']:.2f}" if code is not None else ""))
+
+
+def _save(engine, cfg: MidtrainConfig, run: _Progress, ckpt_root: str, bf16: bool, rank: int, world: int) -> str:
+    """A sealed checkpoint of the run (engine state, trainer state, a Hugging Face export), then
+    ``latest`` pointing at it, then the oldest beyond ``keep_checkpoints`` removed."""
+    import torch.distributed as dist
+
+    tag = f"step_{run.step:07d}"
+    if rank == 0:
+        clear_checkpoint(os.path.join(ckpt_root, tag))
+    dist.barrier()
+    engine.save_checkpoint(ckpt_root, tag=tag, save_latest=False)
+    full = engine._zero3_consolidated_16bit_state_dict() if cfg.zero_stage == 3 else None
+    if rank == 0:
+        pause_before_seal()
+        engine.module.config.dtype = "bfloat16" if bf16 else "float32"
+        save_hf_dir(engine.module, os.path.join(ckpt_root, tag, "hf"), tokenizer_dir=cfg.model_dir, state_dict=full)
+        write_json_atomic(os.path.join(ckpt_root, tag, "trainer_state.json"), {
+            "step": run.step, "samples": run.samples, "tokens": run.tokens,
+            "world_size": world, "rng": rng_state(), "loss_history": run.history,
+            "evals": run.evals, "stopped_early": run.stopped_early, "config": cfg.to_dict()})
+    dist.barrier()  # every rank's optimizer partition is on disk
+    if rank == 0:
+        seal_checkpoint(os.path.join(ckpt_root, tag))
+        write_json_atomic(os.path.join(cfg.out_dir, "latest"), {"tag": tag, "step": run.step, "samples": run.samples})
+        tags = sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))
+        for old in tags[:-cfg.keep_checkpoints]:
+            shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
+    return tag
+
+
+def _export(cfg: MidtrainConfig, ckpt_root: str, tag: str, result: dict) -> None:
+    """Rank 0: the final checkpoint's Hugging Face export as ``out_dir/hf`` (sampled from, as a
+    check, when ``sample_tokens``), then ``result.json``."""
+    with atomic_dir(result["hf_dir"]) as tmp:
+        src = os.path.join(ckpt_root, tag, "hf")
+        for name in os.listdir(src):
+            shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
+    if cfg.sample_tokens:  # the exported checkpoint loads in transformers and generates
+        result["sample"] = sample_text(result["hf_dir"], max_tokens=cfg.sample_tokens)
+    write_json_atomic(os.path.join(cfg.out_dir, "result.json"), result)
+
+
+def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    rank, world, device = setup_distributed()
+    rep = rep or Reporter(rank)
+    bf16 = cfg.bf16 if cfg.bf16 is not None else (
+        device.type == "cuda" and torch.cuda.is_bf16_supported())
+    total_steps = cfg.total_steps(world)
+    samples_per_step = cfg.micro_batch * cfg.grad_accum * world
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    engine, sched, pad_id, n_params = _engine(cfg, device, bf16, total_steps)
+
+    ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
+    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    os.makedirs(ckpt_root, exist_ok=True)
+    tag, run = _resume(engine, cfg, ckpt_root, metrics_path, rank, rep)
+    if run.stopped_early:  # the run had stopped early at this checkpoint: it is complete
+        total_steps = run.step
+    if not run.evals:
         if val_samples_per_rank(cfg, world) == 0:
             rep.log(f"no usable validation split in {cfg.data_dir}: validation is skipped")
-        run_eval()
-    data = _train_batches(cfg, pad_id, rank, world, samples)
+        _validate(engine, cfg, run, rank, world, device, pad_id, metrics_path, rep)
+    data = _train_batches(cfg, pad_id, rank, world, run.samples)
     replay_share = (cfg.replay() or ("", 0.0))[1]
-    rep.log(f"{'sft' if cfg.objective == 'sft' else 'midtrain'}: {n_params:,} params, world {world}, {'bf16' if bf16 else 'fp32'}, "
-            f"ZeRO-{cfg.zero_stage}, steps {step}->{total_steps}, "
+    rep.log(f"{'sft' if cfg.objective == 'sft' else 'midtrain'}: {n_params:,} params, world {world}, "
+            f"{'bf16' if bf16 else 'fp32'}, ZeRO-{cfg.zero_stage}, steps {run.step}->{total_steps}, "
             f"{samples_per_step * cfg.seq_len} tokens/step")
     train_time, run_tokens, win_time, win_tokens = 0.0, 0, 0.0, 0
     fed = torch.zeros((), dtype=torch.int64, device=device)
     loss_acc, n_acc = torch.zeros((), device=device), 0
-    tag = resumed
     t_start = time.perf_counter()
-    while step < total_steps:
+    while run.step < total_steps:
         t0 = time.perf_counter()
         for _ in range(cfg.grad_accum):
             batch = next(data)
@@ -375,66 +417,56 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
             engine.backward(loss)
             engine.step()
             loss_acc += loss.detach() / cfg.grad_accum
-        step += 1
+        run.step += 1
         n_acc += 1
-        samples += samples_per_step
+        run.samples += samples_per_step
         if world > 1:
             dist.all_reduce(fed)
-        tokens_seen += int(fed.item())
+        run.tokens += int(fed.item())
         win_tokens += int(fed.item())
         fed.zero_()
-        if step % cfg.log_every == 0 or step == total_steps:
+        win_time += time.perf_counter() - t0
+        if run.step % cfg.log_every == 0 or run.step == total_steps:
             dist.all_reduce(loss_acc)
             loss_val = loss_acc.item() / world / n_acc
             loss_acc.zero_()
             n_acc = 0
-            win_time += time.perf_counter() - t0
             train_time, run_tokens = train_time + win_time, run_tokens + win_tokens
-            rec = {"step": step, "loss": loss_val, "lr": sched.get_last_lr()[0],
-                   "tokens": tokens_seen, "tokens_per_s": win_tokens / win_time,
+            rec = {"step": run.step, "loss": loss_val, "lr": sched.get_last_lr()[0],
+                   "tokens": run.tokens, "tokens_per_s": win_tokens / win_time,
                    "elapsed_s": round(time.perf_counter() - t_start, 3)}
-            history.append([step, loss_val])
-            log_metrics(rec)
-            rep.progress(f"step {step:>6}/{total_steps} loss {loss_val:.4f} lr {rec['lr']:.2e} "
+            run.history.append([run.step, loss_val])
+            _append_metrics(metrics_path, rank, rec)
+            rep.progress(f"step {run.step:>6}/{total_steps} loss {loss_val:.4f} lr {rec['lr']:.2e} "
                          f"tok/s {rec['tokens_per_s']:,.0f}")
             win_time, win_tokens = 0.0, 0
-        else:
-            win_time += time.perf_counter() - t0
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == total_steps:
-            if not evals or evals[-1]["step"] != step:
-                run_eval()
-                if step < total_steps and stalled(evals, cfg.early_stop_patience):
+        if (cfg.eval_every and run.step % cfg.eval_every == 0) or run.step == total_steps:
+            if not run.evals or run.evals[-1]["step"] != run.step:
+                _validate(engine, cfg, run, rank, world, device, pad_id, metrics_path, rep)
+                if run.step < total_steps and stalled(run.evals, cfg.early_stop_patience):
                     rep.log(f"validation loss not improved in {cfg.early_stop_patience} validations: "
-                            f"stopping early at step {step} of {total_steps}")
-                    stopped_early, total_steps = True, step
-        if (cfg.save_every and step % cfg.save_every == 0) or step == total_steps:
-            tag = save()
+                            f"stopping early at step {run.step} of {total_steps}")
+                    run.stopped_early, total_steps = True, run.step
+        if (cfg.save_every and run.step % cfg.save_every == 0) or run.step == total_steps:
+            tag = _save(engine, cfg, run, ckpt_root, bf16, rank, world)
 
     if tag is None:  # nothing to train (already done, or max_steps 0): still leave a checkpoint
-        tag = save()
-    hf_dir = os.path.join(cfg.out_dir, "hf")
+        tag = _save(engine, cfg, run, ckpt_root, bf16, rank, world)
+    evals = run.evals
     result = {
-        "steps": step, "total_steps": total_steps, "world_size": world,
-        "stopped_early": stopped_early,
-        "tokens_seen": tokens_seen, "samples_seen": samples, "objective": cfg.objective,
+        "steps": run.step, "total_steps": total_steps, "world_size": world,
+        "stopped_early": run.stopped_early,
+        "tokens_seen": run.tokens, "samples_seen": run.samples, "objective": cfg.objective,
         "tokens_this_run": run_tokens, "train_seconds": round(train_time, 3),
         "tokens_per_s": run_tokens / train_time if train_time else None,
         "val_loss_before": evals[0]["val_loss"], "val_ppl_before": evals[0]["val_ppl"],
         "val_loss_after": evals[-1]["val_loss"], "val_ppl_after": evals[-1]["val_ppl"],
-        "loss_curve": history, "evals": evals, "hf_dir": hf_dir, "checkpoint": tag,
+        "loss_curve": run.history, "evals": evals, "hf_dir": os.path.join(cfg.out_dir, "hf"), "checkpoint": tag,
         "params": n_params, "precision": "bf16" if bf16 else "fp32",
         "zero_stage": cfg.zero_stage, "config": cfg.to_dict(),
     }
     if rank == 0:
-        with atomic_dir(hf_dir) as tmp:
-            src = os.path.join(ckpt_root, tag, "hf")
-            for name in os.listdir(src):
-                shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
-        if cfg.sample_tokens:  # the exported checkpoint loads in transformers and generates
-            from ..inference.smoke import smoke
-
-            result["sample"] = smoke(hf_dir, "hf", max_tokens=cfg.sample_tokens)
-        write_json_atomic(os.path.join(cfg.out_dir, "result.json"), result)
+        _export(cfg, ckpt_root, tag, result)
     dist.barrier()
     return result
 

@@ -172,3 +172,22 @@ def load_base_model(path: str, dtype: str | None = None):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype or default_dtype()))
+
+
+def sample_text(model_dir: str, prompt: str = "def fibonacci(n):\n", max_tokens: int = 32, seed: int = 0) -> dict:
+    """Load a saved checkpoint in transformers and sample a short continuation (temperature 0.8):
+    the check that an exported checkpoint loads and generates. Returns the new token count and text."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=0.8, top_p=1.0,
+                             max_new_tokens=max_tokens, pad_token_id=model.config.pad_token_id or 0)
+    new = out[0, ids.shape[1]:].tolist()
+    return {"engine": "hf", "new_tokens": len(new), "text": prompt + tok.decode(new, skip_special_tokens=True)}
