@@ -122,12 +122,12 @@ def run_stage(context, storage, cluster, stage: str, model, params, inputs: list
     that key for a stage that tells its own inputs apart (evaluation keeps one result per
     candidate checkpoint and redoes only those whose digest changed).
     ``outputs`` maps each output asset key to the files to publish (``[dest, src]``, ``src``
-    relative to the stage's ``out_dir``, see ``composer_dag.runtime.job``); each goes to
+    relative to the stage's ``out_dir``, see ``composer_dag.cluster.job``); each goes to
     ``<root>/<asset key>/<run id>``.
     Returns the engine config and ``{"summary": the stage's result, "outputs": {key: {url, digest}}}``."""
     from resources.dagster_config import engine_config
 
-    from composer_dag.runtime.job import SCRATCH
+    from composer_dag.cluster.job import SCRATCH
 
     metas = {key: latest_metadata(context.instance, key) or {} for key in inputs}
     digests = [str(metas[key].get("manifest_digest")) for key in (inputs if state_inputs is None else state_inputs)]

@@ -50,7 +50,7 @@ def moto(port: int = 0):
 
 
 def bench_services(runs: int) -> None:
-    from composer_dag.runtime import services
+    from composer_dag.cluster import services
     from tests.slurm_cluster import SlurmCluster
 
     tmp = tempfile.mkdtemp(prefix="composer-bench-")

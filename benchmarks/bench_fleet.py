@@ -185,7 +185,7 @@ def learn(args) -> dict:
     import torch
 
     from composer_dag.rl.fleet.server import ServerProcess
-    from composer_dag.launch import free_port
+    from composer_dag.cluster.spec import free_port
     from composer_dag.rl.learnable import make_learnable_setup
     from composer_dag.rl.report import reward_slope
     from composer_dag.rl.run import LEARNABLE_RUN
@@ -261,7 +261,7 @@ def server_start(args) -> dict:
     import subprocess
 
     from composer_dag.inference.engine import Sampling
-    from composer_dag.launch import free_port
+    from composer_dag.cluster.spec import free_port
     from composer_dag.rl.fleet import server as srv
 
     model = base_model(args)

@@ -81,7 +81,7 @@ def trainer_run(cfg: MidtrainConfig, warmup: int, nproc: int = 1) -> list[float]
     if nproc == 1:
         cmd = [sys.executable, "-m", "composer_dag.train.midtrain", "--config", path]
     else:
-        from composer_dag.launch import LaunchSpec, local_command
+        from composer_dag.cluster.spec import LaunchSpec, local_command
 
         cmd = local_command(LaunchSpec(entry="composer_dag.train.midtrain",
                                        args=["--config", path], nproc_per_node=nproc))

@@ -2,7 +2,7 @@
 
 A stage's job shares no disk with Dagster. ``run_job`` writes the job's spec (its config,
 input URLs with their manifest digests, output URLs, a resume URL) to artifact storage and
-launches ``python -m composer_dag.runtime.job --spec URL``, which pulls and verifies its
+launches ``python -m composer_dag.cluster.job --spec URL``, which pulls and verifies its
 inputs into a scratch directory of its own, runs the stage (``torchrun``/``deepspeed``/
 ``python``), publishes sealed outputs, and reports their URLs and digests. Pipes context and
 messages travel through the same storage, so no backend needs a shared filesystem.
@@ -24,7 +24,7 @@ environment and the code (read-only) and a private ``/tmp``: it cannot see this 
 
 ``run`` runs a bare entry point locally (no job spec) and returns its last custom message.
 
-Services and arrays (``composer_dag.runtime.services``): ``start_service``/``stop`` and the
+Services and arrays (``composer_dag.cluster.services``): ``start_service``/``stop`` and the
 ``services(context)`` block (every service started in it stops with the step, on an exception
 or a cancelled run too) run long-running HTTP services with a health check; ``run_array`` runs
 one command per index (a local pool, ``sbatch --array``, an Indexed Job). Failures are a
@@ -50,12 +50,14 @@ from dagster._core.pipes.client import PipesContextInjector
 from dagster._core.pipes.utils import PipesBlobStoreMessageReader, open_pipes_session
 
 import composer_dag
-from composer_dag import launch
-from composer_dag.runtime import services
-from composer_dag.runtime.job import error_line
-from composer_dag.runtime.services import (ArrayConfig, ArrayError, ArrayTask, ClusterConfig, ServiceConfig,
-                                           SchedulerError, ServiceError, ServiceGroup, ServiceHandle, slurm_state,
-                                           stop_process_group)
+from composer_dag.cluster import services
+from composer_dag.cluster import k8s, slurm, spec as launch
+from composer_dag.runtime.errors import error_line
+from composer_dag.cluster.local import stop_process_group
+from composer_dag.cluster.services import ServiceGroup
+from composer_dag.cluster.slurm import slurm_state
+from composer_dag.cluster.spec import (ArrayConfig, ArrayError, ArrayTask, ClusterConfig, SchedulerError, ServiceConfig,
+                                       ServiceError, ServiceHandle)
 
 __all__ = ["ArrayTask", "ClusterError", "ClusterResource", "ServiceHandle", "slurm_state", "stop_process_group"]
 from resources.base import ClearConfigResource
@@ -184,7 +186,7 @@ class ClusterResource(ClearConfigResource):
     def job_argv(self, spec_url: str, scratch: str, env: dict[str, str]) -> list[str]:
         """The job runner's argv on a node; under bubblewrap when ``isolate`` (``env`` then is
         all the job sees, besides the credentials in ``PASS_ENV`` present here)."""
-        argv = [sys.executable, "-m", "composer_dag.runtime.job", "--spec", spec_url, "--scratch", scratch]
+        argv = [sys.executable, "-m", "composer_dag.cluster.job", "--spec", spec_url, "--scratch", scratch]
         if not self.isolate:
             return argv
         # compiled kernels (DeepSpeed's ops: ~90 s to build on 2 cores) and the sandboxes' runtime
@@ -207,14 +209,14 @@ class ClusterResource(ClearConfigResource):
                scratch: str | None = None) -> Any:
         """What the backend launches for the job spec at ``spec_url``: an argv (local), a pod
         manifest (k8s), an sbatch script (slurm)."""
-        env = {**self.spec("composer_dag.runtime.job", [], name, "python").env, **(env or {})}
+        env = {**self.spec("composer_dag.cluster.job", [], name, "python").env, **(env or {})}
         scratch = scratch or os.path.join(self.scratch_dir, f"{name}-{uuid.uuid4().hex[:8]}")
         if self.backend == "local":
             return self.job_argv(spec_url, scratch, env)
         if self.backend == "k8s":
-            spec = self.spec("composer_dag.runtime.job", ["--spec", spec_url], name, "python")
+            spec = self.spec("composer_dag.cluster.job", ["--spec", spec_url], name, "python")
             spec.env.update(env)
-            return launch.k8s_pod_spec(
+            return k8s.k8s_pod_spec(
                 spec, namespace=self.namespace, image=self.image, gpu_resource=self.gpu_resource,
                 service_account=self.service_account, secret_name=self.secret_name,
                 node_selector=self.node_selector, tolerations=self.tolerations)
@@ -223,7 +225,7 @@ class ClusterResource(ClearConfigResource):
             env = {}  # the sandbox gets its environment from the command line
         # the scratch directory is the job's: made before it starts, removed when it ends
         setup = [f"mkdir -p {scratch} {self.cache_dir()}", f"trap 'rm -rf {scratch}' EXIT"]
-        return launch.slurm_script(
+        return slurm.slurm_script(
             argv, name=name, nodes=self.nnodes, gpus_per_node=self.gpus_per_node,
             partition=self.partition, account=self.account, time=self.time_limit,
             output=os.path.join(self.scratch_dir, "%x-%j.out"), chdir=self.scratch_dir,
@@ -231,7 +233,7 @@ class ClusterResource(ClearConfigResource):
 
     # ---- running -----------------------------------------------------------------------
     def run_job(self, context, storage, job: dict[str, Any], name: str = "composer-job") -> dict[str, Any]:
-        """Run a stage's job (see ``composer_dag.runtime.job``) and return its verified result:
+        """Run a stage's job (see ``composer_dag.cluster.job``) and return its verified result:
         ``{"summary": <the stage's result>, "outputs": {name: {"url", "digest"}}}``, each
         output's manifest on storage matching the digest the job reported."""
         job = {"launcher": self.launcher, "nproc_per_node": self.nproc_per_node, "nnodes": self.nnodes, **job}
@@ -285,7 +287,7 @@ class ClusterResource(ClearConfigResource):
         out = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True)
         if out.returncode != 0:
             raise ClusterError(description=f"sbatch failed: {' '.join(out.stderr.split())[:300]}")
-        job = launch.parse_sbatch_output(out.stdout)
+        job = slurm.parse_sbatch_output(out.stdout)
         context.log.info(f"[cluster:slurm] submitted job {job}")
         try:
             state = self._wait_slurm(job)
@@ -294,7 +296,7 @@ class ClusterResource(ClearConfigResource):
             context.log.warning(f"[cluster:slurm] {why}: scancel {job}")
             subprocess.run(["scancel", job], check=False)
             deadline = time.monotonic() + self.grace_seconds + 30
-            while time.monotonic() < deadline and not launch.is_terminal(slurm_state(job).get("JobState", "UNKNOWN")):
+            while time.monotonic() < deadline and not slurm.is_terminal(slurm_state(job).get("JobState", "UNKNOWN")):
                 time.sleep(0.5)
             raise
         context.log.info(f"[cluster:slurm] job {job} ended {state['JobState']}")
@@ -303,7 +305,7 @@ class ClusterResource(ClearConfigResource):
         limit = self.time_limit
         if state["JobState"] == "TIMEOUT":  # the job's own limit (an operator may have changed it)
             sc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
-            limit = next(iter(launch.parse_scontrol_records(sc.stdout)), {}).get("TimeLimit", limit)
+            limit = next(iter(slurm.parse_scontrol_records(sc.stdout)), {}).get("TimeLimit", limit)
         what = {"CANCELLED": "was cancelled by the scheduler or an operator (scancel)",
                 "TIMEOUT": f"hit its time limit ({limit})", "NODE_FAIL": "lost its node (node failure or DOWN)",
                 "PREEMPTED": "was preempted", "OUT_OF_MEMORY": "ran out of memory"}.get(state["JobState"], "failed")
@@ -312,7 +314,7 @@ class ClusterResource(ClearConfigResource):
     def _wait_slurm(self, job: str) -> dict[str, str]:
         while True:
             state = slurm_state(job)
-            if launch.is_terminal(state.get("JobState", "PENDING")):
+            if slurm.is_terminal(state.get("JobState", "PENDING")):
                 return state
             time.sleep(self.poll_seconds)
 
@@ -359,7 +361,7 @@ class ClusterResource(ClearConfigResource):
 
     # ---- services and arrays -------------------------------------------------------------
     def cluster_config(self) -> ClusterConfig:
-        """The engine's view of these settings (``composer_dag.runtime.services``)."""
+        """The engine's view of these settings (``composer_dag.cluster.services``)."""
         return ClusterConfig.load({k: getattr(self, k) for k in ClusterConfig.model_fields})
 
     def start_service(self, context, name: str, argv: list[str], env: dict[str, str] | None = None,

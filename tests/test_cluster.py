@@ -14,7 +14,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from composer_dag import launch
+from composer_dag.cluster import spec as launch
 from resources.cluster import ClusterResource
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ def test_k8s_pod_spec_requests_gpus_and_shares_no_volume():
     c = pod["spec"]["containers"][0]
     assert c["image"] == "registry.example.com/composer:1"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
-    assert c["command"] == ["python", "-m", "composer_dag.runtime.job", "--spec", "s3://bucket/jobs/r1/midtrain.json"]
+    assert c["command"] == ["python", "-m", "composer_dag.cluster.job", "--spec", "s3://bucket/jobs/r1/midtrain.json"]
     assert c["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
     assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
     assert {v["name"] for v in pod["spec"]["volumes"]} == {"dshm", "scratch"}  # nothing shared
@@ -123,7 +123,7 @@ def test_slurm_script_runs_the_job_runner_once_per_node():
         assert line in script.splitlines()
     srun = script.rstrip().splitlines()[-1]
     assert srun.startswith("srun --kill-on-bad-exit=1 --container-image=nvcr.io/org/composer:1 ")
-    assert srun.endswith("-m composer_dag.runtime.job --spec s3://bucket/jobs/r1/midtrain.json --scratch /scratch/job1")
+    assert srun.endswith("-m composer_dag.cluster.job --spec s3://bucket/jobs/r1/midtrain.json --scratch /scratch/job1")
     assert 'export COMPOSER_RDZV_ENDPOINT="$head:29500"' in script
 
 
@@ -310,7 +310,7 @@ def test_local_service_dies_with_its_parent(tmp_path):
     marker = tmp_path / "www"
     script = textwrap.dedent(f"""
         import sys, time
-        from composer_dag.runtime.services import start_service
+        from composer_dag.cluster.services import start_service
         h = start_service({{"scratch_dir": {str(tmp_path)!r}}}, {{"name": "web", "argv": {_web(marker)!r}}})
         print(h.url, flush=True)
         time.sleep(120)
@@ -360,7 +360,7 @@ def test_local_array_runs_every_index_bounded_and_names_a_failing_one(tmp_path):
 
 # ---- services and arrays rendered for k8s and Slurm ------------------------------------------
 def test_k8s_service_and_indexed_job_round_trip_through_the_api_models():
-    from composer_dag.runtime.services import ArrayConfig, ServiceConfig, runner
+    from composer_dag.cluster.services import ArrayConfig, ServiceConfig, runner
     from tests.test_train_cluster import _round_trip
 
     cluster = ClusterResource(backend="k8s", image="registry.example.com/composer:1", namespace="ml",
@@ -396,7 +396,7 @@ def test_k8s_service_and_indexed_job_round_trip_through_the_api_models():
 
 
 def test_slurm_service_and_array_scripts():
-    from composer_dag.runtime.services import ArrayConfig, ServiceConfig, runner
+    from composer_dag.cluster.services import ArrayConfig, ServiceConfig, runner
 
     slurm = runner(ClusterResource(backend="slurm", partition="gpu", account="ml", scratch_dir="/scratch",
                                    container_image="nvcr.io/org/composer:1").cluster_config())
@@ -416,7 +416,7 @@ def test_slurm_service_and_array_scripts():
 
 def test_service_and_array_configs_refuse_bad_values_in_one_line():
     from composer_dag.runtime.config import ConfigError
-    from composer_dag.runtime.services import ArrayConfig, ServiceConfig
+    from composer_dag.cluster.services import ArrayConfig, ServiceConfig
 
     with pytest.raises(ConfigError, match=r"^invalid ServiceConfig config: name: .*pattern.*; argv: .*at least 1"):
         ServiceConfig.load({"name": "Rollout_0", "argv": []})
@@ -431,8 +431,8 @@ def test_k8s_runner_drives_the_api_as_rendered(monkeypatch):
     the Job is deleted."""
     from types import SimpleNamespace as NS
 
-    from composer_dag.runtime import services
-    from composer_dag.runtime.services import ArrayError
+    from composer_dag.cluster import services
+    from composer_dag.cluster.services import ArrayError
 
     calls = []
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from composer_dag.launch import LaunchSpec, local_command
+from composer_dag.cluster.spec import LaunchSpec, local_command
 from composer_dag.storage import ArtifactError, Storage
 
 pytestmark = pytest.mark.slow

@@ -3,9 +3,11 @@ import sys
 
 import pytest
 
-from composer_dag.launch import (LaunchSpec, is_terminal, k8s_pod_spec, local_command,
-                                  normalize_state, parse_sacct, parse_sbatch_output, parse_scontrol_job,
-                                  parse_squeue, slurm_script)
+from composer_dag.cluster.k8s import k8s_pod_spec
+from composer_dag.cluster.slurm import (is_terminal, normalize_state, parse_sacct, parse_sbatch_output,
+                                        parse_scontrol_job, parse_squeue, slurm_script)
+from composer_dag.cluster.spec import LaunchSpec, local_command
+
 
 def test_local_command():
     spec = LaunchSpec(entry="composer_dag.train.midtrain", args=["--config", "c.json"],
@@ -40,7 +42,7 @@ def _round_trip(manifest: dict, kind: str) -> dict:
 
 
 def test_k8s_pod_spec():
-    spec = LaunchSpec(entry="composer_dag.runtime.job", args=["--spec", "s3://b/jobs/r/midtrain.json"],
+    spec = LaunchSpec(entry="composer_dag.cluster.job", args=["--spec", "s3://b/jobs/r/midtrain.json"],
                       launcher="python", gpus_per_node=8, env={"NCCL_DEBUG": "WARN"},
                       secret_env={"HF_TOKEN": ("hf", "token")}, cpu="32", memory="256Gi",
                       image="registry/composer:1")
@@ -57,7 +59,7 @@ def test_k8s_pod_spec():
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert c["resources"]["requests"]["nvidia.com/gpu"] == "8"
     assert c["resources"]["requests"]["cpu"] == "32"
-    assert c["command"] == ["python", "-m", "composer_dag.runtime.job", "--spec", "s3://b/jobs/r/midtrain.json"]
+    assert c["command"] == ["python", "-m", "composer_dag.cluster.job", "--spec", "s3://b/jobs/r/midtrain.json"]
     env = {e["name"]: e for e in c["env"]}
     assert env["NCCL_DEBUG"]["value"] == "WARN" and env["COMPOSER_SCRATCH"]["value"] == "/scratch"
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
@@ -83,7 +85,7 @@ def test_k8s_round_trip_catches_what_the_api_does_not_know():
 
 
 def test_slurm_script():
-    s = slurm_script(["python", "-m", "composer_dag.runtime.job", "--spec", "s3://b/run 1.json"],
+    s = slurm_script(["python", "-m", "composer_dag.cluster.job", "--spec", "s3://b/run 1.json"],
                      name="composer-midtrain", nodes=2, gpus_per_node=8, partition="gpu",
                      account="ml-team", time="12:00:00", env={"NCCL_DEBUG": "WARN"})
     assert s.startswith("#!/bin/bash\n")
@@ -92,7 +94,7 @@ def test_slurm_script():
                  "#SBATCH --ntasks-per-node=1", "export NCCL_DEBUG=WARN"]:
         assert line in s.splitlines()
     srun = [ln for ln in s.splitlines() if ln.startswith("srun ")][0]
-    assert shlex.split(srun) == ["srun", "--kill-on-bad-exit=1", "python", "-m", "composer_dag.runtime.job",
+    assert shlex.split(srun) == ["srun", "--kill-on-bad-exit=1", "python", "-m", "composer_dag.cluster.job",
                                  "--spec", "s3://b/run 1.json"]
     assert 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in s
     assert "--container-image=img:1" in slurm_script(["true"], container_image="img:1")

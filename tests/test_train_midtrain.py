@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from composer_dag.launch import LaunchSpec, local_command
+from composer_dag.cluster.spec import LaunchSpec, local_command
 from composer_dag.storage import Storage
 from composer_dag.train.data import pack_documents
 from composer_dag.train.midtrain import MidtrainConfig, ds_config, lr_factor

@@ -36,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..launch import ARRAY_INDEX_ENV
+from ..cluster.spec import ARRAY_INDEX_ENV
 from ..storage import ArtifactError, Storage, open_storage
 from .features import STAGES, analyse_batch, native_available
 from .near import band_keys, optimal_bands

@@ -97,7 +97,7 @@ def follow_settings(cfg, index: int) -> dict | None:
 
 def server_services(fleet, model_url: str, weights_uri: str, max_model_len: int = 1024, seed: int = 0) -> list[dict]:
     """The rollout servers of ``fleet`` (``FleetConfig``) as long-running services for a cluster
-    backend (``composer_dag.runtime.services``, ``ClusterResource.services``): each one vLLM's
+    backend (``composer_dag.cluster.services``, ``ClusterResource.services``): each one vLLM's
     server under ``composer_dag.rl.fleet.serve``, which takes the model from ``model_url`` (a
     storage URL or a path on its node) and follows the versions published at ``weights_uri``, so
     it needs no disk shared with the orchestrator. ``{host}``/``{port}`` are the backend's."""

@@ -1,6 +1,6 @@
 """A stage's job on a node that shares no disk with Dagster: storage URLs in, storage URLs out.
 
-``python -m composer_dag.runtime.job --spec URL`` reads a job spec (JSON, written by the
+``python -m composer_dag.cluster.job --spec URL`` reads a job spec (JSON, written by the
 launching asset) from artifact storage, and then, in a scratch directory of its own:
 
 1. pulls every input (``{"url", "digest"}``) and checks it against its manifest and the digest
@@ -28,7 +28,6 @@ import glob
 import json
 import os
 import posixpath
-import re
 import shutil
 import signal
 import subprocess
@@ -38,26 +37,12 @@ import threading
 import time
 from typing import Any
 
-from .. import launch
+from ..runtime.errors import error_line
 from ..pipes import RESULT_PATH_ENV, Reporter
 from ..storage import MANIFEST, ArtifactError, Storage, open_storage
 
 SCRATCH = "{scratch}"
 STATE_SYNC_S = 1.0
-
-_ERROR_LINE = re.compile(  # "[rank0]: pkg.mod.SomeError: message" (torchrun prefixes rank output)
-    r"^(?:\[rank\d+\]:\s*)?(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Interrupt|Failure)): ?(.*)$")
-
-
-def error_line(lines) -> str:
-    """``SomeError: message`` of the last exception in ``lines`` (launcher wrappers such as
-    torchrun's ChildFailedError skipped), or ''."""
-    for line in reversed(list(lines)):
-        m = _ERROR_LINE.match(line.strip())
-        if m and m.group(1) not in ("ChildFailedError", "KeyboardInterrupt"):
-            return f"{m.group(1)}: {m.group(2)}"[:300].rstrip(": ")
-    return ""
-
 
 def _fill(obj: Any, scratch: str) -> Any:
     if isinstance(obj, str):
@@ -67,6 +52,7 @@ def _fill(obj: Any, scratch: str) -> Any:
     if isinstance(obj, list):
         return [_fill(v, scratch) for v in obj]
     return obj
+from .spec import LaunchSpec, local_command
 
 
 def pull_input(storage: Storage, name: str, url: str, digest: str | None, dest: str) -> None:
@@ -161,7 +147,7 @@ class StateSync:
 def stage_command(spec: dict, config_path: str) -> list[str]:
     """The argv that runs the stage on this node: one process, or torchrun/deepspeed with
     ``nproc_per_node`` ranks (multi-node: c10d rendezvous at ``$COMPOSER_RDZV_ENDPOINT``)."""
-    lspec = launch.LaunchSpec(entry=spec["entry"], args=["--config", config_path],
+    lspec = LaunchSpec(entry=spec["entry"], args=["--config", config_path],
                               launcher=spec.get("launcher", "python"),
                               nproc_per_node=int(spec.get("nproc_per_node", 1)),
                               nnodes=int(spec.get("nnodes", 1)))
@@ -171,7 +157,7 @@ def stage_command(spec: dict, config_path: str) -> list[str]:
                 "--nproc-per-node", str(lspec.nproc_per_node), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", endpoint, "--rdzv-id", os.environ.get("SLURM_JOB_ID", "composer"),
                 "-m", lspec.entry, *lspec.args]
-    return launch.local_command(lspec)
+    return local_command(lspec)
 
 
 def _pump(stream, sink, lines: collections.deque, rep: Reporter) -> None:
@@ -297,7 +283,7 @@ def run_job(spec_url: str, scratch: str | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m composer_dag.runtime.job", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m composer_dag.cluster.job", description=__doc__.splitlines()[0])
     p.add_argument("--spec", required=True, help="URL of the job spec (JSON)")
     p.add_argument("--scratch", default=None, help="working directory (default: a new one under $COMPOSER_SCRATCH or /tmp, removed at the end)")
     args = p.parse_args(argv)
