@@ -270,7 +270,7 @@ def orchestrator(learnable_base, servers, tmp_path):
 def test_fleet_infra_failure_is_masked(orchestrator, monkeypatch):
     import composer_dag.agent as agent_mod
     from composer_dag.envs.tools import Episode
-    from composer_dag.rl.fleet.trainer import advantages
+    from composer_dag.rl.step import advantages
 
     o, _, _ = orchestrator(group_size=3)
     o.fleet.wait_serving(0, o.fleet.servers)

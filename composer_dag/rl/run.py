@@ -33,6 +33,7 @@ from ..inference.engine import InferenceConfig
 from ..pipes import Reporter, entry_point
 from ..runtime.config import StageConfig
 from .fleet.config import FleetConfig
+from .step import append_metrics, finish, read_metrics, stats, step_record, summary, train_step
 from .trainer import TrainerConfig
 
 
@@ -123,22 +124,93 @@ def find_tasks(tasks_dir: str, sources: Optional[list[str]] = None) -> list[Path
     return dirs
 
 
-def _stats(xs: list[float]) -> dict:
-    return {"mean": sum(xs) / len(xs), "max": max(xs), "min": min(xs), "n": len(xs)} if xs else {"n": 0}
+class _Generation:
+    """The one-process mode's rollouts: agent episodes on an in-process engine, which reloads the
+    trainer's newest weights (``offer``) in place when the rollout source syncs."""
+
+    def __init__(self, cfg: RLConfig, engine_dir: str, version: int, log):
+        from ..agent import AgentLoop
+        from ..inference import engine_from_config, fit_to_model
+        from ..train.tokenizer import load_tokenizer
+
+        self.cfg, self.tasks = cfg, find_tasks(cfg.tasks_dir, cfg.task_sources)
+        # The context can't exceed what the policy's position embeddings cover.
+        self.inference = fit_to_model(cfg.inference, cfg.policy_dir, log)
+        orch = cfg.orchestrator
+        if orch.max_context > self.inference.max_model_len:
+            orch = orch.replace(max_context=self.inference.max_model_len)
+        self.engine = engine_from_config(self.inference, engine_dir, seed=cfg.seed)
+        self.agent = AgentLoop(self.engine, load_tokenizer(cfg.policy_dir), orch)
+        self.lock = threading.Lock()
+        self.offered = {"version": version, "dir": None}   # newest weights for the engine
+        self.version = version                             # the engine's
+        self.syncs: list[dict] = []   # {"version", "seconds"}: each in-place reload of the engine
+
+    def offer(self, version: int, weights_dir: str) -> None:
+        with self.lock:
+            self.offered = {"version": version, "dir": weights_dir}
+
+    def sync(self) -> int:
+        with self.lock:
+            v, d = self.offered["version"], self.offered["dir"]
+        if d is not None and v > self.version:
+            self.syncs.append({"version": v, "seconds": round(self.engine.load_weights(d), 4)})
+            self.version = v
+        return self.version
+
+    def produce(self, index: int, version: int):
+        from .loop import Batch
+
+        cfg, t0 = self.cfg, time.perf_counter()
+        rng = random.Random(cfg.seed * 1_000_003 + index)
+        chosen = rng.sample(self.tasks, cfg.tasks_per_step) if cfg.tasks_per_step <= len(self.tasks) else \
+            [rng.choice(self.tasks) for _ in range(cfg.tasks_per_step)]
+        jobs = [(str(t), f"b{index:05d}-{k}-{t.name}", j) for k, t in enumerate(chosen) for j in range(cfg.group_size)]
+        g0, n0 = self.engine.stats.seconds, self.engine.stats.generated_tokens
+        rollouts = self.agent.run(jobs, version, seed=cfg.seed * 7_919 + index * 131)
+        return Batch(index, version, rollouts, {
+            "generate": self.engine.stats.seconds - g0, "generated_tokens": self.engine.stats.generated_tokens - n0,
+            "tools": sum(r["tool_seconds"] for r in rollouts), "grade": sum(r["grade_seconds"] for r in rollouts),
+            "wall": time.perf_counter() - t0})
+
+    def close(self) -> None:
+        self.agent.close()
+        self.engine.close()
+
+
+def _open_run(cfg: RLConfig, out: Path, rep: Reporter):
+    """The run's directories (temporaries a killed run left removed), its trainer resumed from the
+    newest sealed checkpoint, and its counters."""
+    from ..runtime.checkpoint import resume_checkpoint, trim_metrics
+    from ..storage import sweep_temporaries
+    from .trainer import GRPOTrainer
+
+    for d in ("rollouts", "checkpoints", "sync"):
+        (out / d).mkdir(parents=True, exist_ok=True)
+    # a run killed while writing a batch's rollouts left its temporary file; this run owns out_dir
+    stale = sweep_temporaries(out / "rollouts") + sweep_temporaries(out / "sync")
+    if stale:
+        rep.log(f"removed {stale} temporary file(s) of writes an earlier, killed run left unfinished")
+    trainer = GRPOTrainer(cfg.policy_dir, cfg.trainer, batch_size=cfg.tasks_per_step * cfg.group_size,
+                          temperature=cfg.orchestrator.temperature, seed=cfg.seed)
+    counters = {"dropped_stale_rollouts": 0, "dropped_stale_batches": 0, "next_batch": 0}
+    ckpt_root = str(out / "checkpoints")
+    resumed = resume_checkpoint(str(out), ckpt_root, rep.log)
+    if resumed:
+        counters.update(trainer.load_checkpoint(ckpt_root, resumed).get("counters", {}))
+        if trim_metrics(str(out / "metrics.jsonl"), trainer.version):
+            rep.log(f"dropped torn lines from {out / 'metrics.jsonl'}")
+        rep.log(f"resumed from {resumed} at policy version {trainer.version}")
+    return trainer, counters, resumed
 
 
 def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     import torch
 
-    from ..inference import engine_from_config, fit_to_model
-    from ..storage import Storage, open_storage, sweep_temporaries
-    from ..runtime.checkpoint import resume_checkpoint, trim_metrics, write_json_atomic
-    from ..train.tokenizer import load_tokenizer
-    from ..agent import AgentLoop, rollouts_to_table
-    from .grpo import group_advantages
-    from .loop import Batch, RolloutSource
-    from .trainer import GRPOTrainer
-    from .weights import WeightPublisher, cast_state, reconstruct, state_digest
+    from ..runtime.checkpoint import write_json_atomic
+    from ..storage import Storage, open_storage
+    from .loop import RolloutSource
+    from .weights import WeightPublisher
 
     rep = rep or Reporter()
     cfg = prepare(cfg, rep.log)
@@ -149,74 +221,21 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     out = Path(cfg.out_dir)
-    for d in ("rollouts", "checkpoints", "sync"):
-        (out / d).mkdir(parents=True, exist_ok=True)
-    # a run killed while writing a batch's rollouts left its temporary file; this run owns out_dir
-    stale = sweep_temporaries(out / "rollouts") + sweep_temporaries(out / "sync")
-    if stale:
-        rep.log(f"removed {stale} temporary file(s) of writes an earlier, killed run left unfinished")
+    trainer, counters, resumed = _open_run(cfg, out, rep)
     store = Storage(str(out))
     wstore = open_storage(cfg.weights_uri) if cfg.weights_uri else store
     wprefix = wstore.root if cfg.weights_uri else store.url("weights")
-    metrics_path, ckpt_root = out / "metrics.jsonl", str(out / "checkpoints")
-    tasks = find_tasks(cfg.tasks_dir, cfg.task_sources)
-
-    trainer = GRPOTrainer(cfg.policy_dir, cfg.trainer, batch_size=cfg.tasks_per_step * cfg.group_size,
-                          temperature=cfg.orchestrator.temperature, seed=cfg.seed)
-    counters = {"dropped_stale_rollouts": 0, "dropped_stale_batches": 0, "next_batch": 0}
-    engine_dir, resumed_from = cfg.policy_dir, None
-    resumed = resume_checkpoint(str(out), ckpt_root, rep.log)
-    if resumed:
-        st = trainer.load_checkpoint(ckpt_root, resumed)
-        counters.update(st.get("counters", {}))
-        engine_dir, resumed_from = os.path.join(ckpt_root, resumed, "hf"), trainer.version
-        if trim_metrics(str(metrics_path), trainer.version):
-            rep.log(f"dropped torn lines from {metrics_path}")
-        rep.log(f"resumed from {resumed} at policy version {trainer.version}")
-
-    # The context can't exceed what the policy's position embeddings cover.
-    inference = fit_to_model(cfg.inference, cfg.policy_dir, rep.log)
-    orch = cfg.orchestrator
-    if orch.max_context > inference.max_model_len:
-        orch = orch.replace(max_context=inference.max_model_len)
-    engine = engine_from_config(inference, engine_dir, seed=cfg.seed)
-    tok = load_tokenizer(cfg.policy_dir)
-    agent = AgentLoop(engine, tok, orch)
+    metrics_path = out / "metrics.jsonl"
+    resumed_from = trainer.version if resumed else None
+    gen = _Generation(cfg, os.path.join(out, "checkpoints", resumed, "hf") if resumed else cfg.policy_dir,
+                      trainer.version, rep.log)
     publisher = WeightPublisher(wstore, wprefix, cfg.full_every, cfg.publish_dtype)
-
-    lock = threading.Lock()
-    live = {"version": trainer.version, "dir": None}     # newest weights for the engine
-    engine_state = {"version": trainer.version}
-    sync_seconds: list[float] = []
-    weight_syncs: list[dict] = []   # {"version", "seconds"}: each in-place reload of the engine
-
-    def sync() -> int:
-        with lock:
-            v, d = live["version"], live["dir"]
-        if d is not None and v > engine_state["version"]:
-            sync_seconds.append(engine.load_weights(d))
-            weight_syncs.append({"version": v, "seconds": round(sync_seconds[-1], 4)})
-            engine_state["version"] = v
-        return engine_state["version"]
-
-    def produce(index: int, version: int) -> Batch:
-        t0 = time.perf_counter()
-        rng = random.Random(cfg.seed * 1_000_003 + index)
-        chosen = rng.sample(tasks, cfg.tasks_per_step) if cfg.tasks_per_step <= len(tasks) else \
-            [rng.choice(tasks) for _ in range(cfg.tasks_per_step)]
-        jobs = [(str(t), f"b{index:05d}-{k}-{t.name}", j) for k, t in enumerate(chosen) for j in range(cfg.group_size)]
-        g0, n0 = engine.stats.seconds, engine.stats.generated_tokens
-        rollouts = agent.run(jobs, version, seed=cfg.seed * 7_919 + index * 131)
-        return Batch(index, version, rollouts, {
-            "generate": engine.stats.seconds - g0, "generated_tokens": engine.stats.generated_tokens - n0,
-            "tools": sum(r["tool_seconds"] for r in rollouts), "grade": sum(r["grade_seconds"] for r in rollouts),
-            "wall": time.perf_counter() - t0})
-
-    source = RolloutSource(produce, sync, cfg.max_staleness, cfg.async_generation, cfg.queue_size,
+    source = RolloutSource(gen.produce, gen.sync, cfg.max_staleness, cfg.async_generation, cfg.queue_size,
                            start_index=counters["next_batch"], limit=cfg.steps - trainer.version)
     dropped0 = (counters["dropped_stale_rollouts"], counters["dropped_stale_batches"])
-    rep.log(f"rl: {len(tasks)} tasks, {cfg.tasks_per_step}x{cfg.group_size} rollouts/step, engine {inference.engine}, "
-            f"steps {trainer.version}->{cfg.steps}, async {cfg.async_generation}, max staleness {cfg.max_staleness}")
+    rep.log(f"rl: {len(gen.tasks)} tasks, {cfg.tasks_per_step}x{cfg.group_size} rollouts/step, engine "
+            f"{gen.inference.engine}, steps {trainer.version}->{cfg.steps}, async {cfg.async_generation}, "
+            f"max staleness {cfg.max_staleness}")
     source.start()
     publish_info: list[dict] = []
     tag = resumed
@@ -224,50 +243,30 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
         while trainer.version < cfg.steps:
             t_step = time.perf_counter()
             batch = source.get(trainer.version)
-            wait_s = time.perf_counter() - t_step
-            rs, step = batch.rollouts, trainer.version
-            for r, a in zip(rs, group_advantages([r["reward"] for r in rs], [r["group_id"] for r in rs],
-                                                 cfg.trainer.normalize_std)):
-                r["advantage"], r["step"] = a, step
-            store.write_parquet(rollouts_to_table(rs), store.url("rollouts", f"step_{step:04d}.parquet"))
-            ts = trainer.train_step(rs)
-            version = trainer.version
-            t0 = time.perf_counter()
+            wait_s, step = time.perf_counter() - t_step, trainer.version
+            ts, used = train_step(trainer, store, batch.rollouts, step, cfg.trainer.normalize_std)
+            version, t0 = trainer.version, time.perf_counter()
             sd = trainer.state_dict()
-            sync_dir = trainer.save_weights(str(out / "sync" / f"v{version:08d}"), sd)
-            with lock:
-                live["version"], live["dir"] = version, sync_dir
+            gen.offer(version, trainer.save_weights(str(out / "sync" / f"v{version:08d}"), sd))
             save_s = time.perf_counter() - t0
             pub = publisher.publish(version, sd)
             publish_info.append(pub)
             if not cfg.async_generation:
-                sync()
+                gen.sync()
             for d in sorted((out / "sync").iterdir())[:-2]:
                 shutil.rmtree(d, ignore_errors=True)
             counters.update(next_batch=source.next_index,
                             dropped_stale_rollouts=dropped0[0] + source.dropped_rollouts,
                             dropped_stale_batches=dropped0[1] + source.dropped_batches)
-            n = len(rs)
-            rec = {
-                "step": version, "batch": batch.index, "policy_version": batch.version,
-                "staleness": step - batch.version, "reward_mean": sum(r["reward"] for r in rs) / n,
-                "pass_rate": sum(r["tests_failed"] == 0 and r["tests_passed"] > 0 for r in rs) / n,
-                "flag_rate": sum(bool(r["flags"]) for r in rs) / n,
-                "malformed_per_rollout": sum(r["malformed_calls"] for r in rs) / n,
-                "submit_rate": sum(r["finish"] == "submit" for r in rs) / n,
-                "turns_mean": sum(r["num_turns"] for r in rs) / n,
-                "generated_tokens": batch.seconds["generated_tokens"],
-                "gen_tokens_per_s": batch.seconds["generated_tokens"] / max(batch.seconds["generate"], 1e-9),
-                "generate_s": batch.seconds["generate"], "tools_s": batch.seconds["tools"],
-                "grade_s": batch.seconds["grade"], "rollout_wall_s": batch.seconds["wall"],
-                "sync_s": batch.seconds.get("sync", 0.0), "wait_s": wait_s, "train_s": ts["train_seconds"],
-                "save_weights_s": save_s, "publish_s": pub["seconds"], "publish_kind": pub["kind"],
-                "publish_fraction": pub["fraction"], "step_s": time.perf_counter() - t_step,
-                **{k: ts[k] for k in ("loss", "lr", "clip_frac", "ratio_mean", "kl", "grad_norm", "nan_skipped", "train_tokens")},
-                "dropped_stale_rollouts": counters["dropped_stale_rollouts"],
-            }
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            sec = batch.seconds
+            rec = step_record(
+                version, used, ts, batch=batch.index, policy_version=batch.version, staleness=step - batch.version,
+                generated_tokens=sec["generated_tokens"], gen_tokens_per_s=sec["generated_tokens"] / max(sec["generate"], 1e-9),
+                generate_s=sec["generate"], tools_s=sec["tools"], grade_s=sec["grade"], rollout_wall_s=sec["wall"],
+                sync_s=sec.get("sync", 0.0), wait_s=wait_s, save_weights_s=save_s, publish_s=pub["seconds"],
+                publish_kind=pub["kind"], publish_fraction=pub["fraction"], step_s=time.perf_counter() - t_step,
+                dropped_stale_rollouts=counters["dropped_stale_rollouts"])
+            append_metrics(metrics_path, rec)
             if version % cfg.save_every == 0 or version == cfg.steps:
                 tag = trainer.commit_checkpoint(str(out), cfg.policy_dir, {"counters": counters}, cfg.keep_checkpoints)
             rep.progress(f"step {version:>4}/{cfg.steps} reward {rec['reward_mean']:.3f} pass {rec['pass_rate']:.2f} "
@@ -275,49 +274,29 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
                          f"dropped {rec['dropped_stale_rollouts']}")
     finally:
         source.stop()
-        agent.close()
+        gen.agent.close()
 
-    # the published weights of the final version must equal the trainer's, bit for bit
-    t0 = time.perf_counter()
-    final_sd = trainer.state_dict()
-    verified = (state_digest(reconstruct(wstore, wprefix, trainer.version))
-                == state_digest(cast_state(final_sd, cfg.publish_dtype)))
-    apply_s = time.perf_counter() - t0
     if tag is None:
         tag = f"step_{trainer.version:07d}"
-        trainer.save_checkpoint(ckpt_root, tag, cfg.policy_dir, {"step": trainer.version, "counters": counters})
+        trainer.save_checkpoint(str(out / "checkpoints"), tag, cfg.policy_dir,
+                                {"step": trainer.version, "counters": counters})
         write_json_atomic(str(out / "latest"), {"tag": tag, "step": trainer.version})
-    hf_dir = trainer.export_hf(str(out / "hf"), cfg.policy_dir)
-    engine.close()
-
-    hist = [json.loads(x) for x in open(metrics_path)] if metrics_path.exists() else []
+    end = finish(trainer, out, cfg.policy_dir, wstore, wprefix, cfg.publish_dtype)
+    gen.engine.close()
+    hist = read_metrics(metrics_path)
     gen_tok, gen_s = sum(h["generated_tokens"] for h in hist), sum(h["generate_s"] for h in hist)
-    deltas = [p["fraction"] for p in publish_info if p["kind"] == "delta"]
-    k = max(1, len(hist) // 4)
     result = {
-        "steps": trainer.version, "resumed_from": resumed_from, "engine": inference.engine,
-        "reward_curve": [[h["step"], h["reward_mean"]] for h in hist],
-        "reward_first": sum(h["reward_mean"] for h in hist[:k]) / k if hist else None,
-        "reward_last": sum(h["reward_mean"] for h in hist[-k:]) / k if hist else None,
-        "pass_rate": sum(h["pass_rate"] for h in hist) / len(hist) if hist else None,
-        "cheat_flag_rate": sum(h["flag_rate"] for h in hist) / len(hist) if hist else None,
-        "malformed_per_rollout": sum(h["malformed_per_rollout"] for h in hist) / len(hist) if hist else None,
-        "gen_tokens_per_s": gen_tok / gen_s if gen_s else None,
-        "step_seconds": {k2: _stats([h[k2] for h in hist]) for k2 in
-                         ("generate_s", "tools_s", "grade_s", "rollout_wall_s", "train_s", "sync_s", "wait_s",
-                          "save_weights_s", "publish_s", "step_s")},
-        "staleness": {**_stats([h["staleness"] for h in hist]),
-                      "histogram": {str(s): sum(h["staleness"] == s for h in hist) for s in
-                                    sorted({h["staleness"] for h in hist})}},
-        "max_staleness": cfg.max_staleness,
+        "steps": trainer.version, "resumed_from": resumed_from, "engine": gen.inference.engine,
+        **summary(hist, ("generate_s", "tools_s", "grade_s", "rollout_wall_s", "train_s", "sync_s", "wait_s",
+                         "save_weights_s", "publish_s", "step_s")),
+        "gen_tokens_per_s": gen_tok / gen_s if gen_s else None, "max_staleness": cfg.max_staleness,
         "dropped_stale_rollouts": counters["dropped_stale_rollouts"],
         "dropped_stale_batches": counters["dropped_stale_batches"],
-        "weight_sync_seconds": _stats(sync_seconds),
-        "weight_syncs": weight_syncs,
+        "weight_sync_seconds": stats([w["seconds"] for w in gen.syncs]), "weight_syncs": gen.syncs,
         "published": [{k2: p[k2] for k2 in ("version", "kind", "bytes", "fraction", "seconds")} for p in publish_info],
-        "delta_fraction": _stats(deltas), "publish_seconds": _stats([p["seconds"] for p in publish_info]),
-        "reconstruct_seconds": apply_s, "weights_verified": verified, "weights_uri": wprefix,
-        "nan_loss_skipped": trainer.nan_skipped, "hf_dir": hf_dir, "checkpoint": tag, "config": cfg.to_dict(),
+        "delta_fraction": stats([p["fraction"] for p in publish_info if p["kind"] == "delta"]),
+        "publish_seconds": stats([p["seconds"] for p in publish_info]),
+        **end, "checkpoint": tag, "config": cfg.to_dict(),
     }
     write_json_atomic(str(out / "result.json"), result)
     return result
