@@ -90,6 +90,57 @@ def summary_metadata(sm: dict) -> tuple[dict, dict]:
     return rollouts, checkpoint
 
 
+def _run_job(context: dg.AssetExecutionContext, config: RLParams, storage, cluster: ClusterResource):
+    """The RL stage's job on the cluster; in the distributed mode with its rollout servers started
+    as services first (stopped when the job ends). Returns the stage config and the job's result."""
+    fleet = config.model_dump().get("fleet")
+    with contextlib.ExitStack() as stack:
+        given = {}
+        if fleet and not fleet.get("urls"):  # the distributed mode: the rollout servers are services
+            if config.environment != "tasks":
+                raise dg.Failure(description="fleet settings need environment 'tasks': the rollout servers load "
+                                             "sft_checkpoint before the RL job starts", allow_retries=False)
+            weights_uri = config.weights_uri or storage.url("work", "rl-fleet", context.run.run_id, "weights")
+            servers = stack.enter_context(cluster.services(context)).start_many(server_services(
+                FleetConfig.load(fleet), latest_uri(context.instance, "sft_checkpoint"), weights_uri,
+                config.inference.max_model_len, config.seed))
+            context.log.info(f"rl: {len(servers)} rollout servers up: {', '.join(h.url for h in servers)}")
+            given = {"weights_uri": weights_uri,
+                     "fleet": {**fleet, "urls": [h.url for h in servers], "weight_sync": "server"}}
+        cfg, job = run_stage(
+            context, storage, cluster, "rl", RLConfig, config, ["sft_checkpoint", "rl_tasks"],
+            lambda d, wd: {"policy_dir": d["sft_checkpoint"], "tasks_dir": d["rl_tasks"],
+                           "out_dir": os.path.join(wd, "run"), **given},
+            "composer_dag.rl.run", launcher="python", copy_inputs=config.environment == "tasks",
+            outputs={"rl_rollouts": [["", "rollouts/step_*.parquet"]], "rl_checkpoint": CHECKPOINT_FILES})
+    return cfg, job
+
+
+def _step_split_md(hist: list[dict], fleet: bool) -> dg.MetadataValue:
+    """A table of each step's seconds by phase."""
+    phases = (("generate_s", "queue_s", "tools_s", "grade_s", "wait_s", "train_s", "publish_s") if fleet else
+              ("generate_s", "grade_s", "train_s", "sync_s"))
+    head = "| step | " + " | ".join(p[:-2] for p in phases) + " | wall |\n|---|" + "---:|" * (len(phases) + 1) + "\n"
+    return dg.MetadataValue.md(head + "\n".join(
+        f"| {h['step']} | " + " | ".join(_secs(h.get(p, 0.0)) for p in phases) + f" | {_secs(h.get('step_s', 0.0))} |"
+        for h in hist))
+
+
+def _family_plot(storage, urls: list[str]):
+    """The share of each step's rollouts flagged, per cheat-flag family."""
+    try:
+        fam_rows = [r for u in urls for r in storage.read_parquet(u, columns=["step", "flag_families"]).to_pylist()]
+    except Exception:  # noqa: BLE001 - rollouts written before the column existed
+        fam_rows = []
+    fam_steps = sorted({r["step"] for r in fam_rows if r["step"] is not None})
+    families = sorted({f for r in fam_rows for f in (r["flag_families"] or [])})
+    per_step = {s: [r for r in fam_rows if r["step"] == s] for s in fam_steps}
+    series = [(f, fam_steps, [sum(f in (r["flag_families"] or []) for r in per_step[s]) / len(per_step[s])
+                              for s in fam_steps]) for f in families]
+    return plot_md(series or [("no flags", fam_steps, [0.0] * len(fam_steps))],
+                   "step", "share of rollouts flagged", "Cheat flags by family")
+
+
 @dg.multi_asset(
     specs=[
         dg.AssetSpec("rl_rollouts", group_name="rl", kinds={"parquet", "duckdb"},
@@ -114,26 +165,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
            catalog: CatalogResource, cluster: ClusterResource):
     record_provenance(context)
     storage = artifacts.get()
-    fleet = config.model_dump().get("fleet")
-    with contextlib.ExitStack() as stack:
-        given = {}
-        if fleet and not fleet.get("urls"):  # the distributed mode: the rollout servers are services
-            if config.environment != "tasks":
-                raise dg.Failure(description="fleet settings need environment 'tasks': the rollout servers load "
-                                             "sft_checkpoint before the RL job starts", allow_retries=False)
-            weights_uri = config.weights_uri or storage.url("work", "rl-fleet", context.run.run_id, "weights")
-            servers = stack.enter_context(cluster.services(context)).start_many(server_services(
-                FleetConfig.load(fleet), latest_uri(context.instance, "sft_checkpoint"), weights_uri,
-                config.inference.max_model_len, config.seed))
-            context.log.info(f"rl: {len(servers)} rollout servers up: {', '.join(h.url for h in servers)}")
-            given = {"weights_uri": weights_uri,
-                     "fleet": {**fleet, "urls": [h.url for h in servers], "weight_sync": "server"}}
-        cfg, job = run_stage(
-            context, storage, cluster, "rl", RLConfig, config, ["sft_checkpoint", "rl_tasks"],
-            lambda d, wd: {"policy_dir": d["sft_checkpoint"], "tasks_dir": d["rl_tasks"],
-                           "out_dir": os.path.join(wd, "run"), **given},
-            "composer_dag.rl.run", launcher="python", copy_inputs=config.environment == "tasks",
-            outputs={"rl_rollouts": [["", "rollouts/step_*.parquet"]], "rl_checkpoint": CHECKPOINT_FILES})
+    cfg, job = _run_job(context, config, storage, cluster)
     result = job["summary"]
 
     run_id = context.run.run_id
@@ -150,10 +182,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
     hist = [json.loads(x) for x in storage.read_bytes(metrics_url).decode().splitlines() if x.strip()] \
         if storage.exists(metrics_url) else []
     steps = [h["step"] for h in hist]
-    phases = (("generate_s", "queue_s", "tools_s", "grade_s", "wait_s", "train_s", "publish_s") if cfg.fleet else
-              ("generate_s", "grade_s", "train_s", "sync_s"))
-    split_md = "| step | " + " | ".join(p[:-2] for p in phases) + " | wall |\n|---|" + "---:|" * (len(phases) + 1) + "\n" + "\n".join(
-        f"| {h['step']} | " + " | ".join(_secs(h.get(p, 0.0)) for p in phases) + f" | {_secs(h.get('step_s', 0.0))} |" for h in hist)
+    split_md = _step_split_md(hist, bool(cfg.fleet))
     try:
         rows = [r for u in urls for r in storage.read_parquet(u, columns=ROW_COLUMNS).to_pylist()]
     except Exception:  # noqa: BLE001 - rollouts written before the fleet columns existed
@@ -161,16 +190,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
     rollouts_md, checkpoint_md = summary_metadata(rl_summary(result, rows, hist))
     n = len(rows)
     flag_rate = sum(bool(r["flags"]) for r in rows) / n if n else 0.0
-    try:
-        fam_rows = [r for u in urls for r in storage.read_parquet(u, columns=["step", "flag_families"]).to_pylist()]
-    except Exception:  # noqa: BLE001 - rollouts written before the column existed
-        fam_rows = []
-    fam_steps = sorted({r["step"] for r in fam_rows if r["step"] is not None})
-    families = sorted({f for r in fam_rows for f in (r["flag_families"] or [])})
-    per_step = {s: [r for r in fam_rows if r["step"] == s] for s in fam_steps}
-    family_md = plot_md([(f, fam_steps, [sum(f in (r["flag_families"] or []) for r in per_step[s]) / len(per_step[s])
-                                         for s in fam_steps]) for f in families] or [("no flags", fam_steps, [0.0] * len(fam_steps))],
-                        "step", "share of rollouts flagged", "Cheat flags by family")
+    family_md = _family_plot(storage, urls)
     yield dg.MaterializeResult(
         asset_key="rl_rollouts",
         metadata={
@@ -184,7 +204,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
             "cheat_flag_rate": round(flag_rate, 4),
             "cheat_flag_rate_by_family": family_md,
             "gen_tokens_per_s": round(float(result.get("gen_tokens_per_s") or 0.0), 1),
-            "step_time_split_s": dg.MetadataValue.md(split_md),
+            "step_time_split_s": split_md,
             "dropped_stale_rollouts": int(result.get("dropped_stale_rollouts") or 0),
             "environment": cfg.environment,
             "engine": str(result.get("engine", "vllm servers" if cfg.fleet else None)),

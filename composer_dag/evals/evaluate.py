@@ -226,6 +226,81 @@ def _run_agent(engine, tok, tasks, cfg: EvalConfig, log, progress_dir: Path | No
     return rollouts, reused
 
 
+def _humaneval(engine, tok, he_ids: list, cfg: EvalConfig, log) -> tuple[dict, dict]:
+    """HumanEval function completion on the running engine: the scored samples (with their
+    seconds) and the generated token counts per problem."""
+    from . import humaneval as he
+
+    t1 = time.perf_counter()
+    problems = he.load_problems(he_ids)
+    texts, he_tokens = he.generate_completions(
+        engine, tok, problems, cfg.humaneval_samples, cfg.humaneval_temperature,
+        max_tokens=cfg.humaneval_max_tokens, seed=cfg.seed)
+    he_res = he.score_completions(problems, texts, cfg.humaneval_timeout, cfg.agent.workers)
+    he_res["seconds"] = round(time.perf_counter() - t1, 3)
+    log(f"eval: HumanEval function completion pass@1 {he_res['pass@1']:.4f} on {len(problems)} problems")
+    return he_res, he_tokens
+
+
+def _score(rollouts: list[dict], digest: str, source: dict, ks) -> tuple[list[dict], dict, dict]:
+    """One results row per episode, per-task counts with pass@1, and the aggregate (pass@k, by
+    source with each source's flag rate)."""
+    rows = [{"checkpoint_digest": digest, "task_id": r["task_id"], "source": source.get(r["task_id"], "unknown"),
+             "sample_index": r["sample_index"], "reward": r["reward"], "unflagged_reward": r["unflagged_reward"],
+             "passed": sample_passed(r), "flags": r["flags"], "tests_passed": r["tests_passed"],
+             "tests_failed": r["tests_failed"], "num_turns": r["num_turns"], "finish": r["finish"],
+             "prompt_tokens": len(r["prompt_ids"]), "generated_tokens": r["generated_tokens"],
+             "seconds": r["episode_seconds"], "gen_seconds": r["gen_seconds"], "tool_seconds": r["tool_seconds"],
+             "grade_seconds": r["grade_seconds"]} for r in rollouts]
+    per_task: dict[str, dict] = {}
+    for r in rows:
+        t = per_task.setdefault(r["task_id"], {"source": r["source"], "n": 0, "c": 0, "flagged": 0})
+        t["n"] += 1
+        t["c"] += r["passed"]
+        t["flagged"] += bool(r["flags"])
+    for t in per_task.values():
+        t["pass@1"] = pass_at_k(t["n"], t["c"], 1)
+    agg = aggregate(per_task, ks)
+    for src, block in agg["by_source"].items():
+        src_rows = [r for r in rows if r["source"] == src]
+        block["flag_rate"] = sum(bool(r["flags"]) for r in src_rows) / len(src_rows)
+    return rows, per_task, agg
+
+
+def _write_tables(out: Path, rows: list[dict], rollouts: list[dict], digest: str, he_res, he_tokens,
+                  humaneval_samples: int) -> tuple[dict, dict | None]:
+    """results.parquet, rollouts.parquet and (when HumanEval ran) humaneval.parquet; their paths,
+    and the HumanEval summary."""
+    from ..agent import rollouts_to_table
+
+    files = {"results": _write_parquet(rows, out / "results.parquet", _results_schema()),
+             "rollouts": _write_parquet(rollouts_to_table(rollouts), out / "rollouts.parquet")}
+    he_summary = None
+    if he_res is not None:
+        he_rows = [{"checkpoint_digest": digest, **r,
+                    "generated_tokens": he_tokens[r["problem_id"]][r["sample_index"]]} for r in he_res["rows"]]
+        files["humaneval"] = _write_parquet(he_rows, out / "humaneval.parquet")
+        he_summary = {"problems": he_res["problems"], "samples_per_problem": humaneval_samples,
+                      "pass@1": he_res["pass@1"], "solved": sorted(p for p, v in he_res["per_problem"].items() if v["c"]),
+                      "seconds": he_res["seconds"]}
+    return files, he_summary
+
+
+def _seal(out: Path, summary: dict) -> dict:
+    """summary.json written atomically, the resumable progress removed (every batch is in
+    results.parquet now), then the manifest that makes ``out`` a finished evaluation."""
+    from ..storage import Storage
+
+    summary["files"]["summary"] = str(out / "summary.json")
+    tmp = out / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    os.replace(tmp, out / "summary.json")
+    shutil.rmtree(out / "progress", ignore_errors=True)
+    store = Storage(str(out))
+    summary["manifest_digest"] = store.write_manifest(store.root)
+    return summary
+
+
 def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | None = None, rep=None,
              engine=None, grades=None) -> dict:
     """Evaluate the Hugging Face checkpoint at ``checkpoint_dir`` on the tasks under
@@ -237,7 +312,6 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
     import torch
 
     from ..inference import engine_from_config, fit_to_model
-    from ..agent import rollouts_to_table
     from ..storage import Storage
     from ..train.tokenizer import load_tokenizer
     from . import humaneval as he
@@ -291,52 +365,17 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
         agent_wall = time.perf_counter() - t0
         gen_tokens, gen_seconds = engine.stats.generated_tokens - gen_tokens0, engine.stats.seconds - gen_seconds0
         if he_ids:
-            t1 = time.perf_counter()
-            problems = he.load_problems(he_ids)
-            texts, he_tokens = he.generate_completions(
-                engine, tok, problems, cfg.humaneval_samples, cfg.humaneval_temperature,
-                max_tokens=cfg.humaneval_max_tokens, seed=cfg.seed)
-            he_res = he.score_completions(problems, texts, cfg.humaneval_timeout, cfg.agent.workers)
-            he_res["seconds"] = round(time.perf_counter() - t1, 3)
-            log(f"eval: HumanEval function completion pass@1 {he_res['pass@1']:.4f} on {len(problems)} problems")
+            he_res, he_tokens = _humaneval(engine, tok, he_ids, cfg, log)
     finally:
         if own_engine:
             engine.close()
 
-    # ---- rows, metrics
-    rows = [{"checkpoint_digest": digest, "task_id": r["task_id"], "source": source.get(r["task_id"], "unknown"),
-             "sample_index": r["sample_index"], "reward": r["reward"], "unflagged_reward": r["unflagged_reward"],
-             "passed": sample_passed(r), "flags": r["flags"], "tests_passed": r["tests_passed"],
-             "tests_failed": r["tests_failed"], "num_turns": r["num_turns"], "finish": r["finish"],
-             "prompt_tokens": len(r["prompt_ids"]), "generated_tokens": r["generated_tokens"],
-             "seconds": r["episode_seconds"], "gen_seconds": r["gen_seconds"], "tool_seconds": r["tool_seconds"],
-             "grade_seconds": r["grade_seconds"]} for r in rollouts]
-    per_task: dict[str, dict] = {}
-    for r in rows:
-        t = per_task.setdefault(r["task_id"], {"source": r["source"], "n": 0, "c": 0, "flagged": 0})
-        t["n"] += 1
-        t["c"] += r["passed"]
-        t["flagged"] += bool(r["flags"])
-    for t in per_task.values():
-        t["pass@1"] = pass_at_k(t["n"], t["c"], 1)
-    agg = aggregate(per_task, cfg.ks)
-    for src, block in agg["by_source"].items():
-        src_rows = [r for r in rows if r["source"] == src]
-        block["flag_rate"] = sum(bool(r["flags"]) for r in src_rows) / len(src_rows)
+    rows, per_task, agg = _score(rollouts, digest, source, cfg.ks)
     flagged = sum(bool(r["flags"]) for r in rows)
     solved = sum(r["passed"] for r in rows)
     total_gen = sum(r["generated_tokens"] for r in rows)
 
-    files = {"results": _write_parquet(rows, out / "results.parquet", _results_schema()),
-             "rollouts": _write_parquet(rollouts_to_table(rollouts), out / "rollouts.parquet")}
-    he_summary = None
-    if he_res is not None:
-        he_rows = [{"checkpoint_digest": digest, **r,
-                    "generated_tokens": he_tokens[r["problem_id"]][r["sample_index"]]} for r in he_res["rows"]]
-        files["humaneval"] = _write_parquet(he_rows, out / "humaneval.parquet")
-        he_summary = {"problems": he_res["problems"], "samples_per_problem": cfg.humaneval_samples,
-                      "pass@1": he_res["pass@1"], "solved": sorted(p for p, v in he_res["per_problem"].items() if v["c"]),
-                      "seconds": he_res["seconds"]}
+    files, he_summary = _write_tables(out, rows, rollouts, digest, he_res, he_tokens, cfg.humaneval_samples)
     summary = {
         "checkpoint": checkpoint_dir, "checkpoint_digest": digest, "tasks_dir": str(tasks_dir),
         "num_tasks": len(per_task), "samples_per_task": cfg.samples_per_task, "num_samples": len(rows),
@@ -359,14 +398,7 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
         "per_task": {k: {kk: v[kk] for kk in ("source", "n", "c", "pass@1", "flagged")} for k, v in per_task.items()},
         "config": cfg.to_dict(), "files": files,
     }
-    files["summary"] = str(out / "summary.json")
-    tmp = out / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    os.replace(tmp, out / "summary.json")
-    shutil.rmtree(out / "progress", ignore_errors=True)  # every batch is in results.parquet now
-    store = Storage(str(out))
-    summary["manifest_digest"] = store.write_manifest(store.root)
-    return summary
+    return _seal(out, summary)
 
 
 def _same_architecture(a: str, b: str) -> bool:
