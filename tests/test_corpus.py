@@ -226,6 +226,36 @@ def test_parse_source_forms(tmp_path):
         SourceSpec("x", "ftp", "ftp://x")
 
 
+def test_a_source_kind_is_one_registered_walker(tmp_path, storage, monkeypatch):
+    """A new kind is a walker registered in SOURCE_KINDS: sources.yaml and SourceSpec accept it
+    and ingestion lists its files through it; a kind not registered is refused where the source is
+    declared, never walked as another kind."""
+    import contextlib
+
+    from composer_dag.corpus import sources
+
+    root = tmp_path / "mirror"
+    root.mkdir()
+    (root / "a.py").write_text("print('a')\n")
+    walked = []
+
+    @contextlib.contextmanager
+    def mirror(spec, skip_dirs, python_parts):
+        walked.append(spec.uri)
+        yield walk_local(spec.uri, "mirror", "", skip_dirs)
+
+    yaml = tmp_path / "sources.yaml"
+    yaml.write_text(f"sources:\n  - name: m\n    kind: mirror\n    uri: {root}\n")
+    with pytest.raises(ValueError, match="unknown kind 'mirror'"):
+        sources.load_sources(str(yaml))
+    with pytest.raises(ValueError, match="unknown source kind 'mirror'"):
+        sources.SourceEntry.load({"name": "m", "kind": "mirror", "uri": str(root)})
+    monkeypatch.setitem(sources.SOURCE_KINDS, "mirror", mirror)
+    entry = sources.load_sources(str(yaml))[0]
+    res = ingest(entry.spec(), storage, storage.url("corpus", "m"), entry.corpus_config())
+    assert walked == [str(root)] and res.files_ingested == 1
+
+
 def test_engine_does_not_import_dagster():
     import subprocess
 

@@ -28,14 +28,13 @@ import subprocess
 import sysconfig
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from pydantic import Field, field_validator, model_validator
 
 from ..runtime.config import ConfigError, StageConfig
 from .languages import LANGUAGES
 
-KINDS = ("python", "local", "git", "s3")
 
 
 class CorpusConfig(StageConfig):
@@ -74,6 +73,21 @@ class CorpusConfig(StageConfig):
         return parts
 
 
+SOURCE_KINDS: dict[str, Callable[..., contextlib.AbstractContextManager]] = {}
+"""Every source kind with what lists its files (a context manager of the entries: temporary
+checkouts live as long as the block), registered with ``@source_kind``. A new kind is one walker
+registered so; a kind not here is refused where a source is declared (``sources.yaml``,
+``SourceSpec``), never walked as another kind."""
+
+
+def source_kind(name: str):
+    """Register the decorated walker as the source kind ``name``."""
+    def register(walker):
+        SOURCE_KINDS[name] = walker
+        return walker
+    return register
+
+
 @dataclass(frozen=True)
 class SourceSpec:
     """One corpus source. ``storage_options`` (S3 endpoint and keys) are never shown in repr."""
@@ -85,8 +99,8 @@ class SourceSpec:
     storage_options: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"source kind must be one of {KINDS}, not {self.kind!r}")
+        if self.kind not in SOURCE_KINDS:
+            raise ValueError(f"source kind must be one of {tuple(SOURCE_KINDS)}, not {self.kind!r}")
 
 
 SOURCES_FILE_ENV = "COMPOSER_SOURCES"
@@ -97,13 +111,20 @@ class SourceEntry(StageConfig):
     """One entry of ``sources.yaml``: where the files are, and this source's ingest limits."""
 
     name: str = Field(pattern=_NAME_RE.pattern)
-    kind: Literal["python", "local", "git", "s3"]
+    kind: str = Field(description="one of SOURCE_KINDS: python, local, git, s3")
     uri: str = Field("", description="a path, git URL or s3:// prefix (not for kind python)")
     rev: Optional[str] = Field(None, description="git: a branch, tag or commit")
     max_file_mb: float = 1.0
     max_total_mb: Optional[float] = Field(None, description="stop after this much kept text; None: the whole source")
     max_files: Optional[int] = None
     languages: Optional[list[str]] = Field(None, description="allow-list; others are counted as language_excluded")
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        if kind not in SOURCE_KINDS:
+            raise ValueError(f"unknown source kind {kind!r} (known: {', '.join(SOURCE_KINDS)})")
+        return kind
 
     @model_validator(mode="after")
     def _needs_uri(self) -> "SourceEntry":
@@ -124,10 +145,6 @@ class SourceEntry(StageConfig):
             "languages": self.languages,
         })
 
-
-DEFAULT_SOURCES = (SourceEntry(name="python", kind="python", max_total_mb=40),)
-"""The embedded default when no sources file exists: the running interpreter's stdlib (with its
-tests) and site-packages, capped at 40 MB to keep ``make run`` to minutes."""
 
 
 def sources_file(path: str | None = None) -> str:
@@ -154,8 +171,8 @@ def load_sources(path: str | None = None) -> list[SourceEntry]:
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or "name" not in e or "kind" not in e:
             raise ValueError(f"{path}: source #{i + 1} needs at least 'name' and 'kind'")
-        if e["kind"] not in KINDS:
-            raise ValueError(f"{path}: source {e['name']!r} has unknown kind {e['kind']!r} ({', '.join(KINDS)})")
+        if e["kind"] not in SOURCE_KINDS:
+            raise ValueError(f"{path}: source {e['name']!r} has unknown kind {e['kind']!r} ({', '.join(SOURCE_KINDS)})")
         try:
             entry = SourceEntry.load(e)
         except ConfigError as exc:
@@ -376,19 +393,42 @@ def walk_s3(spec: SourceSpec, skip_dirs: tuple[str, ...]) -> Iterator[Entry]:
                     read=lambda limit, k=key: fs.cat_file(k, start=0, end=limit))
 
 
+@source_kind("python")
 @contextlib.contextmanager
+def _python_entries(spec: SourceSpec, skip_dirs: tuple[str, ...], python_parts: tuple[str, ...]):
+    yield walk_python(python_parts, skip_dirs)
+
+
+@source_kind("local")
+@contextlib.contextmanager
+def _local_entries(spec: SourceSpec, skip_dirs: tuple[str, ...], python_parts: tuple[str, ...]):
+    root = os.path.abspath(os.path.expanduser(spec.uri))
+    if not os.path.isdir(root):
+        raise ValueError(f"source {spec.name}: not a directory: {root}")
+    yield walk_local(root, os.path.basename(root), "", skip_dirs)
+
+
+@source_kind("git")
+@contextlib.contextmanager
+def _git_entries(spec: SourceSpec, skip_dirs: tuple[str, ...], python_parts: tuple[str, ...]):
+    with git_checkout(spec.uri, spec.rev) as (dest, sha):
+        yield walk_local(dest, _repo_name(spec.uri), sha, skip_dirs, gitlinks=_gitlinks(dest, sha))
+
+
+@source_kind("s3")
+@contextlib.contextmanager
+def _s3_entries(spec: SourceSpec, skip_dirs: tuple[str, ...], python_parts: tuple[str, ...]):
+    yield walk_s3(spec, skip_dirs)
+
+
 def open_entries(spec: SourceSpec, skip_dirs: tuple[str, ...],
-                 python_parts: tuple[str, ...]) -> Iterator[Iterator[Entry]]:
-    """The entries of a source; temporary checkouts live as long as the block."""
-    if spec.kind == "python":
-        yield walk_python(python_parts, skip_dirs)
-    elif spec.kind == "local":
-        root = os.path.abspath(os.path.expanduser(spec.uri))
-        if not os.path.isdir(root):
-            raise ValueError(f"source {spec.name}: not a directory: {root}")
-        yield walk_local(root, os.path.basename(root), "", skip_dirs)
-    elif spec.kind == "git":
-        with git_checkout(spec.uri, spec.rev) as (dest, sha):
-            yield walk_local(dest, _repo_name(spec.uri), sha, skip_dirs, gitlinks=_gitlinks(dest, sha))
-    else:
-        yield walk_s3(spec, skip_dirs)
+                 python_parts: tuple[str, ...]) -> contextlib.AbstractContextManager[Iterator[Entry]]:
+    """The entries of a source, from its kind's walker."""
+    if spec.kind not in SOURCE_KINDS:
+        raise ValueError(f"source {spec.name}: unknown kind {spec.kind!r} (known: {', '.join(SOURCE_KINDS)})")
+    return SOURCE_KINDS[spec.kind](spec, skip_dirs, python_parts)
+
+
+DEFAULT_SOURCES = (SourceEntry(name="python", kind="python", max_total_mb=40),)
+"""The embedded default when no sources file exists: the running interpreter's stdlib (with its
+tests) and site-packages, capped at 40 MB to keep ``make run`` to minutes."""
