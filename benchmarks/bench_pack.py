@@ -17,20 +17,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
-import hashlib
 import json
 import os
 import platform
 import shutil
 import statistics
-import struct
 import sys
 import tempfile
 import time
-from collections import Counter
-from typing import Iterable
-
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -39,161 +33,24 @@ from composer_dag.train.data import pack_documents  # noqa: E402
 from composer_dag.train.tokenizer import train_tokenizer  # noqa: E402
 
 
-# ---------------------------------------------------------------------------------------------
-# Baseline: the packer as it was before the Megatron-Core format (composer_dag/train/data.py
-# at the previous commit), copied verbatim except for the function's name and an absolute
-# import.
-# ---------------------------------------------------------------------------------------------
-
-IDX_MAGIC = b"CDTOKIDX"
-IDX_VERSION = 1
-IDX_HEADER = struct.Struct("<8sIIQ")
-REPLAY_LANGUAGES = {"markdown", "restructuredtext", "rst", "text", "plain text", "txt",
-                    "html", "asciidoc", "tex", "org"}
+BASELINE_COMMIT = "6ae7dbee7a2ae81d55f906a458afae43d259c426"
+"""The commit whose ``composer_dag/train/data.py`` is the baseline: the packer with its own
+``CDTOKIDX`` index, as it was before the Megatron-Core format."""
 
 
-def _unit(*parts) -> float:
-    """A deterministic number in [0, 1) from the parts."""
-    h = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") / 2**64
+def baseline_packer():
+    """The baseline packer's module, read from git history at benchmark time and run as a module
+    of its own (it imports nothing of the project's but the tokenizer loader, used for a path)."""
+    import subprocess
+    import types
 
-
-def is_replay(language: str | None) -> bool:
-    return (language or "").strip().lower() in REPLAY_LANGUAGES
-
-
-def mixture_weight(mixture: dict[str, float] | None, source: str, language: str) -> float:
-    if not mixture:
-        return 1.0
-    for key in (language, source, "replay" if is_replay(language) else None, "*"):
-        if key is not None and key in mixture:
-            return float(mixture[key])
-    return 1.0
-
-
-def copies(weight: float, doc_id: str, seed: int) -> int:
-    whole = int(weight)
-    return whole + (1 if _unit(seed, "mix", doc_id) < weight - whole else 0)
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size < 65536 else np.dtype(np.uint32)
-
-
-class _ShardWriter:
-    def __init__(self, out_dir: str, split: str, dtype: np.dtype):
-        self.path = os.path.join(out_dir, split)
-        self.dtype = dtype
-        self.f = open(self.path + ".bin.tmp", "wb")
-        self.offsets = [0]
-
-    def add(self, tokens: np.ndarray) -> None:
-        self.f.write(tokens.astype(self.dtype, copy=False).tobytes())
-        self.offsets.append(self.offsets[-1] + len(tokens))
-
-    def close(self) -> None:
-        self.f.close()
-        with open(self.path + ".idx.tmp", "wb") as f:
-            f.write(IDX_HEADER.pack(IDX_MAGIC, IDX_VERSION, self.dtype.itemsize,
-                                    len(self.offsets) - 1))
-            f.write(np.asarray(self.offsets, dtype=np.int64).tobytes())
-        os.replace(self.path + ".bin.tmp", self.path + ".bin")
-        os.replace(self.path + ".idx.tmp", self.path + ".idx")
-
-
-def read_idx(path: str) -> tuple[np.dtype, np.ndarray]:
-    """(token dtype, int64 document offsets) of an ``.idx`` file."""
-    with open(path, "rb") as f:
-        magic, version, code, n = IDX_HEADER.unpack(f.read(IDX_HEADER.size))
-        if magic != IDX_MAGIC or version != IDX_VERSION:
-            raise ValueError(f"{path}: not a token index (magic {magic!r}, version {version})")
-        offsets = np.frombuffer(f.read(8 * (n + 1)), dtype=np.int64)
-    return np.dtype({2: np.uint16, 4: np.uint32}[code]), offsets
-
-
-def load_tokens(prefix: str) -> tuple[np.ndarray, np.ndarray]:
-    """(memory-mapped token stream, document offsets) of a ``<prefix>.bin``/``.idx`` pair."""
-    dtype, offsets = read_idx(prefix + ".idx")
-    if offsets[-1] == 0:
-        return np.zeros(0, dtype=dtype), offsets
-    return np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(int(offsets[-1]),)), offsets
-
-
-def baseline_pack_documents(docs: Iterable[tuple[str, str, str, str]], tokenizer, out_dir: str,
-                   val_fraction: float = 0.01, mixture: dict[str, float] | None = None,
-                   seed: int = 0, batch_docs: int = 512) -> dict:
-    """Tokenize ``(doc_id, text, source, language)`` rows into train/val shards in ``out_dir``.
-
-    ``tokenizer`` is a transformers fast tokenizer or a path to one. Returns (and writes as
-    ``summary.json``) counters: docs in/train/val/dropped, tokens train/val, bytes in,
-    seconds, MB/s, tokens per language and per source (train), replay tokens and share.
-    """
-    if isinstance(tokenizer, str):
-        from composer_dag.train.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(tokenizer)
-    backend = tokenizer.backend_tokenizer  # the Rust tokenizer: batch encode in parallel
-    eos = tokenizer.eos_token_id
-    vocab = len(tokenizer)
-    dtype = token_dtype(vocab)
-    os.makedirs(out_dir, exist_ok=True)
-    writers = {s: _ShardWriter(out_dir, s, dtype) for s in ("train", "val")}
-    c = Counter()
-    by_lang, by_source = Counter(), Counter()
-    t0 = time.perf_counter()
-
-    def flush(batch):
-        encs = backend.encode_batch([b[1] for b in batch], add_special_tokens=False)
-        for (doc_id, _, source, language, n, split), enc in zip(batch, encs):
-            toks = np.empty(len(enc.ids) + 1, dtype=np.int64)
-            toks[:-1] = enc.ids
-            toks[-1] = eos
-            for _ in range(n):
-                writers[split].add(toks)
-            c[f"tokens_{split}"] += n * len(toks)
-            c[f"docs_{split}"] += 1
-            if split == "train":
-                by_lang[language] += n * len(toks)
-                by_source[source] += n * len(toks)
-                c["replay_tokens"] += n * len(toks) if is_replay(language) else 0
-
-    batch = []
-    for doc_id, text, source, language in docs:
-        c["docs_in"] += 1
-        c["bytes_in"] += len(text.encode("utf-8", "surrogatepass"))
-        weight = mixture_weight(mixture, source, language)
-        split = "val" if _unit("split", doc_id) < val_fraction else "train"
-        n = (1 if weight > 0 else 0) if split == "val" else copies(weight, doc_id, seed)
-        if n == 0:
-            c["docs_dropped"] += 1
-            continue
-        batch.append((doc_id, text, source, language, n, split))
-        if len(batch) >= batch_docs:
-            flush(batch)
-            batch = []
-    if batch:
-        flush(batch)
-    for w in writers.values():
-        w.close()
-    seconds = time.perf_counter() - t0
-    summary = {
-        "docs_in": c["docs_in"], "docs_train": c["docs_train"], "docs_val": c["docs_val"],
-        "docs_dropped": c["docs_dropped"], "tokens_train": c["tokens_train"],
-        "tokens_val": c["tokens_val"], "bytes_in": c["bytes_in"],
-        "seconds": round(seconds, 3), "mb_per_s": round(c["bytes_in"] / 1e6 / max(seconds, 1e-9), 3),
-        "tokens_by_language": dict(by_lang.most_common()),
-        "tokens_by_source": dict(by_source.most_common()),
-        "replay_tokens": c["replay_tokens"],
-        "replay_share": round(c["replay_tokens"] / max(c["tokens_train"], 1), 4),
-        "dtype": dtype.name, "vocab_size": vocab, "eos_token_id": eos,
-        "val_fraction": val_fraction, "mixture": mixture or {}, "seed": seed,
-    }
-    with open(os.path.join(out_dir, "summary.json.tmp"), "w") as f:
-        json.dump(summary, f, indent=2)
-    os.replace(os.path.join(out_dir, "summary.json.tmp"), os.path.join(out_dir, "summary.json"))
-    return summary
-
-
-# ---------------------------------------------------------------------------------------------
+    src = subprocess.run(["git", "-C", ROOT, "show", f"{BASELINE_COMMIT}:composer_dag/train/data.py"],
+                         capture_output=True, text=True, check=True).stdout
+    mod = types.ModuleType("composer_dag.train._baseline_data")
+    mod.__package__ = "composer_dag.train"
+    exec(compile(src, f"{BASELINE_COMMIT[:12]}:composer_dag/train/data.py", "exec"), mod.__dict__)
+    assert mod.IDX_MAGIC == b"CDTOKIDX", "the baseline commit does not hold the CDTOKIDX packer"
+    return mod
 
 
 def stdlib_docs(max_mb: float):
@@ -228,7 +85,7 @@ def main() -> None:
     indexed_dataset_module()
     import_s = time.perf_counter() - t
 
-    packers = {"old": baseline_pack_documents, "new": pack_documents}
+    packers = {"old": baseline_packer().pack_documents, "new": pack_documents}
     for name, pack in packers.items():  # warm both paths up on a few documents, untimed
         pack(docs[:50], tok, os.path.join(work, f"warm_{name}"), val_fraction=0.02, seed=0)
     rates: dict[str, list[float]] = {"old": [], "new": []}
@@ -270,7 +127,7 @@ def main() -> None:
         f"Same documents for both: {res['corpus_mb']} MB of stdlib `.py` files "
         f"({res['docs']} docs, "
         f"{res['tokens']:,} tokens), byte-level BPE vocab 8192, `val_fraction=0.02`. Old: the "
-        f"packer with its own `CDTOKIDX` index (copied into the script as the baseline); new: "
+        f"packer with its own `CDTOKIDX` index (read from git history, commit {BASELINE_COMMIT[:12]}); new: "
         f"`pack_documents` writing through Megatron-Core's `IndexedDatasetBuilder`. "
         f"{args.reps} runs each, interleaved; both write the same `.bin` bytes.", "",
         "| packer | MB/s per run | median MB/s |", "|---|---|---|",
