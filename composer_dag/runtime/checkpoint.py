@@ -107,6 +107,15 @@ def clear_checkpoint(ckpt_dir: str) -> None:
     shutil.rmtree(ckpt_dir, ignore_errors=True)
 
 
+def commit_latest(out_dir: str, ckpt_root: str, latest: dict, keep: int) -> None:
+    """Commit a sealed checkpoint: ``out_dir/latest`` (``latest``, with its ``tag``) pointed at it,
+    atomically, then all but the newest ``keep`` checkpoints under ``ckpt_root`` removed. A kill
+    in between leaves an extra old checkpoint, never a ``latest`` without its checkpoint."""
+    write_json_atomic(os.path.join(out_dir, "latest"), latest)
+    for old in sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))[:-keep]:
+        shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
+
+
 def resume_checkpoint(out_dir: str, ckpt_root: str, log=lambda msg: None) -> str | None:
     """The tag of the checkpoint to resume from: the one ``latest`` names if it matches its
     manifest, else the newest older one that does; None when there is none.

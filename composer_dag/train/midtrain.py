@@ -45,8 +45,8 @@ from pydantic import Field
 from ..pipes import Reporter, entry_point
 from ..runtime.config import StageConfig
 from .data import TokenShardDataset, TranscriptDataset, mixed_batches
-from ..runtime.checkpoint import (atomic_dir, clear_checkpoint, pause_before_seal, resume_checkpoint, rng_state,
-                                  seal_checkpoint, set_rng_state, trim_metrics, write_json_atomic)
+from ..runtime.checkpoint import (atomic_dir, clear_checkpoint, commit_latest, pause_before_seal, resume_checkpoint,
+                                  rng_state, seal_checkpoint, set_rng_state, trim_metrics, write_json_atomic)
 from ..runtime.distributed import setup_distributed
 from .model import param_count, sample_text, save_hf_dir
 
@@ -355,10 +355,8 @@ def _save(engine, cfg: MidtrainConfig, run: _Progress, ckpt_root: str, bf16: boo
     dist.barrier()  # every rank's optimizer partition is on disk
     if rank == 0:
         seal_checkpoint(os.path.join(ckpt_root, tag))
-        write_json_atomic(os.path.join(cfg.out_dir, "latest"), {"tag": tag, "step": run.step, "samples": run.samples})
-        tags = sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))
-        for old in tags[:-cfg.keep_checkpoints]:
-            shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
+        commit_latest(cfg.out_dir, ckpt_root, {"tag": tag, "step": run.step, "samples": run.samples},
+                      cfg.keep_checkpoints)
     return tag
 
 
