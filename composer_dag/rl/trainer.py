@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ..runtime.config import StageConfig
 from . import grpo
@@ -22,6 +22,8 @@ class TrainerConfig(StageConfig):
     """The GRPO trainer (DeepSpeed). The batch size, sampling temperature and seed come from
     the run: ``tasks_per_step * group_size``, the orchestrator's temperature, the run's seed."""
 
+    loss: str = Field("grpo", description="the policy loss, one of rl.grpo.LOSSES: grpo (the clipped surrogate), "
+                                          "reinforce (no ratio, no clip: on-policy only)")
     lr: float = 1e-5
     warmup_steps: int = Field(0, ge=0, description="updates over which the learning rate rises linearly to lr "
                                                    "(Adam's first update moves every weight by about lr)")
@@ -35,6 +37,15 @@ class TrainerConfig(StageConfig):
     beta1: float = 0.9
     beta2: float = 0.99
     zero_stage: int = 2
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, name: str) -> str:
+        from .grpo import LOSSES
+
+        if name not in LOSSES:
+            raise ValueError(f"unknown RL loss {name!r}; known: {', '.join(LOSSES)}")
+        return name
 
 
 class GRPOTrainer:
@@ -95,7 +106,7 @@ class GRPOTrainer:
                 if self.ref is not None:
                     with torch.no_grad():
                         ref = grpo.token_logprobs(self.ref, b["input_ids"], b["attention_mask"], self.temperature)
-                loss, st = grpo.grpo_loss(logp, b["old_logprobs"], b["advantages"], b["loss_mask"], cfg.clip_eps,
+                loss, st = grpo.LOSSES[cfg.loss](logp, b["old_logprobs"], b["advantages"], b["loss_mask"], cfg.clip_eps,
                                           cfg.clip_eps_high, ref, cfg.kl_coef, denom=total)
                 if torch.isfinite(loss):
                     agg["loss"] += loss.item()
@@ -158,15 +169,11 @@ class GRPOTrainer:
         """Save version ``self.version`` as ``out_dir/checkpoints/step_N``, then commit it: point
         ``out_dir/latest`` at it (what a resumed run reads) and drop all but the newest ``keep``
         checkpoints. Returns the tag."""
-        import shutil
-
-        from ..runtime.checkpoint import write_json_atomic
+        from ..runtime.checkpoint import commit_latest
 
         ckpt_root, tag = os.path.join(out_dir, "checkpoints"), f"step_{self.version:07d}"
         self.save_checkpoint(ckpt_root, tag, tokenizer_dir, {"step": self.version, **state})
-        write_json_atomic(os.path.join(out_dir, "latest"), {"tag": tag, "step": self.version})
-        for old in sorted(t for t in os.listdir(ckpt_root) if t.startswith("step_"))[:-keep]:
-            shutil.rmtree(os.path.join(ckpt_root, old), ignore_errors=True)
+        commit_latest(out_dir, ckpt_root, {"tag": tag, "step": self.version}, keep)
         return tag
 
     def load_checkpoint(self, ckpt_root: str, tag: str) -> dict:

@@ -37,6 +37,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..weights import WeightCache, latest_version, version_manifest, write_weights_dir
 from .server import ServerClient, ServerDown
@@ -206,9 +207,10 @@ class Fleet:
                     shutil.rmtree(self._dirs.pop(v), ignore_errors=True)  # no server needs it any more
             return d, state
 
-    def _sync(self, s: Server) -> None:
+    def _follow(self, s: Server, step: Callable[[Server], None]) -> None:
+        """Run ``step`` on server ``s`` until the run stops: a server that does not answer is
+        marked dead and waited for; a probe mismatch or a broken publication stops the run."""
         cfg = self.cfg
-        skip = tuple(cfg.skip_reload) if cfg.skip_reload else None
         while not self._stop.is_set():
             try:
                 if not s.client.healthy():
@@ -216,30 +218,7 @@ class Fleet:
                         self.mark_dead(s)
                     self._stop.wait(cfg.poll_seconds)
                     continue
-                latest = self._poll_latest()
-                reported = s.client.weight_version()
-                behind = latest is not None and (s.version is None or s.version < latest or reported != str(s.version))
-                if not behind:
-                    if not s.alive:
-                        with self.cond:
-                            s.alive = True
-                            self.cond.notify_all()
-                    self._stop.wait(cfg.poll_seconds)
-                    continue
-                # one version at a time (each one is served and probe-checked); a server that
-                # knows no version yet, or lost it (restarted), goes straight to the latest
-                fresh = s.version is None or reported != str(s.version)
-                latest = latest if fresh else min(latest, s.version + 1)
-                d, state = self._weights_dir(latest)
-                if skip == (s.index, latest):  # fault injection: claim the version, keep the old weights
-                    s.client.set_weight_version(latest)
-                    secs = 0.0
-                    self.log(f"{s.id}: skipping the reload of version {latest} (fault injection)")
-                else:
-                    secs = s.client.reload(d, latest)
-                diff = self._probe(s, latest, state)
-                self._serving(s, latest, {"reload_s": round(secs, 4), "probe_diff": diff,
-                                          "rebuild_s": round(self.cache.last_seconds, 4)})
+                step(s)
             except ServerDown:
                 self.mark_dead(s)
                 self._stop.wait(cfg.poll_seconds)
@@ -249,6 +228,42 @@ class Fleet:
             except Exception as e:  # a broken publication (DigestMismatch, ...) also stops the run
                 self.fail(RuntimeError(f"weight sync of rollout server {s.id} failed: {type(e).__name__}: {e}"))
                 return
+
+    def _alive(self, s: Server) -> None:
+        with self.cond:
+            s.alive = True
+            self.cond.notify_all()
+
+    def _sync(self, s: Server) -> None:
+        self._follow(s, self._sync_step)
+
+    def _sync_step(self, s: Server) -> None:
+        """``weight_sync: orchestrator``: bring the server to the next version (each one is served
+        and probe-checked in turn)."""
+        cfg = self.cfg
+        skip = tuple(cfg.skip_reload) if cfg.skip_reload else None
+        latest = self._poll_latest()
+        reported = s.client.weight_version()
+        behind = latest is not None and (s.version is None or s.version < latest or reported != str(s.version))
+        if not behind:
+            if not s.alive:
+                self._alive(s)
+            self._stop.wait(cfg.poll_seconds)
+            return
+        # one version at a time (each one is served and probe-checked); a server that
+        # knows no version yet, or lost it (restarted), goes straight to the latest
+        fresh = s.version is None or reported != str(s.version)
+        latest = latest if fresh else min(latest, s.version + 1)
+        d, state = self._weights_dir(latest)
+        if skip == (s.index, latest):  # fault injection: claim the version, keep the old weights
+            s.client.set_weight_version(latest)
+            secs = 0.0
+            self.log(f"{s.id}: skipping the reload of version {latest} (fault injection)")
+        else:
+            secs = s.client.reload(d, latest)
+        diff = self._probe(s, latest, state)
+        self._serving(s, latest, {"reload_s": round(secs, 4), "probe_diff": diff,
+                                  "rebuild_s": round(self.cache.last_seconds, 4)})
 
     def _hint(self) -> str:
         return ("" if self.mode == "orchestrator" else
@@ -292,52 +307,37 @@ class Fleet:
         beside it); this thread tracks the version it reports (``<version>@<digest>``, checked
         against the published manifest), rebuilds that version here for the reference and
         checks the probe, then lets the server take episodes of it."""
+        self._follow(s, self._watch_step)
+
+    def _watch_step(self, s: Server) -> None:
         from .serve import parse_tag
 
         cfg = self.cfg
-        while not self._stop.is_set():
-            try:
-                if not s.client.healthy():
-                    if s.alive:
-                        self.mark_dead(s)
-                    self._stop.wait(cfg.poll_seconds)
-                    continue
-                self._poll_latest()
-                reported = s.client.weight_version()
-                tag = parse_tag(reported)
-                if tag is None or tag[0] == s.version:  # nothing published loaded yet, or checked already
-                    if tag is not None and not s.alive:
-                        with self.cond:
-                            s.alive = True
-                            self.cond.notify_all()
-                    self._stop.wait(cfg.poll_seconds)
-                    continue
-                version = tag[0]
-                meta = version_manifest(self.storage, self.prefix, version)
-                if meta is None or not meta["digest"].startswith(tag[1]):
-                    # another run's weights (a server reused across runs): not this run's version
-                    if s.version is not None:
-                        with self.cond:
-                            s.version = None
-                            self.cond.notify_all()
-                    self._stop.wait(cfg.poll_seconds)
-                    continue
-                with self._build_lock:
-                    state = self.cache.get(version)  # verified, as the server's own rebuild
-                    rebuild_s = self.cache.last_seconds
-                diff = self._probe(s, version, state)
-                if s.client.weight_version() != reported:  # it moved on while scored: check the new one
-                    continue
-                self._serving(s, version, {"reload_s": None, "probe_diff": diff, "rebuild_s": round(rebuild_s, 4)})
-            except ServerDown:
-                self.mark_dead(s)
-                self._stop.wait(cfg.poll_seconds)
-            except ProbeMismatch as e:
-                self.fail(e)
-                return
-            except Exception as e:  # a broken publication (DigestMismatch, ...) also stops the run
-                self.fail(RuntimeError(f"weight sync of rollout server {s.id} failed: {type(e).__name__}: {e}"))
-                return
+        self._poll_latest()
+        reported = s.client.weight_version()
+        tag = parse_tag(reported)
+        if tag is None or tag[0] == s.version:  # nothing published loaded yet, or checked already
+            if tag is not None and not s.alive:
+                self._alive(s)
+            self._stop.wait(cfg.poll_seconds)
+            return
+        version = tag[0]
+        meta = version_manifest(self.storage, self.prefix, version)
+        if meta is None or not meta["digest"].startswith(tag[1]):
+            # another run's weights (a server reused across runs): not this run's version
+            if s.version is not None:
+                with self.cond:
+                    s.version = None
+                    self.cond.notify_all()
+            self._stop.wait(cfg.poll_seconds)
+            return
+        with self._build_lock:
+            state = self.cache.get(version)  # verified, as the server's own rebuild
+            rebuild_s = self.cache.last_seconds
+        diff = self._probe(s, version, state)
+        if s.client.weight_version() != reported:  # it moved on while scored: check the new one
+            return
+        self._serving(s, version, {"reload_s": None, "probe_diff": diff, "rebuild_s": round(rebuild_s, 4)})
 
     def summary(self) -> dict:
         return {s.id: {"url": s.client.url, "version": s.version, "alive": s.alive, "deaths": s.deaths,
