@@ -205,6 +205,30 @@ def test_grpo_loss_clips_and_masks():
     assert st["kl_sum"] > 0
 
 
+def test_rl_loss_is_selected_by_name_and_reinforce_matches_the_surrogate_on_policy():
+    """TrainerConfig.loss picks from rl.grpo.LOSSES; on-policy (old = current logprobs) the
+    REINFORCE loss has the clipped surrogate's gradient, off-policy it does not clip; an unknown
+    name is refused in one line."""
+    from composer_dag.rl.grpo import LOSSES
+    from composer_dag.rl.trainer import TrainerConfig
+    from composer_dag.runtime.config import ConfigError
+
+    assert TrainerConfig().loss == "grpo" and TrainerConfig.load({"loss": "reinforce"}).loss == "reinforce"
+    with pytest.raises((ConfigError, ValueError), match="unknown RL loss 'ppo2'"):
+        TrainerConfig.load({"loss": "ppo2"})
+    mask, adv = torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([0.7])
+    grads = {}
+    for name in ("grpo", "reinforce"):
+        x = torch.log(torch.tensor([[0.5, 0.9, 0.1]])).requires_grad_()
+        LOSSES[name](x, x.detach(), adv, mask, 0.2)[0].backward()
+        grads[name] = x.grad
+    assert torch.allclose(grads["grpo"], grads["reinforce"]) and grads["grpo"][0, 0] < 0
+    x = torch.log(torch.tensor([[0.5, 0.9, 0.1]])).requires_grad_()
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    _, st = LOSSES["reinforce"](x, old, torch.tensor([1.0]), mask, 0.2)
+    assert st["clip_frac"] == 0.0 and st["tokens"] == 2
+
+
 def test_pack_aligns_targets():
     r = {"prompt_ids": [5, 6], "completion_ids": [7, 8, 9], "loss_mask": [1, 0, 1], "logprobs": [-1, 0, -2],
          "advantage": 0.5}

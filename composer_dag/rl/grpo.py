@@ -1,5 +1,6 @@
 """GRPO pieces as plain functions: group-relative advantages, batch packing, token logprobs
-and the clipped token-level loss (with an optional KL term to a reference policy)."""
+and the policy losses (``LOSSES``: the clipped token-level surrogate, REINFORCE), each with an
+optional KL term to a reference policy."""
 
 from __future__ import annotations
 
@@ -71,9 +72,32 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     stats = {"clip_frac": ((((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + hi) & (adv > 0))).float()
                            * mask).sum().item(),
              "ratio_sum": (ratio.detach() * mask).sum().item(), "tokens": mask.sum().item(), "kl_sum": 0.0}
+    return _with_kl(loss, stats, logp, ref_logp, kl_coef, mask, denom)
+
+
+def reinforce_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                   clip_eps: float = 0.2, clip_eps_high: float | None = None, ref_logp: torch.Tensor | None = None,
+                   kl_coef: float = 0.0, denom: float | None = None) -> tuple[torch.Tensor, dict]:
+    """REINFORCE with the group baseline: minus the advantage times the token's log-probability,
+    over masked tokens, divided by ``denom``: no ratio and no clipping (the clip settings are not
+    used), so it assumes on-policy rollouts (staleness 0); plus the same KL term."""
+    denom = float(denom if denom is not None else mask.sum().clamp(min=1).item())
+    loss = -(logp * advantages.unsqueeze(-1) * mask).sum() / denom
+    ratio = torch.exp((logp.detach() - old_logp).clamp(-20, 20))
+    stats = {"clip_frac": 0.0, "ratio_sum": (ratio * mask).sum().item(), "tokens": mask.sum().item(), "kl_sum": 0.0}
+    return _with_kl(loss, stats, logp, ref_logp, kl_coef, mask, denom)
+
+
+def _with_kl(loss, stats: dict, logp, ref_logp, kl_coef: float, mask, denom: float):
+    """``loss`` plus ``kl_coef`` times the k3 estimate of KL(policy || reference) on the masked tokens."""
     if ref_logp is not None and kl_coef:
         d = (ref_logp - logp).clamp(-20, 20)
         kl = torch.exp(d) - d - 1
         loss = loss + kl_coef * (kl * mask).sum() / denom
         stats["kl_sum"] = (kl.detach() * mask).sum().item()
     return loss, stats
+
+
+LOSSES = {"grpo": grpo_loss, "reinforce": reinforce_loss}
+"""The policy losses ``TrainerConfig.loss`` selects from, all with ``grpo_loss``'s signature: a new
+loss is one function registered here."""
