@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import dagster as dg
 from dagster_pipes import PIPES_PROTOCOL_VERSION, PIPES_PROTOCOL_VERSION_FIELD
@@ -61,6 +61,7 @@ from composer_dag.cluster.spec import (ArrayConfig, ArrayError, ArrayTask, Clust
 
 __all__ = ["ArrayTask", "ClusterError", "ClusterResource", "ServiceHandle", "slurm_state", "stop_process_group"]
 from resources.base import ClearConfigResource
+from resources.dagster_config import dagster_config
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(composer_dag.__file__)))
 # what a sandboxed job may see of this process's environment (by reference, never by value)
@@ -133,35 +134,13 @@ class StorageMessageReader(PipesBlobStoreMessageReader):
         return f"Pipes messages were expected under {self.prefix}"
 
 
-class ClusterResource(ClearConfigResource):
-    backend: Literal["local", "k8s", "slurm"] = "local"
-    launcher: Literal["torchrun", "deepspeed", "python"] = "torchrun"
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    gpus_per_node: int = 0
-    env: dict[str, str] = {}
-    isolate: bool = False
-    job_code: list[str] = ["composer_dag"]
-    scratch_dir: str = "/tmp"
-    # k8s
-    image: Optional[str] = None
-    namespace: str = "default"
-    gpu_resource: str = "nvidia.com/gpu"
-    service_account: Optional[str] = None
-    cpu: Optional[str] = None
-    memory: Optional[str] = None
-    secret_name: Optional[str] = None
-    node_selector: dict[str, str] = {}
-    tolerations: list[dict[str, str]] = []
-    # slurm
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    time_limit: str = "04:00:00"
-    container_image: Optional[str] = None
-    poll_seconds: float = 2.0
-    # all
-    grace_seconds: float = 10.0
-    array_parallelism: Optional[int] = None  # run_array: tasks at once (local default: the CPU count)
+ClusterSettings = dagster_config(ClusterConfig, base=ClearConfigResource, name="ClusterSettings", module=__name__)
+"""Every setting of the cluster resource, generated from the engine's ``ClusterConfig``."""
+
+
+class ClusterResource(ClusterSettings):
+    """Where the GPU stages' jobs, the services and the arrays run (its settings: the engine's
+    ``ClusterConfig``)."""
 
     # ---- specs -------------------------------------------------------------------------
     def spec(self, entry: str, args: list[str], name: str = "composer-train", launcher: str | None = None) -> launch.LaunchSpec:
@@ -362,7 +341,7 @@ class ClusterResource(ClearConfigResource):
     # ---- services and arrays -------------------------------------------------------------
     def cluster_config(self) -> ClusterConfig:
         """The engine's view of these settings (``composer_dag.cluster.services``)."""
-        return ClusterConfig.load({k: getattr(self, k) for k in ClusterConfig.model_fields})
+        return self.engine_config()
 
     def start_service(self, context, name: str, argv: list[str], env: dict[str, str] | None = None,
                       port: int | None = None, health_url: str = "http://{host}:{port}/", **settings: Any) -> ServiceHandle:

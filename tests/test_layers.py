@@ -59,9 +59,11 @@ def _params():
     from composer_dag.train.data import TokenShardConfig
     from composer_dag.train.midtrain import MidtrainConfig
     from composer_dag.train.model import BaseModelConfig
+    from composer_dag.cluster.spec import ClusterConfig
+    from resources.cluster import ClusterResource
     from resources.model_settings import ModelSettings
 
-    return [(DedupConfig, dedup.DedupParams), (TaskBuildConfig, envs.TaskParams), (EvalConfig, evals.EvalParams),
+    return [(ClusterConfig, ClusterResource), (DedupConfig, dedup.DedupParams), (TaskBuildConfig, envs.TaskParams), (EvalConfig, evals.EvalParams),
             (RLConfig, rl.RLParams), (MidtrainConfig, train.MidtrainParams), (TokenShardConfig, train.TokenShardParams),
             (BaseModelConfig, ModelSettings)]
 

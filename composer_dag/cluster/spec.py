@@ -129,9 +129,20 @@ class ArrayError(RuntimeError):
 
 # ---- configs -----------------------------------------------------------------------------
 class ClusterConfig(StageConfig):
-    """Where services and arrays run: the cluster resource's settings (same names)."""
+    """Where jobs, services and arrays run. The Dagster resource (``ClusterResource``) is
+    generated from this class, so a new option (a k8s field, a Slurm flag) is one field here,
+    read where its backend builds its objects."""
 
     backend: Literal["local", "slurm", "k8s"] = "local"
+    # a stage's job: what runs on each node
+    launcher: Literal["torchrun", "deepspeed", "python"] = "torchrun"
+    nproc_per_node: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    env: dict[str, str] = {}
+    isolate: bool = Field(False, description="run each job under bubblewrap, seeing only its scratch, the code "
+                                             "and the Python environment (storage URLs in and out)")
+    job_code: list[str] = Field(["composer_dag"], description="what of the checkout an isolated job sees")
     scratch_dir: str = "/tmp"                 # node-local: logs of services and array tasks
     poll_seconds: float = Field(2.0, gt=0)
     grace_seconds: float = Field(10.0, ge=0)  # SIGTERM -> SIGKILL
@@ -145,6 +156,8 @@ class ClusterConfig(StageConfig):
     image: Optional[str] = None
     namespace: str = "default"
     gpu_resource: str = "nvidia.com/gpu"
+    cpu: Optional[str] = Field(None, description="a job pod's CPU request, e.g. '8'")
+    memory: Optional[str] = Field(None, description="a job pod's memory request, e.g. '64Gi'")
     service_account: Optional[str] = None
     secret_name: Optional[str] = None
     node_selector: dict[str, str] = {}
