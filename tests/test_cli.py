@@ -69,7 +69,7 @@ def test_sandbox_exec_passes_exit_code(tmp_path: Path):
 
 
 def test_env_grade_broken_and_reference(tmp_path: Path, humaneval_tasks):
-    from composer_dag.envs.grade import apply_reference
+    from composer_dag.envs.task_dir import apply_reference
 
     out, summary = humaneval_tasks
     assert summary["tasks"] == 3

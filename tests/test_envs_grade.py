@@ -5,7 +5,8 @@ import shutil
 
 import pytest
 
-from composer_dag.envs.grade import GradeConfig, grade, grade_cli
+from composer_dag.envs.checks import GradeConfig
+from composer_dag.envs.grade import grade, grade_cli
 from composer_dag.envs.task_format import task_dirs
 from composer_dag.envs.tools import Episode
 
@@ -154,13 +155,25 @@ def test_reward_modes(tasks, tmp_path):
 
 def test_flag_families_and_rollout_columns():
     from composer_dag.agent import rollout_schema
-    from composer_dag.envs.grade import GradeResult, flag_family
+    from composer_dag.envs.cheat_flags import flag_family
+    from composer_dag.envs.grade import GradeResult
 
     r = GradeResult(reward=0.0, passed=1, failed=0, per_test={}, flags=[
         "conftest:conftest.py", "site_hook:x.pth", "canary_passed:test_0", "exit_call:a.py", "git_history:git reflog"])
     assert r.families == ["startup_hook", "canary", "exit", "history"]
     assert flag_family("framework_tamper:TestCase.run changed (x)") == "framework_tamper"
     assert {"flag_families", "canary_passed"} <= set(rollout_schema().names)
+    # a family is registered once, with its prefixes; a flag of an unregistered prefix cannot be
+    # made, nor counted under some family
+    from composer_dag.envs import cheat_flags
+
+    with pytest.raises(ValueError, match="not registered"):
+        cheat_flags.flag("monkey_patch", "x.py")
+    with pytest.raises(ValueError, match="no registered family"):
+        flag_family("monkey_patch:x.py")
+    with pytest.raises(ValueError, match="registered twice"):
+        cheat_flags.register("exit2", "exit_call")
+    assert set(cheat_flags.FAMILIES.values()) >= {"canary", "exit", "test_edit", "outside_read"}
 
 
 def test_results_planted_by_the_solution_are_void(tasks, tmp_path):

@@ -4,7 +4,8 @@ ordinary extra work, gets reward 1 and no flag."""
 
 import pytest
 
-from composer_dag.envs.grade import check_task, flag_family, grade
+from composer_dag.envs.cheat_flags import flag_family
+from composer_dag.envs.grade import check_task, grade
 from composer_dag.envs.task_format import task_dirs
 
 from .cheats import CHEATS, applicable, cheat_workspace, honest_workspace

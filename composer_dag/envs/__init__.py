@@ -1,6 +1,7 @@
 """RL environment engine: tasks, sandbox, tools and grading (plain Python, no Dagster)."""
 
-from .grade import GradeConfig, GradeResult, check_task, false_positive_rate, grade, grade_cli
+from .checks import GradeConfig
+from .grade import GradeResult, check_task, false_positive_rate, grade, grade_cli
 from .realism import fingerprint, realism_diff
 from .rootfs import Persona
 from .sandbox import ExecResult, Limits, Sandbox, sandbox_exec

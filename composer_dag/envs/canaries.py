@@ -223,7 +223,8 @@ def _visible_text(repo: Path) -> str:
 def add_canaries(task_dir: Path, candidates: int = 2, keep: int = 1) -> dict:
     """Generate, verify (one sandbox run against the reference) and record the task's canaries;
     returns the ``checks`` entry written to ``task.json`` (empty when none could be verified)."""
-    from .grade import apply_reference, check_name, hidden_files, outcomes, run_checks
+    from .checks import outcomes, run_checks
+    from .task_dir import apply_reference, check_name, hidden_files
 
     task_dir = Path(task_dir)
     task = json.loads((task_dir / "task.json").read_text())

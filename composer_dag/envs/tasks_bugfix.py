@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .grade import failures, outcomes, run_hidden_tests
+from .checks import failures, outcomes, run_hidden_tests
 from .rootfs import PYVER
 from .task_format import _GITIGNORE, TaskBuildConfig, write_task
 

@@ -46,7 +46,8 @@ def batch_url(ex, step: int, ext: str) -> str:
 
 def reproduces_with_reference(task_dir: str) -> bool:
     """Does grading the task's reference state fail the same way (raise)?"""
-    from ...envs.grade import apply_reference, grade
+    from ...envs.grade import grade
+    from ...envs.task_dir import apply_reference
 
     tmp = Path(tempfile.mkdtemp(prefix="refcheck-"))
     try:

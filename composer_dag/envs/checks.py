@@ -1,0 +1,242 @@
+"""Running a task's hidden tests (and canaries) against a final workspace in sandboxes, reading
+their sealed results, and scoring them.
+
+Running the tests. The final workspace is copied to a fresh directory. Each test file is bound
+read-only at ``/var/tmp/checks/test_<hash of its content>.py`` (so a file's name says nothing
+about what it is) and run by ``check_runner`` (``python3 -I -B``: no cwd, PYTHONPATH or user
+site on sys.path, no bytecode, no pytest: no conftest, plugin, ini file or startup hook of the
+workspace is ever loaded). The runner imports each test module, runs its ``unittest`` cases and
+module-level ``test*`` functions and catches each outcome itself.
+
+Tamper-evident results. The verdict is not what the code under test prints or writes:
+
+* a per-run secret key goes to the runner on standard input and is consumed before any code of
+  the workspace is imported; the runner writes one ``results.json`` (created exclusively, links
+  not followed) into a report directory, sealed with an HMAC of the key. A missing seal, a bad
+  MAC, or any other entry in the report directory (a planted junit file, a FIFO, a link) voids
+  the run and raises a ``framework_tamper`` or ``result_file`` flag;
+* before importing anything from the workspace the runner records the framework objects the
+  verdict rests on (builtins, exits, ``unittest``'s case/result/suite/loader methods, its own
+  functions, trace and profile hooks, ``sys.meta_path``) and re-checks them after every test and
+  at the end; a change raises ``framework_tamper``;
+* with the task's record of which hidden tests the reference passes (``task.json`` ->
+  ``checks.expected``), a skipped, xfailed, errored or never-run expected test is a failure;
+* canary tests (``canaries``): copies of the hidden tests with expected values changed, which
+  the reference fails (verified when the task was built). Each canary runs in its own sandbox
+  and copy of the workspace, under the same kind of name and path as the hidden tests, so code
+  under test cannot tell a canary run from the real one nor talk to the other run. Whatever makes
+  a test pass without a correct solution (a forged result, a patched framework, a value read from
+  the caller's frame, an object equal to everything) makes the canary pass too: a passing canary
+  zeroes the reward and raises ``canary_passed``. Which files are canaries is recorded only in
+  ``task.json`` and under ``canaries/`` of the task directory, neither of which is ever bound
+  into a sandbox.
+
+What remains possible in principle: code under test runs in the runner's process, so a
+solution written against this runner could find the key in memory and forge a sealed result;
+the forgery is the same in every run, so a canary passes and the episode is zeroed, unless the
+solution can tell the canary's expected values from the real ones (that is, already solves the
+task). Bug-fix tasks' hidden tests are the interpreter's own test modules, which stay readable
+under ``/usr/local/lib/python3.X/test`` at grading time (the tests import ``test.support``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import shutil
+import stat
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from ..runtime.config import StageConfig
+from .sandbox import Bind, Limits, Sandbox
+from .task_dir import check_name, hidden_files, load_task, project_name
+
+
+CHECKS_DIR = "/var/tmp/checks"
+
+
+REPORT_DIR = "/var/tmp/report"
+
+
+RUNNER_PATH = "/var/tmp/runner.py"
+
+
+RUNNER = Path(__file__).with_name("check_runner.py")
+
+
+RUNNER_FAILED = 3  # the runner's exit code when it could not write its results
+
+
+class GradeConfig(StageConfig):
+    """How an episode is graded into a reward (reached from a run config as
+    ``orchestrator.episode.grade`` for RL and ``agent.episode.grade`` for evaluation)."""
+
+    reward_mode: Literal["binary", "fraction"] = Field(
+        "binary", description="binary: 1 if every expected hidden test passes; fraction: the share that passes")
+    flag_penalty: Optional[float] = Field(0.0, description="the reward of a flagged episode (None: flags are only recorded)")
+    timeout: Optional[float] = Field(None, description="seconds per test run (None: the task's limits.test_timeout)")
+
+
+def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: float | None = None,
+               limits: Limits = Limits()) -> tuple[dict[str, str], dict]:
+    """Copy ``workspace`` and run the test ``files`` against it in one sandbox with the runner.
+
+    Returns (per_test, details): outcomes by ``<file stem>[.<Class>]::<test>`` (plus
+    ``<name>#message`` for failures), and ``details`` with ``valid`` (a sealed, verified result
+    and nothing else in the report directory), ``tamper`` and ``events`` seen by the runner,
+    ``report_extra`` (entries the runner did not write), the exit code, time and output."""
+    task_dir = Path(task_dir)
+    task = load_task(task_dir)
+    timeout = timeout or task.get("limits", {}).get("test_timeout", 120)
+    key = secrets.token_hex(32)
+    with tempfile.TemporaryDirectory(prefix="cdag-g-") as tmp:
+        ws = Path(tmp) / project_name(task)
+        shutil.copytree(workspace, ws, symlinks=True, ignore=_skip_in_copy)
+        report = Path(tmp) / "report"
+        report.mkdir()
+        checks = Path(tmp) / "checks"
+        checks.mkdir(mode=0o755)
+        stems, inside = {}, []
+        for f in files:
+            data = Path(f).read_bytes()
+            mod = check_name(data)
+            stems[mod] = Path(f).stem
+            inside.append(f"{CHECKS_DIR}/{mod}.py")
+            (checks / f"{mod}.py").write_bytes(data)
+            os.chmod(checks / f"{mod}.py", 0o644)
+        os.chmod(checks, 0o755)
+        binds = [Bind(RUNNER, RUNNER_PATH), Bind(checks, CHECKS_DIR), Bind(report, REPORT_DIR, writable=True)]
+        with Sandbox(ws, limits, project=ws.name, binds=binds) as sb:
+            shutil.chown(report, sb.persona.uid, sb.persona.gid)
+            argv = ["python3", "-I", "-B", RUNNER_PATH, sb.root, REPORT_DIR, *inside]
+            r = sb.run(argv, timeout=timeout, stdin=key + "\n", env={"PYTHONDONTWRITEBYTECODE": "1"})
+        payload, extra, problem = _read_results(report, key)
+    per_test: dict[str, str] = {}
+    if payload is not None:
+        msgs = payload.get("messages") or {}
+        for k, v in (payload.get("results") or {}).items():
+            name = _rename(k, stems)
+            per_test[name] = str(v)
+            if k in msgs:
+                per_test[name + "#message"] = str(msgs[k])[:500]
+    details = {"exit_code": r.exit_code, "timed_out": r.timed_out, "seconds": round(r.seconds, 3),
+               "output_tail": (r.stdout + r.stderr)[-3000:], "valid": payload is not None and not extra,
+               "sealed": payload is not None, "problem": problem, "report_extra": extra,
+               "tamper": list((payload or {}).get("tamper") or []),
+               "events": [_rename_text(e, stems) for e in (payload or {}).get("events") or []],
+               "killed_reason": r.killed_reason}
+    return per_test, details
+
+
+def _rename(key: str, stems: dict[str, str]) -> str:
+    mod = key.split("::", 1)[0].split(".", 1)[0]
+    return stems[mod] + key[len(mod):] if mod in stems else key
+
+
+def _rename_text(text: str, stems: dict[str, str]) -> str:
+    for mod, stem in stems.items():
+        text = text.replace(mod, stem)
+    return str(text)
+
+
+def _read_results(report: Path, key: str) -> tuple[dict | None, list[str], str | None]:
+    """(payload, other entries, problem): the payload only when the MAC verifies. Nothing in the
+    report directory is followed or opened unless it is a regular file."""
+    extra = sorted(n for n in os.listdir(report) if n != "results.json")
+    path = report / "results.json"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None, extra, "no results"
+    if not stat.S_ISREG(st.st_mode) or st.st_size > 64 << 20:
+        return None, extra + ["results.json"], "results.json is not a regular file"
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        data = b""
+        while chunk := os.read(fd, 1 << 20):
+            data += chunk
+    finally:
+        os.close(fd)
+    mac, _, payload = data.partition(b"\n")
+    good = hmac.new(key.encode(), payload, hashlib.sha256).hexdigest().encode()
+    if not hmac.compare_digest(mac, good):
+        return None, extra, "results not sealed by the runner"
+    try:
+        return json.loads(payload), extra, None
+    except ValueError:
+        return None, extra, "results unreadable"
+
+
+def run_hidden_tests(task_dir: Path, workspace: Path, timeout: float | None = None,
+                     limits: Limits = Limits()) -> tuple[dict[str, str], dict]:
+    """Run ``task_dir/hidden_tests`` against a copy of ``workspace``; (per_test, details).
+    A run whose results are void (see ``run_checks``) has no per-test outcomes."""
+    per_test, details = run_checks(task_dir, workspace, hidden_files(task_dir), timeout, limits)
+    return (per_test if details["valid"] else {}), details
+
+
+def _skip_in_copy(d: str, names: list[str]) -> set[str]:
+    """Caches, and FIFOs, sockets and devices (which cannot be copied and would block a reader)."""
+    return {n for n in names if n in ("__pycache__", ".pytest_cache")
+            or not stat.S_ISREG(m := os.lstat(os.path.join(d, n)).st_mode) and not stat.S_ISDIR(m)
+            and not stat.S_ISLNK(m)}
+
+
+def parse_junit(path: Path) -> dict[str, str]:
+    """Per-test outcomes from a JUnit report; none unless it is a regular file (not a link or a
+    FIFO) holding valid XML."""
+    if path.is_symlink() or not path.is_file():
+        return {}
+    out = {}
+    try:
+        cases = list(ET.parse(path).getroot().iter("testcase"))
+    except ET.ParseError:
+        return {}
+    for case in cases:
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                if child.tag != "skipped":
+                    out[name + "#message"] = (child.get("message") or child.text or "")[:500]
+                break
+        out[name] = outcome
+    return out
+
+
+def failures(per_test: dict[str, str]) -> dict[str, str]:
+    """Failed/errored test names -> their message."""
+    return {k: per_test.get(k + "#message", "") for k, v in per_test.items()
+            if not k.endswith("#message") and v in ("failed", "error")}
+
+
+def outcomes(per_test: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in per_test.items() if not k.endswith("#message")}
+
+
+def score(per_test: dict[str, str], expected: list[str] | None) -> tuple[int, int]:
+    """(passed, failed) of the hidden tests. With the task's record of the tests the reference
+    passes, each of them must pass: skipped, xfailed, errored or missing counts as failed."""
+    res = outcomes(per_test)
+    if expected is not None:
+        passed = sum(res.get(k) == "passed" for k in expected)
+        return passed, len(expected) - passed
+    return (sum(v == "passed" for v in res.values()),
+            sum(v in ("failed", "error", "xfailed", "xpassed") for v in res.values()))
+
+
+def canary_passes(per_test: dict[str, str], details: dict, failing: list[str]) -> bool:
+    """A canary passes when every test of it that the reference fails reports passed."""
+    res = outcomes(per_test)
+    if failing:
+        return all(res.get(k) == "passed" for k in failing)
+    return bool(res) and all(v == "passed" for v in res.values())

@@ -1,0 +1,47 @@
+"""A task directory as grading reads it: ``task.json``, the hidden tests, the canaries and the
+reference solution."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+
+def load_task(task_dir: Path) -> dict:
+    return json.loads((Path(task_dir) / "task.json").read_text())
+
+
+def project_name(task: dict) -> str:
+    return task.get("project") or "project"
+
+
+def check_name(data: bytes) -> str:
+    """The module name a test file gets inside the sandbox: ``test_`` and a hash of its content."""
+    return "test_" + hashlib.sha256(data).hexdigest()[:12]
+
+
+def hidden_files(task_dir: Path) -> list[Path]:
+    d = Path(task_dir) / "hidden_tests"
+    return sorted(p for p in d.glob("*.py") if p.is_file()) if d.is_dir() else []
+
+
+def canary_files(task_dir: Path, task: dict | None = None) -> list[Path]:
+    task = load_task(task_dir) if task is None else task
+    names = sorted(((task.get("checks") or {}).get("canaries") or {}))
+    return [Path(task_dir) / "canaries" / n for n in names if (Path(task_dir) / "canaries" / n).is_file()]
+
+
+def reference_files(task_dir: Path) -> dict[str, bytes]:
+    ref = Path(task_dir) / "reference" / "files"
+    return {p.relative_to(ref).as_posix(): p.read_bytes() for p in ref.rglob("*") if p.is_file()} if ref.exists() else {}
+
+
+def apply_reference(task_dir: Path, dest: Path) -> Path:
+    """Materialize the task's reference state (repo + reference files) at ``dest``."""
+    shutil.copytree(Path(task_dir) / "repo", dest, symlinks=True)
+    for rel, data in reference_files(task_dir).items():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_bytes(data)
+    return dest
