@@ -57,6 +57,8 @@ class AgentConfig(StageConfig):
     system_style: Literal["full", "compact"] = Field("compact", description="full: the JSON tool schemas; compact: one signature per line")
     max_calls_per_turn: int = 4
     workers: int = Field(4, description="threads for tool calls and grading")
+    episode: EpisodeConfig = Field(EpisodeConfig(), description="each episode's budgets and its grading "
+                                                                 "(episode.grade: reward_mode, flag_penalty)")
 
 
 def system_prompt(style: str = "full") -> str:
@@ -197,8 +199,9 @@ class AgentLoop:
     ``grades``: a grade cache shared with other loops (default: the loop's own)."""
 
     def __init__(self, engine: Engine, tokenizer, config: AgentConfig = AgentConfig(),
-                 episode: EpisodeConfig = EpisodeConfig(), grades: GradeCache | None = None):
-        self.engine, self.tok, self.cfg, self.episode = engine, tokenizer, config, episode
+                 episode: EpisodeConfig | None = None, grades: GradeCache | None = None):
+        self.engine, self.tok, self.cfg = engine, tokenizer, config
+        self.episode = config.episode if episode is None else episode
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.stops = (self.im_end, tokenizer.eos_token_id)
         self.newline = self._encode("\n")

@@ -108,6 +108,28 @@ def test_malformed_calls_get_error_observations_and_are_counted(tasks):
     assert t.num_rows == 1 and t.column("reward")[0].as_py() == 1.0
 
 
+def test_the_grading_settings_come_from_the_agent_config(tasks):
+    """AgentConfig.episode.grade (orchestrator.episode.grade in an RL run config, agent.episode.grade
+    in an evaluation's) decides the reward: a solved episode that also planted a conftest.py is
+    flagged and gets flag_penalty (0 by default, -1 here); with flag_penalty None the flag is only
+    recorded and the reward is the tests'."""
+    tok = _Tok()
+    word = json.loads((tasks[0] / "task.json").read_text())["reference"]["word"]
+    call = '<tool_call>{{"name": "edit_file", "arguments": {{"path": "{}", "old": "", "new": "{}"}}}}</tool_call><|im_end|>'
+    script = [call.format("answer.txt", word), call.format("conftest.py", "x = 1"),
+              '<tool_call>{"name": "submit", "arguments": {}}</tool_call><|im_end|>']
+    rewards = {}
+    for penalty in (-1.0, None):
+        cfg = AgentConfig.load({"max_turns": 8, "max_new_tokens": 200, "max_context": 50_000, "workers": 1,
+                                "episode": {"grade": {"flag_penalty": penalty}}})
+        loop = AgentLoop(_Scripted(tok, script), tok, cfg)
+        (r,) = loop.run([(str(tasks[0]), "g", 0)], version=0)
+        loop.close()
+        assert r["flags"] == ["conftest:conftest.py"] and r["finish"] == "submit", r["flags"]
+        rewards[penalty] = r["reward"]
+    assert rewards == {-1.0: -1.0, None: 1.0}
+
+
 def test_turn_budget_ends_episode(tasks):
     tok = _Tok()
     loop = AgentLoop(_Scripted(tok, ["thinking"]), tok, AgentConfig(max_turns=2, max_new_tokens=50, max_context=50_000, workers=1))

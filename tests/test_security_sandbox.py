@@ -147,7 +147,7 @@ def host_guard(server, canary):
     opened: list[Episode] = []
 
     def open_episode(task_dir, limits: Limits = Limits(), **config) -> Episode:
-        ep = Episode(task_dir, EpisodeConfig(limits=limits, **config))
+        ep = Episode(task_dir, EpisodeConfig(**config), limits=limits)
         ep.sandbox.env[TAG_VAR] = tag
         opened.append(ep)
         return ep

@@ -16,10 +16,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import regex
 
-from .grade import GradeConfig, GradeResult, grade, load_task, project_name
+from pydantic import Field
+
+from ..runtime.config import StageConfig
+from .checks import GradeConfig
+from .grade import GradeResult, grade
+from .task_dir import load_task, project_name
 from .sandbox import Limits, Sandbox
 
 SEARCH_SECONDS = 2.0  # time budget of one `search` call (the pattern is the model's)
@@ -62,14 +68,15 @@ class Observation:
     truncated: bool = False  # the content was cut to the observation budget
 
 
-@dataclass(frozen=True)
-class EpisodeConfig:
-    max_turns: int | None = None  # default: the task's limits
-    command_timeout: float | None = None
-    observation_chars: int | None = None
-    limits: Limits = Limits()
+class EpisodeConfig(StageConfig):
+    """One episode's environment: its budgets (None: the task's own limits), where its workspace
+    is made, and how it is graded. The sandbox's resource limits are the ``Episode``'s ``limits``."""
+
+    max_turns: Optional[int] = Field(None, description="tool turns (None: the task's limits.max_turns)")
+    command_timeout: Optional[float] = Field(None, description="seconds per command (None: the task's limit)")
+    observation_chars: Optional[int] = Field(None, description="characters of a tool's output shown (None: the task's limit)")
+    work_root: Optional[str] = Field(None, description="where workspaces are created (None: the temp dir)")
     grade: GradeConfig = GradeConfig()
-    work_root: str | None = None  # where workspaces are created (default: the temp dir)
 
 
 def truncate(text: str, budget: int) -> str:
@@ -113,7 +120,7 @@ def _read_text(f: Path, path: str) -> str:
 class Episode:
     """One attempt at one task: a fresh workspace, a sandbox, tools, an action log, grading."""
 
-    def __init__(self, task_dir, config: EpisodeConfig = EpisodeConfig()):
+    def __init__(self, task_dir, config: EpisodeConfig = EpisodeConfig(), limits: Limits = Limits()):
         self.task_dir = Path(task_dir)
         self.task = load_task(self.task_dir)
         lim = self.task.get("limits", {})
@@ -126,7 +133,7 @@ class Episode:
         shutil.copytree(self.task_dir / "repo", self.workspace, symlinks=True)
         masks = {p: (self.task_dir / "masks" / v if v else None)
                  for p, v in self.task.get("sandbox", {}).get("masks", {}).items()}
-        self.sandbox = Sandbox(self.workspace, config.limits, project=self.workspace.name, masks=masks)
+        self.sandbox = Sandbox(self.workspace, limits, project=self.workspace.name, masks=masks)
         self.root = self.sandbox.root  # the project's path inside the sandbox
         self._real = os.path.realpath(self.workspace)
         self.log: list[dict] = []
