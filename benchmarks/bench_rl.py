@@ -74,7 +74,7 @@ def rollout_prompts(policy_dir: str, tasks_dir: str, batch: int, system_style: s
     """First-turn prompts of the learnable tasks, tokenized as the agent loop does."""
     from composer_dag.envs.tools import Episode
     from composer_dag.agent import render_prompt
-    from composer_dag.rl.run import find_tasks
+    from composer_dag.rl.step import find_tasks
     from composer_dag.train.tokenizer import load_tokenizer
 
     tok = load_tokenizer(policy_dir)
@@ -94,7 +94,7 @@ def later_turn_prompts(policy_dir: str, tasks_dir: str, groups: int, group_size:
     tokens long)."""
     from composer_dag.envs.tools import Episode
     from composer_dag.agent import system_prompt
-    from composer_dag.rl.run import find_tasks
+    from composer_dag.rl.step import find_tasks
     from composer_dag.train.tokenizer import load_tokenizer
 
     tok = load_tokenizer(policy_dir)

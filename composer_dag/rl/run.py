@@ -17,7 +17,6 @@ Writes under ``out_dir``::
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -33,7 +32,8 @@ from ..inference.engine import InferenceConfig
 from ..pipes import Reporter, entry_point
 from ..runtime.config import StageConfig
 from .fleet.config import FleetConfig
-from .step import append_metrics, finish, read_metrics, stats, step_record, summary, train_step
+from .step import (append_metrics, find_tasks, finish, fit_context, read_metrics, stats, step_record, summary,
+                   train_step)
 from .trainer import TrainerConfig
 
 
@@ -111,19 +111,6 @@ def prepare(cfg: RLConfig, log=lambda msg: None) -> RLConfig:
     return cfg.replace(policy_dir=str(root / "policy"), tasks_dir=str(root / "tasks"), **LEARNABLE_RUN)
 
 
-def find_tasks(tasks_dir: str, sources: Optional[list[str]] = None) -> list[Path]:
-    dirs = sorted(p.parent for p in Path(tasks_dir).glob("*/task.json"))
-    if not dirs:
-        raise FileNotFoundError(f"no task directories (*/task.json) under {tasks_dir}")
-    if sources is not None:
-        found = {d: json.loads((d / "task.json").read_text()).get("source") for d in dirs}
-        dirs = [d for d in dirs if found[d] in sources]
-        if not dirs:
-            raise FileNotFoundError(f"no task of the sources {sources} under {tasks_dir} (found: "
-                                    f"{sorted(set(map(str, found.values())))}); set task_sources")
-    return dirs
-
-
 class _Generation:
     """The one-process mode's rollouts: agent episodes on an in-process engine, which reloads the
     trainer's newest weights (``offer``) in place when the rollout source syncs."""
@@ -134,11 +121,8 @@ class _Generation:
         from ..train.tokenizer import load_tokenizer
 
         self.cfg, self.tasks = cfg, find_tasks(cfg.tasks_dir, cfg.task_sources)
-        # The context can't exceed what the policy's position embeddings cover.
         self.inference = fit_to_model(cfg.inference, cfg.policy_dir, log)
-        orch = cfg.orchestrator
-        if orch.max_context > self.inference.max_model_len:
-            orch = orch.replace(max_context=self.inference.max_model_len)
+        orch = fit_context(cfg.orchestrator, self.inference.max_model_len)
         self.engine = engine_from_config(self.inference, engine_dir, seed=cfg.seed)
         self.agent = AgentLoop(self.engine, load_tokenizer(cfg.policy_dir), orch)
         self.lock = threading.Lock()

@@ -12,8 +12,31 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 TRAIN_METRICS = ("loss", "lr", "clip_frac", "ratio_mean", "kl", "grad_norm", "nan_skipped", "train_tokens")
+
+
+def find_tasks(tasks_dir: str, sources: Optional[list[str]] = None) -> list[Path]:
+    """The task directories under ``tasks_dir`` (of ``sources`` only, when given)."""
+    dirs = sorted(p.parent for p in Path(tasks_dir).glob("*/task.json"))
+    if not dirs:
+        raise FileNotFoundError(f"no task directories (*/task.json) under {tasks_dir}")
+    if sources is not None:
+        found = {d: json.loads((d / "task.json").read_text()).get("source") for d in dirs}
+        dirs = [d for d in dirs if found[d] in sources]
+        if not dirs:
+            raise FileNotFoundError(f"no task of the sources {sources} under {tasks_dir} (found: "
+                                    f"{sorted(set(map(str, found.values())))}); set task_sources")
+    return dirs
+
+
+def fit_context(orchestrator, max_model_len: int):
+    """The agent settings with the episode's context cut to what the engine's model covers (its
+    position embeddings)."""
+    if orchestrator.max_context > max_model_len:
+        return orchestrator.replace(max_context=max_model_len)
+    return orchestrator
 
 
 def stats(xs) -> dict:

@@ -104,7 +104,7 @@ class Orchestrator:
         t_q = time.perf_counter() if t_q is None else t_q
         with self.slots:
             queue_s = time.perf_counter() - t_q
-            attempts, last = 0, None
+            attempts = 0
             while True:
                 attempts += 1
                 server = self.fleet.acquire(min_version)
@@ -116,7 +116,6 @@ class Orchestrator:
                     break
                 except ServerDown as e:
                     self.fleet.mark_dead(server)
-                    last = e
                     self.log(f"episode {job[1]}#{job[2]} lost its server {server.id}; retrying elsewhere")
                     if attempts >= self.cfg.fleet.episode_attempts:
                         row = self._infra_row(job, version, server.id, attempts, f"ServerDown: {e}")
@@ -159,16 +158,14 @@ def build(cfg, rep: Reporter | None = None):
     from ...inference.engine import fit_to_model
     from ...storage import Storage, open_storage
     from ...train.tokenizer import load_tokenizer
-    from ..run import find_tasks
+    from ..step import find_tasks, fit_context
 
     log = rep.log if rep else print
     out = Path(cfg.out_dir)
     wstore = open_storage(cfg.weights_uri) if cfg.weights_uri else Storage(str(out))
     wprefix = wstore.root if cfg.weights_uri else wstore.url("weights")
     inference = fit_to_model(cfg.inference, cfg.policy_dir)
-    orch = cfg.orchestrator
-    if orch.max_context > inference.max_model_len:
-        orch = orch.replace(max_context=inference.max_model_len)
+    orch = fit_context(cfg.orchestrator, inference.max_model_len)
     fleet = Fleet(cfg.fleet.urls, wstore, wprefix, cfg.policy_dir, os.path.join(cfg.out_dir, "fleet_weights"),
                   cfg.fleet, log).start()
     agent = AgentLoop(None, load_tokenizer(cfg.policy_dir), orch)
@@ -177,8 +174,7 @@ def build(cfg, rep: Reporter | None = None):
 
 def run(cfg, rep: Reporter | None = None) -> dict:
     """Produce the batches of steps ``start..steps-1`` (``start``: the first without a sealed batch)."""
-    from ...storage import Storage, open_storage
-    from ..weights import latest_version
+    from ...storage import open_storage
 
     rep = rep or Reporter()
     ex = open_storage(cfg.fleet.exchange_uri or str(Path(cfg.out_dir) / "exchange"))
