@@ -265,6 +265,45 @@ class _Progress:
     stopped_early: bool = False                   # set once the validation loss stalls (early_stop_patience)
 
 
+class _Meter:
+    """The loss and throughput between log lines: the loss summed over the updates since the last
+    line (every rank's), and the tokens fed and seconds spent in that window and in the run."""
+
+    def __init__(self, device, world: int):
+        import torch
+
+        self.world, self.t_start = world, time.perf_counter()
+        self.fed = torch.zeros((), dtype=torch.int64, device=device)   # this update's tokens
+        self.loss, self.updates = torch.zeros((), device=device), 0
+        self.win_time, self.win_tokens, self.train_time, self.run_tokens = 0.0, 0, 0.0, 0
+
+    def step_done(self, run: _Progress, seconds: float) -> None:
+        import torch.distributed as dist
+
+        if self.world > 1:
+            dist.all_reduce(self.fed)
+        run.tokens += int(self.fed.item())
+        self.win_tokens += int(self.fed.item())
+        self.fed.zero_()
+        self.win_time += seconds
+        self.updates += 1
+
+    def line(self, run: _Progress, lr: float) -> dict:
+        """The log line of the window that ends now (its loss is added to the run's history)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(self.loss)
+        loss = self.loss.item() / self.world / self.updates
+        self.loss.zero_()
+        self.updates = 0
+        self.train_time, self.run_tokens = self.train_time + self.win_time, self.run_tokens + self.win_tokens
+        rec = {"step": run.step, "loss": loss, "lr": lr, "tokens": run.tokens,
+               "tokens_per_s": self.win_tokens / self.win_time, "elapsed_s": round(time.perf_counter() - self.t_start, 3)}
+        run.history.append([run.step, loss])
+        self.win_time, self.win_tokens = 0.0, 0
+        return rec
+
+
 def _engine(cfg: MidtrainConfig, device, bf16: bool, total_steps: int):
     """The model, its AdamW (no decay on vectors) and LR schedule, under DeepSpeed; and its pad id
     and parameter count."""
@@ -402,42 +441,24 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
     rep.log(f"{'sft' if cfg.objective == 'sft' else 'midtrain'}: {n_params:,} params, world {world}, "
             f"{'bf16' if bf16 else 'fp32'}, ZeRO-{cfg.zero_stage}, steps {run.step}->{total_steps}, "
             f"{samples_per_step * cfg.seq_len} tokens/step")
-    train_time, run_tokens, win_time, win_tokens = 0.0, 0, 0.0, 0
-    fed = torch.zeros((), dtype=torch.int64, device=device)
-    loss_acc, n_acc = torch.zeros((), device=device), 0
-    t_start = time.perf_counter()
+    meter = _Meter(device, world)
     while run.step < total_steps:
         t0 = time.perf_counter()
         for _ in range(cfg.grad_accum):
             batch = next(data)
-            fed += _tokens(batch, pad_id)
+            meter.fed += _tokens(batch, pad_id)
             loss = batch_loss(engine, batch, device, replay_share)
             engine.backward(loss)
             engine.step()
-            loss_acc += loss.detach() / cfg.grad_accum
+            meter.loss += loss.detach() / cfg.grad_accum
         run.step += 1
-        n_acc += 1
         run.samples += samples_per_step
-        if world > 1:
-            dist.all_reduce(fed)
-        run.tokens += int(fed.item())
-        win_tokens += int(fed.item())
-        fed.zero_()
-        win_time += time.perf_counter() - t0
+        meter.step_done(run, time.perf_counter() - t0)
         if run.step % cfg.log_every == 0 or run.step == total_steps:
-            dist.all_reduce(loss_acc)
-            loss_val = loss_acc.item() / world / n_acc
-            loss_acc.zero_()
-            n_acc = 0
-            train_time, run_tokens = train_time + win_time, run_tokens + win_tokens
-            rec = {"step": run.step, "loss": loss_val, "lr": sched.get_last_lr()[0],
-                   "tokens": run.tokens, "tokens_per_s": win_tokens / win_time,
-                   "elapsed_s": round(time.perf_counter() - t_start, 3)}
-            run.history.append([run.step, loss_val])
+            rec = meter.line(run, sched.get_last_lr()[0])
             _append_metrics(metrics_path, rank, rec)
-            rep.progress(f"step {run.step:>6}/{total_steps} loss {loss_val:.4f} lr {rec['lr']:.2e} "
+            rep.progress(f"step {run.step:>6}/{total_steps} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
                          f"tok/s {rec['tokens_per_s']:,.0f}")
-            win_time, win_tokens = 0.0, 0
         if (cfg.eval_every and run.step % cfg.eval_every == 0) or run.step == total_steps:
             if not run.evals or run.evals[-1]["step"] != run.step:
                 _validate(engine, cfg, run, rank, world, device, pad_id, metrics_path, rep)
@@ -455,8 +476,8 @@ def train(cfg: MidtrainConfig, rep: Reporter | None = None) -> dict:
         "steps": run.step, "total_steps": total_steps, "world_size": world,
         "stopped_early": run.stopped_early,
         "tokens_seen": run.tokens, "samples_seen": run.samples, "objective": cfg.objective,
-        "tokens_this_run": run_tokens, "train_seconds": round(train_time, 3),
-        "tokens_per_s": run_tokens / train_time if train_time else None,
+        "tokens_this_run": meter.run_tokens, "train_seconds": round(meter.train_time, 3),
+        "tokens_per_s": meter.run_tokens / meter.train_time if meter.train_time else None,
         "val_loss_before": evals[0]["val_loss"], "val_ppl_before": evals[0]["val_ppl"],
         "val_loss_after": evals[-1]["val_loss"], "val_ppl_after": evals[-1]["val_ppl"],
         "loss_curve": run.history, "evals": evals, "hf_dir": os.path.join(cfg.out_dir, "hf"), "checkpoint": tag,
