@@ -27,7 +27,6 @@ with the reason); nothing new at all re-reports the latest output as it is.
 See ``composer_dag/dedup/increment.py``.
 """
 
-import contextlib
 import sys
 
 import dagster as dg
@@ -133,44 +132,24 @@ def deduped_shards(
         context.log.warning("eval_tasks not materialized yet: decontaminating against HumanEval only")
     cfg = engine_config(engine.DedupConfig, config)
     contam_digest = engine.contamination_digest(contamination)
-
-    plan, prev_entries, prev = engine.Increment("full", "incremental mode is off"), None, {}
-    if cfg.incremental:
-        prev_entries = _latest_entries(context.instance)
-        prev = {k: v.value for k, v in (prev_entries or {}).items()}
-        record = prev and {"url": prev.get("dagster/uri"), "config": prev.get("config"),
-                           "sources": prev.get("source_digests"), "contamination": prev.get("decontamination_digest")}
-        plan = engine.plan_increment(storage, cfg, digests, contam_digest, record or None)
-        context.log.info(f"incremental mode: {plan.mode} ({plan.why})")
-        if plan.mode == "unchanged":  # the latest output is still the whole answer
-            return dg.MaterializeResult(metadata={**prev_entries, "incremental_mode": plan.mode,
-                                                  "incremental_why": plan.why})
-    sources = plan.new_sources if plan.mode == "increment" else list(found)
-    inputs = [u for name in sources for u in found[name][0]]
-    context.log.info(f"deduplicating {len(inputs)} Parquet files from sources {sources}")
-
-    carried = None
-    if plan.mode == "increment":
-        carried = engine.carry_shards(storage, plan.previous, out_url)
-        if carried.files != int(prev.get("files_kept", -1)):
-            raise dg.Failure(description=f"the shards of {plan.previous} hold {carried.files} files, its "
-                             f"materialization reports {prev.get('files_kept')} kept", allow_retries=False)
-        context.log.info(f"carried {len(carried.urls)} shard(s), {carried.files} kept files, from {plan.previous}")
+    prev_entries = _latest_entries(context.instance) if cfg.incremental else None
+    prev = {k: v.value for k, v in (prev_entries or {}).items()}
+    previous = prev and {"url": prev.get("dagster/uri"), "config": prev.get("config"),
+                         "sources": prev.get("source_digests"), "contamination": prev.get("decontamination_digest"),
+                         "files_kept": prev.get("files_kept"), "bytes_kept": prev.get("bytes_kept")}
     run_tasks = _map_runner(context, cluster, artifacts)
     try:
-        result = engine.dedup(inputs, storage, out_url, cfg, contamination=contamination,
-                              progress=progress_logger(context), run_tasks=run_tasks,
-                              previous=plan.previous if carried else None)
-        if carried:
-            engine.check_carried(storage, carried, out_url)
-    except BaseException:
-        for url in carried.urls if carried else []:  # no half output left behind
-            with contextlib.suppress(OSError):
-                storage.fs.rm_file(storage._path(url))
-        raise
-    files_carried = carried.files if carried else 0
-    bytes_carried = int(prev.get("bytes_kept", 0)) if carried else 0
-    shard_urls = (carried.urls if carried else []) + result.shard_urls
+        done = engine.refresh(storage, cfg, {name: urls for name, (urls, _) in found.items()}, digests, out_url,
+                              contamination, previous or None, log=context.log.info,
+                              progress=progress_logger(context), run_tasks=run_tasks)
+    except engine.CarryMismatch as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    plan, result, sources = done.plan, done.result, done.sources
+    if plan.mode == "unchanged":  # the latest output is still the whole answer
+        return dg.MaterializeResult(metadata={**prev_entries, "incremental_mode": plan.mode,
+                                              "incremental_why": plan.why})
+    carried = plan.mode == "increment"
+    files_carried, bytes_carried, shard_urls = done.files_carried, done.bytes_carried, done.shard_urls
 
     cat = catalog.get()
     extra = {"run_id": context.run.run_id}

@@ -16,11 +16,14 @@ _EXPORTS = {
     "default_index": "decontam",
     "humaneval_texts": "decontam",
     "Carried": "increment",
+    "CarryMismatch": "increment",
     "Increment": "increment",
     "carry_shards": "increment",
     "check_carried": "increment",
     "contamination_digest": "increment",
     "plan_increment": "increment",
+    "Refresh": "increment",
+    "refresh": "increment",
     "DROP_REASONS": "pipeline",
     "DedupConfig": "pipeline",
     "DedupResult": "pipeline",
@@ -39,7 +42,8 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from .decontam import ContaminationIndex, check_shards, default_index, humaneval_texts
-    from .increment import Carried, Increment, carry_shards, check_carried, contamination_digest, plan_increment
+    from .increment import (Carried, CarryMismatch, Increment, Refresh, carry_shards, check_carried, contamination_digest,
+                            plan_increment, refresh)
     from .pipeline import DROP_REASONS, DedupConfig, DedupResult, dedup, inspect_inputs, work_url
     from .secrets import PLACEHOLDERS, SECRET_KINDS, SECRET_PATTERNS, find_secrets, redact
     from .text import ngram_hashes, tokens

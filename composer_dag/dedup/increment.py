@@ -137,3 +137,64 @@ def check_carried(storage: Storage, carried: Carried, out_url: str) -> None:
 def contamination_digest(contamination: list[tuple[str, str]] | None) -> str:
     """A digest of the extra decontamination texts (HumanEval itself is a setting)."""
     return hashlib.sha256(json.dumps([list(p) for p in contamination or []]).encode()).hexdigest()
+
+
+class CarryMismatch(ArtifactError):
+    """The earlier output's shards do not hold the files its materialization reports kept."""
+
+
+@dataclass
+class Refresh:
+    """What ``refresh`` did: its plan, the sources it deduplicated, the files and bytes carried
+    from the earlier output, every shard of the new output, and the new run's result (None when
+    the plan is ``unchanged``: the earlier output is still the whole answer)."""
+
+    plan: Increment
+    sources: list[str]
+    result: object = None
+    files_carried: int = 0
+    bytes_carried: int = 0
+    shard_urls: list[str] = field(default_factory=list)
+
+
+def refresh(storage: Storage, cfg: DedupConfig, inputs: Mapping[str, list[str]], digests: Mapping[str, str],
+            out_url: str, contamination: list[tuple[str, str]] | None, previous: Mapping | None,
+            log=lambda msg: None, progress=None, run_tasks=None) -> Refresh:
+    """Bring the deduplicated output up to date with the ingested sources (``inputs``: name ->
+    Parquet URLs, ``digests``: name -> corpus manifest digest): a full run, or in incremental mode
+    the plan (``plan_increment``, against ``previous``: the latest output's ``{"url", "config",
+    "sources", "contamination", "files_kept", "bytes_kept"}``), the earlier shards carried and
+    checked, and only the new sources deduplicated. A failed run leaves no carried shard behind."""
+    import contextlib
+
+    from .pipeline import dedup
+
+    plan = Increment("full", "incremental mode is off")
+    if cfg.incremental:
+        plan = plan_increment(storage, cfg, digests, contamination_digest(contamination), previous or None)
+        log(f"incremental mode: {plan.mode} ({plan.why})")
+        if plan.mode == "unchanged":
+            return Refresh(plan, [])
+    sources = plan.new_sources if plan.mode == "increment" else list(inputs)
+    urls = [u for name in sources for u in inputs[name]]
+    log(f"deduplicating {len(urls)} Parquet files from sources {sources}")
+    carried = None
+    if plan.mode == "increment":
+        carried = carry_shards(storage, plan.previous, out_url)
+        if carried.files != int((previous or {}).get("files_kept", -1)):
+            raise CarryMismatch(f"the shards of {plan.previous} hold {carried.files} files, its materialization "
+                                f"reports {(previous or {}).get('files_kept')} kept")
+        log(f"carried {len(carried.urls)} shard(s), {carried.files} kept files, from {plan.previous}")
+    try:
+        result = dedup(urls, storage, out_url, cfg, contamination=contamination, progress=progress,
+                       run_tasks=run_tasks, previous=plan.previous if carried else None)
+        if carried:
+            check_carried(storage, carried, out_url)
+    except BaseException:
+        for url in carried.urls if carried else []:  # no half output left behind
+            with contextlib.suppress(OSError):
+                storage.fs.rm_file(storage._path(url))
+        raise
+    return Refresh(plan, sources, result, carried.files if carried else 0,
+                   int((previous or {}).get("bytes_kept", 0)) if carried else 0,
+                   (carried.urls if carried else []) + result.shard_urls)
