@@ -82,7 +82,7 @@ def test_slurm_job_is_isolated_and_exchanges_only_urls(slurm_cluster, s3_root, t
     storage.put_dir(str(src), f"{s3_root}/data/1")
     digest = storage.write_manifest(f"{s3_root}/data/1")
     job = _job(s3_root, uuid.uuid4().hex[:8], steps=3, step_s=0.05, input_dir="{scratch}/inputs/data",
-               probe=[str(home), str(src / "a.txt"), str(ROOT / "README.md"), str(ROOT / "composer_dag" / "launch.py")])
+               probe=[str(home), str(src / "a.txt"), str(ROOT / "README.md"), str(ROOT / "composer_dag" / "cluster" / "spec.py")])
     job["inputs"] = {"data": {"url": f"{s3_root}/data/1", "digest": digest}}
     res = dg.materialize([_asset(s3_root, job)], resources={"cluster": _cluster(tmp_path / "scratch")})
     assert res.success
@@ -90,7 +90,7 @@ def test_slurm_job_is_isolated_and_exchanges_only_urls(slurm_cluster, s3_root, t
     summary = result["summary"]
     assert summary["input_files"] == ["a.txt", "manifest.json"]
     # the code is there read-only; the launching machine's files are not
-    assert summary["visible"] == [str(ROOT / "composer_dag" / "launch.py")], summary["visible"]
+    assert summary["visible"] == [str(ROOT / "composer_dag" / "cluster" / "spec.py")], summary["visible"]
     out = result["outputs"]["payload"]
     assert storage.manifest_digest(out["url"]) == out["digest"]
     assert set(storage.verify_manifest(out["url"])["files"]) == {"weights.txt", "metrics.jsonl"}
