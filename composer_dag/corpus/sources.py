@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from ..runtime.config import ConfigError, StageConfig
+from ..runtime.config import ConfigError, StageConfig, one_of
 from .languages import LANGUAGES
 
 
@@ -122,9 +122,7 @@ class SourceEntry(StageConfig):
     @field_validator("kind")
     @classmethod
     def _known_kind(cls, kind: str) -> str:
-        if kind not in SOURCE_KINDS:
-            raise ValueError(f"unknown source kind {kind!r} (known: {', '.join(SOURCE_KINDS)})")
-        return kind
+        return one_of(kind, SOURCE_KINDS, "source kind")
 
     @model_validator(mode="after")
     def _needs_uri(self) -> "SourceEntry":

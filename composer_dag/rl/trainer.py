@@ -14,7 +14,7 @@ import torch
 
 from pydantic import Field, field_validator
 
-from ..runtime.config import StageConfig
+from ..runtime.config import StageConfig, one_of
 from . import grpo
 
 
@@ -43,9 +43,7 @@ class TrainerConfig(StageConfig):
     def _known_loss(cls, name: str) -> str:
         from .grpo import LOSSES
 
-        if name not in LOSSES:
-            raise ValueError(f"unknown RL loss {name!r}; known: {', '.join(LOSSES)}")
-        return name
+        return one_of(name, LOSSES, "RL loss")
 
 
 class GRPOTrainer:

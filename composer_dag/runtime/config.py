@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Mapping, TypeVar
+from typing import Any, Iterable, Mapping, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -77,6 +77,15 @@ def read_json(path: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def one_of(name: str, known: Iterable[str], what: str) -> str:
+    """``name`` when it is one of ``known`` (a registry's keys); else a ValueError that names what
+    it is and the known names (a validator's one line)."""
+    known = list(known)
+    if name not in known:
+        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(known)}")
+    return name
 
 
 class StageConfig(BaseModel):

@@ -14,7 +14,7 @@ import shutil
 from pydantic import field_validator
 
 from ..runtime.checkpoint import atomic_dir
-from ..runtime.config import StageConfig
+from ..runtime.config import StageConfig, one_of
 
 CONFIGS: dict[str, dict] = {
     # ~7.4M parameters at vocab 8192 (embeddings 4.2M, 4 blocks of 0.79M)
@@ -50,9 +50,7 @@ class BaseModelConfig(StageConfig):
     @field_validator("config_name")
     @classmethod
     def _known_config(cls, name: str) -> str:
-        if name not in CONFIGS:
-            raise ValueError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}")
-        return name
+        return one_of(name, sorted(CONFIGS), "model config")
 
 
 def fetch_base_model(src: str, dest: str) -> None:
