@@ -5,7 +5,6 @@ started and not stopped. Plain data and plain functions: nothing here talks to a
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -17,6 +16,7 @@ from typing import Any, Callable, Literal, Optional
 from pydantic import Field
 
 from ..runtime.config import StageConfig
+from ..runtime.distributed import free_port
 from ..runtime.errors import error_line
 
 
@@ -43,12 +43,6 @@ class LaunchSpec:
             raise ValueError(f"launcher must be torchrun, deepspeed or python: {self.launcher!r}")
         if self.launcher == "python" and (self.nproc_per_node != 1 or self.nnodes != 1):
             raise ValueError("launcher 'python' runs one process; use torchrun or deepspeed")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def local_command(spec: LaunchSpec, python: str | None = None, port: int | None = None) -> list[str]:
