@@ -10,7 +10,6 @@ or a cancelled run), each following the weights the job publishes on artifact st
 
 import contextlib
 import json
-import math
 import os
 
 import dagster as dg
@@ -20,7 +19,7 @@ from assets.sft import sft_checkpoint
 from assets.train import CHECKPOINT_FILES
 from composer_dag.rl.fleet.config import FleetConfig
 from composer_dag.rl.fleet.launch import server_services
-from composer_dag.rl.report import rl_summary
+from composer_dag.rl.report import flag_family_shares, rl_checks, rl_summary, step_time_table
 from composer_dag.rl.run import RLConfig
 from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
@@ -33,12 +32,6 @@ within minutes (see ``composer_dag.rl.run.LEARNABLE_RUN``)."""
 
 
 ROW_COLUMNS = ["reward", "flags", "staleness", "step", "policy_version", "server_id", "infra_error", "attempts"]
-
-
-def _secs(v) -> str:
-    """A step-time cell; blank where the time was not recorded (a step's record restored from
-    its checkpoint after the trainer was killed has no publish or step time)."""
-    return "" if v is None else f"{v:.2f}"
 
 
 def _num(x, digits: int = 4):
@@ -116,28 +109,15 @@ def _run_job(context: dg.AssetExecutionContext, config: RLParams, storage, clust
     return cfg, job
 
 
-def _step_split_md(hist: list[dict], fleet: bool) -> dg.MetadataValue:
-    """A table of each step's seconds by phase."""
-    phases = (("generate_s", "queue_s", "tools_s", "grade_s", "wait_s", "train_s", "publish_s") if fleet else
-              ("generate_s", "grade_s", "train_s", "sync_s"))
-    head = "| step | " + " | ".join(p[:-2] for p in phases) + " | wall |\n|---|" + "---:|" * (len(phases) + 1) + "\n"
-    return dg.MetadataValue.md(head + "\n".join(
-        f"| {h['step']} | " + " | ".join(_secs(h.get(p, 0.0)) for p in phases) + f" | {_secs(h.get('step_s', 0.0))} |"
-        for h in hist))
-
-
 def _family_plot(storage, urls: list[str]):
     """The share of each step's rollouts flagged, per cheat-flag family."""
     try:
-        fam_rows = [r for u in urls for r in storage.read_parquet(u, columns=["step", "flag_families"]).to_pylist()]
+        rows = [r for u in urls for r in storage.read_parquet(u, columns=["step", "flag_families"]).to_pylist()]
     except Exception:  # noqa: BLE001 - rollouts written before the column existed
-        fam_rows = []
-    fam_steps = sorted({r["step"] for r in fam_rows if r["step"] is not None})
-    families = sorted({f for r in fam_rows for f in (r["flag_families"] or [])})
-    per_step = {s: [r for r in fam_rows if r["step"] == s] for s in fam_steps}
-    series = [(f, fam_steps, [sum(f in (r["flag_families"] or []) for r in per_step[s]) / len(per_step[s])
-                              for s in fam_steps]) for f in families]
-    return plot_md(series or [("no flags", fam_steps, [0.0] * len(fam_steps))],
+        rows = []
+    series = flag_family_shares(rows)
+    steps = sorted({r["step"] for r in rows if r["step"] is not None})
+    return plot_md(series or [("no flags", steps, [0.0] * len(steps))],
                    "step", "share of rollouts flagged", "Cheat flags by family")
 
 
@@ -182,7 +162,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
     hist = [json.loads(x) for x in storage.read_bytes(metrics_url).decode().splitlines() if x.strip()] \
         if storage.exists(metrics_url) else []
     steps = [h["step"] for h in hist]
-    split_md = _step_split_md(hist, bool(cfg.fleet))
+    split_md = dg.MetadataValue.md(step_time_table(hist, bool(cfg.fleet)))
     try:
         rows = [r for u in urls for r in storage.read_parquet(u, columns=ROW_COLUMNS).to_pylist()]
     except Exception:  # noqa: BLE001 - rollouts written before the fleet columns existed
@@ -225,20 +205,8 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
             **checkpoint_md,
         },
     )
-    yield dg.AssetCheckResult(asset_key="rl_rollouts", check_name="every_rollout_has_reward",
-                              passed=n > 0 and all(r["reward"] is not None and math.isfinite(r["reward"]) for r in rows),
-                              metadata={"rollouts": n})
-    yield dg.AssetCheckResult(asset_key="rl_rollouts", check_name="cheat_flag_rate_below_threshold",
-                              passed=flag_rate <= cfg.max_flag_rate,
-                              metadata={"flag_rate": flag_rate, "threshold": cfg.max_flag_rate})
-    worst = max((r["staleness"] or 0 for r in rows), default=0)
-    yield dg.AssetCheckResult(asset_key="rl_rollouts", check_name="staleness_within_bound",
-                              passed=worst <= cfg.max_staleness,
-                              metadata={"max_staleness_seen": worst, "bound": cfg.max_staleness})
-    losses = [h.get("loss") for h in hist]
-    yield dg.AssetCheckResult(asset_key="rl_checkpoint", check_name="loss_has_no_nan",
-                              passed=bool(losses) and all(x is not None and math.isfinite(x) for x in losses)
-                              and int(result.get("nan_loss_skipped") or 0) == 0,
-                              metadata={"steps": len(losses), "nan_skipped": int(result.get("nan_loss_skipped") or 0)})
-    yield dg.AssetCheckResult(asset_key="rl_checkpoint", check_name="published_weights_verified",
-                              passed=bool(result.get("weights_verified")))
+    asset_of = {"every_rollout_has_reward": "rl_rollouts", "cheat_flag_rate_below_threshold": "rl_rollouts",
+                "staleness_within_bound": "rl_rollouts"}
+    for name, (passed, meta) in rl_checks(result, rows, hist, cfg.max_flag_rate, cfg.max_staleness).items():
+        yield dg.AssetCheckResult(asset_key=asset_of.get(name, "rl_checkpoint"), check_name=name, passed=passed,
+                                  metadata=meta)

@@ -427,3 +427,22 @@ def test_reward_slope_is_the_least_squares_fit():
     assert reward_slope(curve) == pytest.approx(np.polyfit(range(len(curve)), curve, 1)[0])
     assert reward_slope(curve[::-1]) == pytest.approx(-reward_slope(curve)) and reward_slope(curve) > 0
     assert reward_slope([0.5] * 6) == 0.0 and reward_slope([0.3]) == 0.0 and reward_slope([]) == 0.0
+
+
+def test_rl_checks_and_tables_come_from_the_engine():
+    """The RL asset's checks and tables are engine functions: each check fails on what it guards
+    (a missing reward, too many flags, a stale rollout, a NaN loss, unverified weights)."""
+    from composer_dag.rl.report import flag_family_shares, rl_checks, step_time_table
+
+    rows = [{"reward": 1.0, "flags": [], "staleness": 0, "step": 0, "flag_families": []},
+            {"reward": 0.0, "flags": ["exit_call:x.py"], "staleness": 1, "step": 1, "flag_families": ["exit"]}]
+    ok = rl_checks({"weights_verified": True}, rows, [{"step": 1, "loss": 0.1}], max_flag_rate=0.5, max_staleness=1)
+    assert all(passed for passed, _ in ok.values()), ok
+    bad = rl_checks({"weights_verified": False, "nan_loss_skipped": 1},
+                    rows + [{"reward": None, "flags": [], "staleness": 2, "step": 1, "flag_families": []}],
+                    [{"step": 1, "loss": float("nan")}], max_flag_rate=0.2, max_staleness=1)
+    assert not any(passed for passed, _ in bad.values()), bad
+    assert bad["staleness_within_bound"][1]["max_staleness_seen"] == 2
+    assert flag_family_shares(rows) == [("exit", [0, 1], [0.0, 1.0])]
+    table = step_time_table([{"step": 1, "generate_s": 1.5, "step_s": None}], fleet=False).splitlines()
+    assert table[0].startswith("| step | generate") and table[2] == "| 1 | 1.50 | 0.00 | 0.00 | 0.00 |  |"

@@ -28,6 +28,7 @@ Returned keys (absent data gives empty lists and ``None``, never an error):
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 
@@ -139,3 +140,51 @@ def rl_summary(result: dict, rows: list[dict] | None = None, metrics: list[dict]
                                           "rebuild_s": None, "lag_s_max": None, "probe_diff_max": None}
     out["reloads"] = [per_version[v] for v in sorted(per_version)]
     return out
+
+
+def _secs(v) -> str:
+    """A step-time cell; blank where the time was not recorded (a step's record restored from
+    its checkpoint after the trainer was killed has no publish or step time)."""
+    return "" if v is None else f"{v:.2f}"
+
+
+def step_time_table(metrics: list[dict], fleet: bool) -> str:
+    """A markdown table of each step's seconds by phase (the distributed mode's phases, or the
+    one process's), with the step's wall time."""
+    phases = (("generate_s", "queue_s", "tools_s", "grade_s", "wait_s", "train_s", "publish_s") if fleet else
+              ("generate_s", "grade_s", "train_s", "sync_s"))
+    head = "| step | " + " | ".join(p[:-2] for p in phases) + " | wall |\n|---|" + "---:|" * (len(phases) + 1) + "\n"
+    return head + "\n".join(f"| {h['step']} | " + " | ".join(_secs(h.get(p, 0.0)) for p in phases)
+                            + f" | {_secs(h.get('step_s', 0.0))} |" for h in metrics)
+
+
+def flag_family_shares(rows: list[dict]) -> list[tuple[str, list[int], list[float]]]:
+    """Per cheat-flag family: the steps, and the share of each step's rollouts flagged with it
+    (rows with ``step`` and ``flag_families``)."""
+    steps = sorted({r["step"] for r in rows if r["step"] is not None})
+    per_step = {s: [r for r in rows if r["step"] == s] for s in steps}
+    families = sorted({f for r in rows for f in (r["flag_families"] or [])})
+    return [(f, steps, [sum(f in (r["flag_families"] or []) for r in per_step[s]) / len(per_step[s]) for s in steps])
+            for f in families]
+
+
+def rl_checks(result: dict, rows: list[dict], metrics: list[dict], max_flag_rate: float,
+              max_staleness: int) -> dict[str, tuple[bool, dict]]:
+    """The RL run's checks, name -> (passed, metadata): every rollout has a finite reward, the
+    flagged share is within ``max_flag_rate``, no rollout is staler than ``max_staleness``, no
+    loss is NaN (none skipped either), and the published weights were verified."""
+    n = len(rows)
+    flag_rate = sum(bool(r["flags"]) for r in rows) / n if n else 0.0
+    worst = max((r["staleness"] or 0 for r in rows), default=0)
+    losses = [h.get("loss") for h in metrics]
+    skipped = int(result.get("nan_loss_skipped") or 0)
+    return {
+        "every_rollout_has_reward": (n > 0 and all(r["reward"] is not None and math.isfinite(r["reward"]) for r in rows),
+                                     {"rollouts": n}),
+        "cheat_flag_rate_below_threshold": (flag_rate <= max_flag_rate,
+                                            {"flag_rate": flag_rate, "threshold": max_flag_rate}),
+        "staleness_within_bound": (worst <= max_staleness, {"max_staleness_seen": worst, "bound": max_staleness}),
+        "loss_has_no_nan": (bool(losses) and all(x is not None and math.isfinite(x) for x in losses) and skipped == 0,
+                            {"steps": len(losses), "nan_skipped": skipped}),
+        "published_weights_verified": (bool(result.get("weights_verified")), {}),
+    }
