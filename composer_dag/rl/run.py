@@ -157,10 +157,6 @@ class _Generation:
             "tools": sum(r["tool_seconds"] for r in rollouts), "grade": sum(r["grade_seconds"] for r in rollouts),
             "wall": time.perf_counter() - t0})
 
-    def close(self) -> None:
-        self.agent.close()
-        self.engine.close()
-
 
 def _open_run(cfg: RLConfig, out: Path, rep: Reporter):
     """The run's directories (temporaries a killed run left removed), its trainer resumed from the
@@ -260,11 +256,8 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
         source.stop()
         gen.agent.close()
 
-    if tag is None:
-        tag = f"step_{trainer.version:07d}"
-        trainer.save_checkpoint(str(out / "checkpoints"), tag, cfg.policy_dir,
-                                {"step": trainer.version, "counters": counters})
-        write_json_atomic(str(out / "latest"), {"tag": tag, "step": trainer.version})
+    if tag is None:  # nothing to train (already done, or steps 0): still leave a checkpoint
+        tag = trainer.commit_checkpoint(str(out), cfg.policy_dir, {"counters": counters}, cfg.keep_checkpoints)
     end = finish(trainer, out, cfg.policy_dir, wstore, wprefix, cfg.publish_dtype)
     gen.engine.close()
     hist = read_metrics(metrics_path)
