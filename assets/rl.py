@@ -169,7 +169,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
         rows = [r for u in urls for r in storage.read_parquet(u, columns=["reward", "flags", "staleness"]).to_pylist()]
     rollouts_md, checkpoint_md = summary_metadata(rl_summary(result, rows, hist))
     n = len(rows)
-    flag_rate = sum(bool(r["flags"]) for r in rows) / n if n else 0.0
+    checks = rl_checks(result, rows, hist, cfg.max_flag_rate, cfg.max_staleness)
     family_md = _family_plot(storage, urls)
     yield dg.MaterializeResult(
         asset_key="rl_rollouts",
@@ -181,7 +181,7 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
                                      ("pass rate", steps, [h["pass_rate"] for h in hist])], "policy version", "reward", "RL reward"),
             "reward_mean": round(sum(r["reward"] or 0.0 for r in rows) / n, 4) if n else 0.0,
             "pass_rate": round(float(result.get("pass_rate") or 0.0), 4),
-            "cheat_flag_rate": round(flag_rate, 4),
+            "cheat_flag_rate": round(checks["cheat_flag_rate_below_threshold"][1]["flag_rate"], 4),
             "cheat_flag_rate_by_family": family_md,
             "gen_tokens_per_s": round(float(result.get("gen_tokens_per_s") or 0.0), 1),
             "step_time_split_s": split_md,
@@ -207,6 +207,6 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
     )
     asset_of = {"every_rollout_has_reward": "rl_rollouts", "cheat_flag_rate_below_threshold": "rl_rollouts",
                 "staleness_within_bound": "rl_rollouts"}
-    for name, (passed, meta) in rl_checks(result, rows, hist, cfg.max_flag_rate, cfg.max_staleness).items():
+    for name, (passed, meta) in checks.items():
         yield dg.AssetCheckResult(asset_key=asset_of.get(name, "rl_checkpoint"), check_name=name, passed=passed,
                                   metadata=meta)
