@@ -7,6 +7,11 @@ inputs into a scratch directory of its own, runs the stage (``torchrun``/``deeps
 ``python``), publishes sealed outputs, and reports their URLs and digests. Pipes context and
 messages travel through the same storage, so no backend needs a shared filesystem.
 
+What runs where (the job's argv under bubblewrap, its sbatch script or pod manifest, submitting
+and waiting on Slurm, the result's verification) is the engine's ``composer_dag.cluster.stage``;
+this resource adds the Pipes session, runs the k8s pod through ``dagster_k8s``, and turns the
+engine's errors into the step's one-line ``ClusterError``.
+
 Backends (same assets, config only):
 
 - ``local``: a subprocess on this machine; the whole process group is stopped when the run is
@@ -32,14 +37,10 @@ one command per index (a local pool, ``sbatch --array``, an Indexed Job). Failur
 """
 
 
-import collections
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import threading
-import time
 import uuid
 from typing import Any, Optional
 
@@ -49,25 +50,16 @@ from dagster._core.errors import DagsterExecutionInterruptedError
 from dagster._core.pipes.client import PipesContextInjector
 from dagster._core.pipes.utils import PipesBlobStoreMessageReader, open_pipes_session
 
-import composer_dag
-from composer_dag.cluster import services
-from composer_dag.cluster import k8s, slurm, spec as launch
-from composer_dag.runtime.errors import error_line
-from composer_dag.cluster.local import stop_process_group
+from composer_dag.cluster import services, spec as launch, stage
 from composer_dag.cluster.services import ServiceGroup
-from composer_dag.cluster.slurm import slurm_state
 from composer_dag.cluster.spec import (ArrayConfig, ArrayError, ArrayTask, ClusterConfig, SchedulerError, ServiceConfig,
                                        ServiceError, ServiceHandle)
-
-__all__ = ["ArrayTask", "ClusterError", "ClusterResource", "ServiceHandle", "slurm_state", "stop_process_group"]
 from resources.base import ClearConfigResource
 from resources.dagster_config import dagster_config
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(composer_dag.__file__)))
-# what a sandboxed job may see of this process's environment (by reference, never by value)
-PASS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
-            "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "COMPOSER_S3_ENDPOINT_URL", "HF_TOKEN")
-SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NODEID", "SLURM_PROCID", "SLURM_NNODES", "COMPOSER_RDZV_ENDPOINT")
+__all__ = ["ArrayTask", "ClusterError", "ClusterResource", "ServiceHandle"]
+# what means "the run was cancelled" to the engine's process and job runners
+INTERRUPTS = (DagsterExecutionInterruptedError, KeyboardInterrupt)
 
 
 class ClusterError(dg.Failure):
@@ -142,83 +134,22 @@ class ClusterResource(ClusterSettings):
     """Where the GPU stages' jobs, the services and the arrays run (its settings: the engine's
     ``ClusterConfig``)."""
 
-    # ---- specs -------------------------------------------------------------------------
+    # ---- specs (composer_dag.cluster.stage) ---------------------------------------------------
     def spec(self, entry: str, args: list[str], name: str = "composer-train", launcher: str | None = None) -> launch.LaunchSpec:
-        env = {**self.env}
-        single = launcher == "python"  # an entry that must run as one process
-        if self.gpus_per_node == 0:
-            env.setdefault("DS_ACCELERATOR", "cpu")
-        return launch.LaunchSpec(
-            entry=entry,
-            args=list(args),
-            nproc_per_node=1 if single else self.nproc_per_node,
-            nnodes=1 if single else self.nnodes,
-            launcher=launcher or self.launcher,
-            env=env,
-            gpus_per_node=self.gpus_per_node,
-            image=self.image,
-            name=name,
-            cpu=self.cpu,
-            memory=self.memory,
-        )
-
-    def job_argv(self, spec_url: str, scratch: str, env: dict[str, str]) -> list[str]:
-        """The job runner's argv on a node; under bubblewrap when ``isolate`` (``env`` then is
-        all the job sees, besides the credentials in ``PASS_ENV`` present here)."""
-        argv = [sys.executable, "-m", "composer_dag.cluster.job", "--spec", spec_url, "--scratch", scratch]
-        if not self.isolate:
-            return argv
-        # compiled kernels (DeepSpeed's ops: ~90 s to build on 2 cores) and the sandboxes' runtime
-        # tree (composer_dag.envs.rootfs) kept across jobs, node-local
-        cache = self.cache_dir()
-        inner = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch, "TMPDIR": "/tmp",
-                 "PYTHONPATH": REPO_ROOT, "TORCH_EXTENSIONS_DIR": f"{cache}/torch_extensions",
-                 "TRITON_CACHE_DIR": f"{cache}/triton", "XDG_CACHE_HOME": f"{cache}/xdg", **env}
-        inner.update({k: "${%s}" % k for k in PASS_ENV if k in os.environ})
-        if self.backend == "slurm":
-            inner.update({k: "${%s}" % k for k in SLURM_ENV})
-        code = [os.path.join(REPO_ROOT, p) for p in self.job_code]
-        return launch.bwrap_command(argv, scratch, code, sorted({sys.prefix, sys.base_prefix}), inner, [cache])
-
-    def cache_dir(self) -> str:
-        """The node-local build cache an isolated job may write (``<scratch_dir>/composer-cache``)."""
-        return os.path.join(self.scratch_dir, "composer-cache")
+        return stage.launch_spec(self.engine_config(), entry, args, name, launcher)
 
     def render(self, spec_url: str, name: str = "composer-job", env: dict[str, str] | None = None,
                scratch: str | None = None) -> Any:
         """What the backend launches for the job spec at ``spec_url``: an argv (local), a pod
         manifest (k8s), an sbatch script (slurm)."""
-        env = {**self.spec("composer_dag.cluster.job", [], name, "python").env, **(env or {})}
-        scratch = scratch or os.path.join(self.scratch_dir, f"{name}-{uuid.uuid4().hex[:8]}")
-        if self.backend == "local":
-            return self.job_argv(spec_url, scratch, env)
-        if self.backend == "k8s":
-            spec = self.spec("composer_dag.cluster.job", ["--spec", spec_url], name, "python")
-            spec.env.update(env)
-            return k8s.k8s_pod_spec(
-                spec, namespace=self.namespace, image=self.image, gpu_resource=self.gpu_resource,
-                service_account=self.service_account, secret_name=self.secret_name,
-                node_selector=self.node_selector, tolerations=self.tolerations)
-        argv = self.job_argv(spec_url, scratch, env)
-        if argv[0] == "bwrap":
-            env = {}  # the sandbox gets its environment from the command line
-        # the scratch directory is the job's: made before it starts, removed when it ends
-        setup = [f"mkdir -p {scratch} {self.cache_dir()}", f"trap 'rm -rf {scratch}' EXIT"]
-        return slurm.slurm_script(
-            argv, name=name, nodes=self.nnodes, gpus_per_node=self.gpus_per_node,
-            partition=self.partition, account=self.account, time=self.time_limit,
-            output=os.path.join(self.scratch_dir, "%x-%j.out"), chdir=self.scratch_dir,
-            container_image=self.container_image, env=env, setup=setup)
+        return stage.render(self.engine_config(), spec_url, name, env, scratch)
 
     # ---- running -----------------------------------------------------------------------
     def run_job(self, context, storage, job: dict[str, Any], name: str = "composer-job") -> dict[str, Any]:
         """Run a stage's job (see ``composer_dag.cluster.job``) and return its verified result:
         ``{"summary": <the stage's result>, "outputs": {name: {"url", "digest"}}}``, each
         output's manifest on storage matching the digest the job reported."""
-        job = {"launcher": self.launcher, "nproc_per_node": self.nproc_per_node, "nnodes": self.nnodes, **job}
-        if job["launcher"] == "python":
-            job["nproc_per_node"] = job["nnodes"] = 1
-        job["env"] = {**self.spec(job["entry"], [], name, job["launcher"]).env, **(job.get("env") or {})}
+        job = stage.job_spec(self.engine_config(), job, name)
         run_id = context.run.run_id
         spec_url = storage.url("jobs", run_id, f"{name}-{uuid.uuid4().hex[:8]}.json")
         storage.write_json(spec_url, job)
@@ -229,73 +160,19 @@ class ClusterResource(ClusterSettings):
             message_reader=(reader := StorageMessageReader(storage, prefix)),
         ) as session:
             env = session.get_bootstrap_env_vars()
-            launched = {"local": self._launch_local, "slurm": self._launch_slurm, "k8s": self._launch_k8s}[self.backend]
-            try:
-                failure, why = launched(context, spec_url, name, env)
-            finally:  # each launcher returns (or raises) once the job's processes are gone
+            try:  # each backend returns (or raises) once the job's processes are gone
+                if self.backend == "k8s":
+                    failure, why = self._launch_k8s(context, spec_url, name, env)
+                else:
+                    failure, why = stage.launch(self.engine_config(), spec_url, name, env, context.log.info, INTERRUPTS)
+            except SchedulerError as exc:
+                raise ClusterError(description=str(exc)) from None
+            finally:
                 reader.job_ended()
-        messages = session.get_custom_messages()
-        error = next((m["error"] for m in reversed(messages) if isinstance(m, dict) and m.get("error")), why)
-        if failure or error:
-            raise ClusterError(description=f"{job['entry']} {failure or 'failed'}" + (f": {error}" if error else ""))
-        result = next((m for m in reversed(messages) if isinstance(m, dict) and "outputs" in m), None)
-        if result is None:
-            raise ClusterError(description=f"{job['entry']} finished without reporting a result through Pipes")
-        for out_name, out in result["outputs"].items():
-            found = storage.manifest_digest(out["url"])
-            if found != out["digest"]:
-                raise ClusterError(description=f"{out_name} at {out['url']} does not match the digest its job reported")
-        return result
-
-    # Each launcher returns (what went wrong, or None; the error line it saw itself, or None).
-    def _launch_local(self, context, spec_url, name, env) -> tuple[str | None, str | None]:
-        scratch = os.path.join(self.scratch_dir, f"{name}-{uuid.uuid4().hex[:8]}")
-        os.makedirs(scratch)
-        os.makedirs(self.cache_dir(), exist_ok=True)
         try:
-            cmd = self.job_argv(spec_url, scratch, env)
-            full_env = None if self.isolate else {**os.environ, **env}
-            context.log.info(f"[cluster:local] {' '.join(cmd)}")
-            rc, why = self._popen(context, cmd, full_env)
-        finally:
-            subprocess.run(["rm", "-rf", scratch], check=False)
-        return (None, None) if rc == 0 else (f"exited with code {rc}", why or None)
-
-    def _launch_slurm(self, context, spec_url, name, env) -> tuple[str | None, str | None]:
-        script = self.render(spec_url, name, env)
-        out = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True)
-        if out.returncode != 0:
-            raise ClusterError(description=f"sbatch failed: {' '.join(out.stderr.split())[:300]}")
-        job = slurm.parse_sbatch_output(out.stdout)
-        context.log.info(f"[cluster:slurm] submitted job {job}")
-        try:
-            state = self._wait_slurm(job)
-        except BaseException as exc:  # cancelled run, step timeout, anything: the job must not outlive the step
-            why = "run cancelled" if isinstance(exc, (DagsterExecutionInterruptedError, KeyboardInterrupt)) else type(exc).__name__
-            context.log.warning(f"[cluster:slurm] {why}: scancel {job}")
-            subprocess.run(["scancel", job], check=False)
-            deadline = time.monotonic() + self.grace_seconds + 30
-            while time.monotonic() < deadline and not slurm.is_terminal(slurm_state(job).get("JobState", "UNKNOWN")):
-                time.sleep(0.5)
-            raise
-        context.log.info(f"[cluster:slurm] job {job} ended {state['JobState']}")
-        if state["JobState"] == "COMPLETED":
-            return None, None
-        limit = self.time_limit
-        if state["JobState"] == "TIMEOUT":  # the job's own limit (an operator may have changed it)
-            sc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
-            limit = next(iter(slurm.parse_scontrol_records(sc.stdout)), {}).get("TimeLimit", limit)
-        what = {"CANCELLED": "was cancelled by the scheduler or an operator (scancel)",
-                "TIMEOUT": f"hit its time limit ({limit})", "NODE_FAIL": "lost its node (node failure or DOWN)",
-                "PREEMPTED": "was preempted", "OUT_OF_MEMORY": "ran out of memory"}.get(state["JobState"], "failed")
-        return f"in slurm job {job} {what} (state {state['JobState']}, exit code {state.get('ExitCode', '?')})", None
-
-    def _wait_slurm(self, job: str) -> dict[str, str]:
-        while True:
-            state = slurm_state(job)
-            if slurm.is_terminal(state.get("JobState", "PENDING")):
-                return state
-            time.sleep(self.poll_seconds)
+            return stage.job_result(job["entry"], session.get_custom_messages(), failure, why, storage)
+        except stage.JobError as exc:
+            raise ClusterError(description=str(exc)) from None
 
     def _launch_k8s(self, context, spec_url, name, env) -> tuple[str | None, str | None]:
         from dagster_k8s import PipesK8sClient
@@ -329,7 +206,7 @@ class ClusterResource(ClusterSettings):
             extras=extras,
         ) as session:
             env = {**os.environ, **self.spec(entry, args, name, launcher).env, **session.get_bootstrap_env_vars()}
-            rc, why = self._popen(context, cmd, env)
+            rc, why = stage.run_process(cmd, env, self.grace_seconds, context.log.info, INTERRUPTS)
             if rc != 0:
                 raise ClusterError(description=f"{entry} exited with code {rc}" + (f": {why}" if why else "")
                                    + " (the whole output is in the run's stderr)")
@@ -390,21 +267,6 @@ class ClusterResource(ClusterSettings):
         except SchedulerError as exc:
             raise ClusterError(description=f"array {name}: {exc}") from None
 
-    def _popen(self, context, cmd: list[str], env: dict | None) -> tuple[int, str]:
-        # A session of its own: cancelling signals the whole tree (launcher and ranks).
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
-        tail = _StderrTail(proc.stderr)
-        try:
-            while proc.poll() is None:
-                time.sleep(0.2)
-        except (DagsterExecutionInterruptedError, KeyboardInterrupt):
-            context.log.warning("[cluster:local] run cancelled: stopping the process group")
-            stop_process_group(proc, self.grace_seconds)
-            raise
-        finally:
-            tail.join()
-        return proc.returncode, tail.error_line()
-
 
 def _service_config(name, argv, env, port, health_url, settings) -> ServiceConfig:
     return ServiceConfig.load({"name": name, "argv": list(argv), "env": dict(env or {}), "port": port,
@@ -425,27 +287,3 @@ class _DagsterServiceGroup(ServiceGroup):
             return super().start_many(services)
         except (ServiceError, SchedulerError) as exc:
             raise ClusterError(description=str(exc)) from None
-
-
-class _StderrTail:
-    """Forwards a child's stderr to ours (the step's captured logs) and keeps its last lines, so
-    a failure can be named in one line: the last exception the child printed."""
-
-    def __init__(self, stream, keep: int = 200):
-        self._lines: collections.deque[str] = collections.deque(maxlen=keep)
-        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _pump(self, stream) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace")
-            sys.stderr.write(line)
-            self._lines.append(line.rstrip("\n"))
-        stream.close()
-
-    def join(self, timeout: float = 10.0) -> None:
-        self._thread.join(timeout)
-
-    def error_line(self) -> str:
-        """``SomeError: message`` of the last exception printed, or ''."""
-        return error_line(self._lines)
