@@ -19,7 +19,7 @@ from assets.sft import sft_checkpoint
 from assets.train import CHECKPOINT_FILES
 from composer_dag.rl.fleet.config import FleetConfig
 from composer_dag.rl.fleet.launch import server_services
-from composer_dag.rl.report import flag_family_shares, rl_checks, rl_summary, step_time_table
+from composer_dag.rl.report import flag_family_shares, read_rollout_rows, rl_checks, rl_summary, step_time_table
 from composer_dag.rl.run import RLConfig
 from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
@@ -29,9 +29,6 @@ RLParams = dagster_config(RLConfig, module=__name__)
 """GRPO settings: ``trainer`` (the update), ``orchestrator`` (the agent episodes), ``inference``
 (the engine). ``environment: learnable`` runs the small task family a tiny model learns on CPU
 within minutes (see ``composer_dag.rl.run.LEARNABLE_RUN``)."""
-
-
-ROW_COLUMNS = ["reward", "flags", "staleness", "step", "policy_version", "server_id", "infra_error", "attempts"]
 
 
 def _num(x, digits: int = 4):
@@ -109,12 +106,8 @@ def _run_job(context: dg.AssetExecutionContext, config: RLParams, storage, clust
     return cfg, job
 
 
-def _family_plot(storage, urls: list[str]):
+def _family_plot(rows: list[dict]):
     """The share of each step's rollouts flagged, per cheat-flag family."""
-    try:
-        rows = [r for u in urls for r in storage.read_parquet(u, columns=["step", "flag_families"]).to_pylist()]
-    except Exception:  # noqa: BLE001 - rollouts written before the column existed
-        rows = []
     series = flag_family_shares(rows)
     steps = sorted({r["step"] for r in rows if r["step"] is not None})
     return plot_md(series or [("no flags", steps, [0.0] * len(steps))],
@@ -163,14 +156,11 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
         if storage.exists(metrics_url) else []
     steps = [h["step"] for h in hist]
     split_md = dg.MetadataValue.md(step_time_table(hist, bool(cfg.fleet)))
-    try:
-        rows = [r for u in urls for r in storage.read_parquet(u, columns=ROW_COLUMNS).to_pylist()]
-    except Exception:  # noqa: BLE001 - rollouts written before the fleet columns existed
-        rows = [r for u in urls for r in storage.read_parquet(u, columns=["reward", "flags", "staleness"]).to_pylist()]
+    rows = read_rollout_rows(storage, urls)
     rollouts_md, checkpoint_md = summary_metadata(rl_summary(result, rows, hist))
     n = len(rows)
     checks = rl_checks(result, rows, hist, cfg.max_flag_rate, cfg.max_staleness)
-    family_md = _family_plot(storage, urls)
+    family_md = _family_plot(rows)
     yield dg.MaterializeResult(
         asset_key="rl_rollouts",
         metadata={

@@ -446,3 +446,22 @@ def test_rl_checks_and_tables_come_from_the_engine():
     assert flag_family_shares(rows) == [("exit", [0, 1], [0.0, 1.0])]
     table = step_time_table([{"step": 1, "generate_s": 1.5, "step_s": None}], fleet=False).splitlines()
     assert table[0].startswith("| step | generate") and table[2] == "| 1 | 1.50 | 0.00 | 0.00 | 0.00 |  |"
+
+
+def test_rollout_rows_from_files_with_and_without_the_newer_columns(tmp_path):
+    """The RL asset reads every rollout file the same way: a file written before a column existed
+    gives None for it (no fallback that reads fewer columns, no error); every row is counted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from composer_dag.rl.report import ROW_COLUMNS, read_rollout_rows
+
+    st = Storage(str(tmp_path))
+    pq.write_table(pa.table({"reward": [1.0, 0.0], "flags": [[], ["exit_call:x"]], "staleness": [0, 1]}),
+                   tmp_path / "old.parquet")
+    pq.write_table(pa.table({c: [None] for c in ROW_COLUMNS} | {"reward": [0.5], "step": [3], "server_id": ["s1"]}),
+                   tmp_path / "new.parquet")
+    rows = read_rollout_rows(st, [st.url("old.parquet"), st.url("new.parquet")])
+    assert [set(r) for r in rows] == [set(ROW_COLUMNS)] * 3
+    assert [(r["reward"], r["flags"], r["step"], r["server_id"]) for r in rows] == \
+        [(1.0, [], None, None), (0.0, ["exit_call:x"], None, None), (0.5, None, 3, "s1")]

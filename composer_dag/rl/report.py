@@ -158,6 +158,25 @@ def step_time_table(metrics: list[dict], fleet: bool) -> str:
                             + f" | {_secs(h.get('step_s', 0.0))} |" for h in metrics)
 
 
+# what the RL asset's summaries and checks read of each rollout
+ROW_COLUMNS = ("reward", "flags", "flag_families", "staleness", "step", "policy_version", "server_id", "infra_error",
+               "attempts")
+
+
+def read_rollout_rows(storage, urls: list[str], columns: tuple[str, ...] = ROW_COLUMNS) -> list[dict]:
+    """``columns`` of every rollout in the Parquet files at ``urls``. A column a file lacks
+    (rollouts written before it existed) is None in that file's rows, never an error."""
+    import pyarrow.parquet as pq
+
+    rows: list[dict] = []
+    for url in urls:
+        with storage.open(url) as f:
+            pf = pq.ParquetFile(f)
+            table = pf.read(columns=[c for c in columns if c in pf.schema_arrow.names])
+        rows += [{c: r.get(c) for c in columns} for r in table.to_pylist()]
+    return rows
+
+
 def flag_family_shares(rows: list[dict]) -> list[tuple[str, list[int], list[float]]]:
     """Per cheat-flag family: the steps, and the share of each step's rollouts flagged with it
     (rows with ``step`` and ``flag_families``)."""
