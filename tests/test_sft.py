@@ -241,3 +241,28 @@ def test_early_stop_needs_patience_validations_without_improvement():
     assert stalled(ev(3.0, 1.0, 1.5, 1.2), 2) and not stalled(ev(3.0, 1.0, 1.5, 0.9), 2)
     assert not stalled(ev(3.0, 4.0), None)  # no patience: never
     assert not stalled([{"step": 0, "val_loss": None}, {"step": 10, "val_loss": None}], 1)  # no validation split
+
+
+def test_transcript_loss_is_the_masked_mean_and_skips_unsupervised_logits():
+    """The SFT loss computes the output layer on the supervised positions only: the same loss and
+    the same gradients as the full logits with ``ignore_index``, to float precision."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from composer_dag.train.midtrain import lm_loss
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=4, intermediate_size=128))
+    x = torch.randint(0, 512, (3, 40))
+    labels = torch.where(torch.rand(3, 40) < 0.3, x, torch.full_like(x, -100))
+    loss = lm_loss(model, x, labels)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = model(input_ids=x[:, :-1], use_cache=False).logits
+    full = F.cross_entropy(logits.float().reshape(-1, 512), labels[:, 1:].reshape(-1), ignore_index=-100)
+    full.backward()
+    assert torch.allclose(loss, full, atol=1e-6), (loss, full)
+    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(grads, model.parameters()))
