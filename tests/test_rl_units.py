@@ -465,3 +465,32 @@ def test_rollout_rows_from_files_with_and_without_the_newer_columns(tmp_path):
     assert [set(r) for r in rows] == [set(ROW_COLUMNS)] * 3
     assert [(r["reward"], r["flags"], r["step"], r["server_id"]) for r in rows] == \
         [(1.0, [], None, None), (0.0, ["exit_call:x"], None, None), (0.5, None, 3, "s1")]
+
+
+def test_logprobs_on_the_loss_positions_only_match_the_full_ones():
+    """The trainer's logprobs take the output layer on the loss mask's tokens only: the same values
+    there (and the same gradients through the loss) as the full logits, 0 elsewhere."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from composer_dag.rl.grpo import grpo_loss, token_logprobs
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=4, intermediate_size=128))
+    ids = torch.randint(0, 256, (3, 24))
+    att = torch.ones_like(ids)
+    att[2, 18:] = 0
+    mask = torch.zeros(3, 23)
+    mask[0, 10:20], mask[1, 5:9], mask[2, 12:17] = 1, 1, 1
+    old, adv = torch.randn(3, 23) * mask, torch.tensor([1.0, -0.5, 0.3])
+    results = []
+    for positions in (None, mask):
+        model.zero_grad()
+        lp = token_logprobs(model, ids, att, 0.7, positions)
+        loss, _ = grpo_loss(lp, old, adv, mask, ref_logp=lp.detach() + 0.1 * mask, kl_coef=0.1)
+        loss.backward()
+        results.append((lp.detach(), loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (full, loss_full, g_full), (part, loss_part, g_part) = results
+    assert torch.allclose(full * mask, part, atol=1e-5) and torch.all(part[mask == 0] == 0)
+    assert torch.allclose(loss_full, loss_part, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g_full, g_part))

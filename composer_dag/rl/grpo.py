@@ -50,11 +50,23 @@ def pack(rollouts: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """log p(x_t | x_<t) of every next token, under logits / temperature: [B, T-1]."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
-    logits = logits.float() / (temperature if temperature > 0 else 1.0)
-    return logits.log_softmax(-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+                   temperature: float = 1.0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(x_t | x_<t) of every next token, under logits / temperature: [B, T-1]. With
+    ``positions`` ([B, T-1], the loss mask), only those tokens get the output layer and a
+    log-softmax over the vocabulary (the prompt's do not: most of an agent turn's sequence); the
+    others are 0."""
+    scale = temperature if temperature > 0 else 1.0
+    targets = input_ids[:, 1:]
+    if positions is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+        return (logits.float() / scale).log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    module = getattr(model, "module", model)  # a DeepSpeed engine's model
+    hidden = module.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                  use_cache=False).last_hidden_state[:, :-1]
+    keep = positions > 0
+    logits = module.get_output_embeddings()(hidden[keep]).float() / scale
+    picked = logits.log_softmax(-1).gather(-1, targets[keep].unsqueeze(-1)).squeeze(-1)
+    return torch.zeros(keep.shape, dtype=picked.dtype, device=picked.device).masked_scatter(keep, picked)
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

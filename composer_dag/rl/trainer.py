@@ -99,11 +99,13 @@ class GRPOTrainer:
         for chunk in chunks:
             if chunk:
                 b = {k: v.to(self.device) for k, v in grpo.pack(chunk, self.pad_id).items()}
-                logp = grpo.token_logprobs(self.engine, b["input_ids"], b["attention_mask"], self.temperature)
+                logp = grpo.token_logprobs(self.engine, b["input_ids"], b["attention_mask"], self.temperature,
+                                           b["loss_mask"])
                 ref = None
                 if self.ref is not None:
                     with torch.no_grad():
-                        ref = grpo.token_logprobs(self.ref, b["input_ids"], b["attention_mask"], self.temperature)
+                        ref = grpo.token_logprobs(self.ref, b["input_ids"], b["attention_mask"], self.temperature,
+                                                 b["loss_mask"])
                 loss, st = grpo.LOSSES[cfg.loss](logp, b["old_logprobs"], b["advantages"], b["loss_mask"], cfg.clip_eps,
                                           cfg.clip_eps_high, ref, cfg.kl_coef, denom=total)
                 if torch.isfinite(loss):
