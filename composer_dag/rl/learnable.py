@@ -69,9 +69,8 @@ def format_warmup(policy_dir: str, out_dir: str, task_dirs, steps: int = 60, bat
     import time
 
     import torch
-    import torch.nn.functional as F
 
-    from ..train.model import load_base_model, save_hf_dir
+    from ..train.model import load_base_model, save_hf_dir, supervised_loss
     from ..train.tokenizer import load_tokenizer
 
     torch.manual_seed(seed)
@@ -93,8 +92,7 @@ def format_warmup(policy_dir: str, out_dir: str, task_dirs, steps: int = 60, bat
             x[i, :len(p) + len(c)] = torch.tensor(p + [t for t, _ in c])
             att[i, :len(p) + len(c)] = 1
             y[i, len(p):len(p) + len(c)] = torch.tensor([t if m else -100 for t, m in c])
-        logits = model(input_ids=x, attention_mask=att).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), y[:, 1:].reshape(-1))
+        loss = supervised_loss(model, x, y)  # right padding: no later token changes an earlier one
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

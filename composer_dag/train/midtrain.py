@@ -48,7 +48,7 @@ from .data import TokenShardDataset, TranscriptDataset, mixed_batches
 from ..runtime.checkpoint import (atomic_dir, clear_checkpoint, commit_latest, pause_before_seal, resume_checkpoint,
                                   rng_state, seal_checkpoint, set_rng_state, trim_metrics, write_json_atomic)
 from ..runtime.distributed import setup_distributed
-from .model import param_count, sample_text, save_hf_dir
+from .model import param_count, sample_text, save_hf_dir, supervised_loss
 
 
 class MidtrainConfig(StageConfig):
@@ -138,18 +138,10 @@ def lm_loss(model, x, labels=None):
     """Mean next-token loss; with ``labels`` (``-100`` where no loss applies), on those tokens only."""
     import torch.nn.functional as F
 
-    if labels is None:
-        logits = model(input_ids=x[:, :-1], use_cache=False).logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
-    # Transcripts: the output layer on the supervised positions only. The rest (prompt, tool
-    # output, padding: about four fifths of an agent transcript) would each cost a row of logits
-    # over the whole vocabulary and give no loss; an SFT step takes 0.6-0.7x the time.
-    module = getattr(model, "module", model)  # a DeepSpeed engine's model
-    hidden = module.get_decoder()(input_ids=x[:, :-1], use_cache=False).last_hidden_state
-    targets = labels[:, 1:]
-    keep = targets != -100
-    logits = module.get_output_embeddings()(hidden[keep])
-    return F.cross_entropy(logits.float(), targets[keep])
+    if labels is not None:
+        return supervised_loss(model, x, labels)
+    logits = model(input_ids=x[:, :-1], use_cache=False).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
 
 
 def _dataset(cfg: "MidtrainConfig", split: str, pad_id: int = 0, **kw):
