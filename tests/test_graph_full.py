@@ -214,7 +214,7 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
 # shards; a one-process RL step from it on transformers, so its candidate carries what SFT lost
 FORGET_CONFIG = {
     "ops": {
-        "sft_checkpoint": {"config": {"max_steps": 10, "lr": 8e-3, "min_lr": 8e-3, "warmup_steps": 2,
+        "sft_checkpoint": {"config": {"max_steps": 10, "log_every": 5, "lr": 8e-3, "min_lr": 8e-3, "warmup_steps": 2,
                                       "pretrain_share": 0.0, "early_stop_patience": None, "eval_every": 10,
                                       "save_every": 10, "format_samples": 2, "min_format_share": 0.0}},
         "rl_run": {"config": {"steps": 1, "tasks_per_step": 1, "group_size": 2, "async_generation": False,
