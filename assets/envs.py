@@ -9,6 +9,7 @@ import dagster as dg
 
 from assets._common import RETRY, counts_table, latest_uri, local_copy, record_provenance
 from composer_dag.envs import tasks as engine
+from composer_dag.envs.probes import differences_table, sandbox_realism
 from composer_dag.envs.task_format import TaskBuildConfig, task_dirs
 from resources import ArtifactStorage, CatalogResource
 from resources.dagster_config import dagster_config, engine_config
@@ -48,9 +49,16 @@ def task_sets(context: dg.AssetExecutionContext, config: TaskParams, artifacts: 
             by_source: dict[str, int] = {}
             for r in side_rows:
                 by_source[r["source"]] = by_source.get(r["source"], 0) + 1
+            realism = {}
+            if side == "rl_tasks":  # what a model sees of its machine, against a laptop's
+                report = sandbox_realism()
+                realism = {"realism_differences": report["count"],
+                           "realism_report": dg.MetadataValue.md(differences_table(report))}
+                context.log.info(f"realism battery: {report['count']} of {len(report['verdicts'])} probes differ "
+                                 "from a laptop")
             yield dg.MaterializeResult(
                 asset_key=side,
-                metadata={
+                metadata={**realism,
                     "dagster/uri": url,
                     "dagster/row_count": summary[side],
                     "manifest_digest": digest,

@@ -93,6 +93,22 @@ def cmd_sandbox_exec(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     return summary, r.exit_code
 
 
+def cmd_sandbox_realism(args: argparse.Namespace) -> dict[str, Any]:
+    from composer_dag.envs.probes import PROBES, run_battery, sandbox_realism
+
+    if args.workspace_dir and not os.path.isdir(args.workspace_dir):
+        raise ValueError(f"workspace {args.workspace_dir} does not exist")
+    inside, host = sandbox_realism(args.workspace_dir), run_battery(None)
+    for name, why in inside["verdicts"].items():
+        if why:
+            answer = " | ".join(inside["outputs"].get(name, "").strip().splitlines()[:3])[:160]
+            host_answer = " | ".join(host["outputs"].get(name, "").strip().splitlines()[:3])[:160]
+            sys.stdout.write(f"{name}: {why}\n    sandbox: {answer}\n    host:    {host_answer}\n")
+    sys.stdout.write(f"{inside['count']} of {len(PROBES)} probes tell the sandbox from a laptop "
+                     f"(the host: {host['count']})\n")
+    return {"probes": len(PROBES), "differences": inside["count"], "host_differences": host["count"]}
+
+
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     from composer_dag.evals.evaluate import eval_cli
 
@@ -155,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--timeout", type=float, default=60.0)
     x.add_argument("cmd", nargs=argparse.REMAINDER)
     x.set_defaults(func=cmd_sandbox_exec)
+    rz = s.add_parser("realism", help="the realism battery: every probe a laptop would answer otherwise")
+    rz.add_argument("workspace_dir", nargs="?", help="the project the sandbox opens (default: an empty one)")
+    rz.set_defaults(func=cmd_sandbox_realism)
     return p
 
 
