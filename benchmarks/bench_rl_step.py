@@ -5,8 +5,9 @@ family (``environment: learnable``'s settings, the warmed-up small policy, vLLM)
 
 The earlier commit is checked out with ``git worktree`` (its own code, this checkout's .venv);
 the setup (8 tasks, a policy warmed up 100 steps) is built once and used by both. The two codes
-alternate (base, new, new, base, ...). Printed: each run's mean step seconds (``step_s``), its
-wall time and its reward curve, the medians and their ratio new / base.
+alternate (base, new, new, base, ...). Printed: each run's mean step seconds (``step_s``) and
+its parts (``train_s``, ``grade_s``, ... as the run's ``result.json`` names them), its wall time
+and its reward curve; the medians and their ratio new / base.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ r = subprocess.run([sys.executable, "-m", "composer_dag.rl.run", "--config", os.
 if r.returncode:
     raise SystemExit(r.stderr[-2000:])
 res = json.load(open(os.path.join(out, "run", "result.json")))
-print(json.dumps({"wall_s": time.perf_counter() - t0, "step_s": res["step_seconds"]["step_s"]["mean"],
+parts = {k: v["mean"] for k, v in res["step_seconds"].items() if isinstance(v, dict) and "mean" in v}
+print(json.dumps({"wall_s": time.perf_counter() - t0, "step_s": parts["step_s"], "parts": parts,
                   "reward_curve": [round(v, 3) for _, v in res["reward_curve"]]}))
 """
 
@@ -67,15 +69,17 @@ def main() -> None:
                 raise SystemExit(f"{side} run {i}: {p.stderr[-2000:]}")
             r = json.loads(p.stdout.strip().splitlines()[-1])
             runs[side].append(r)
-            print(json.dumps({"run": f"{side}_{i}", "step_s": round(r["step_s"], 3), "wall_s": round(r["wall_s"], 1),
-                              "reward_curve": r["reward_curve"]}), flush=True)
+            print(json.dumps({"run": f"{side}_{i}", "wall_s": round(r["wall_s"], 1),
+                              **{k: round(v, 3) for k, v in r["parts"].items()}, "reward_curve": r["reward_curve"]}), flush=True)
     med = {s: statistics.median(r["step_s"] for r in rs) for s, rs in runs.items()}
     wall = {s: statistics.median(r["wall_s"] for r in rs) for s, rs in runs.items()}
+    parts = {k: {s: round(statistics.median(r["parts"][k] for r in rs), 3) for s, rs in runs.items()}
+             for k in runs["new"][0]["parts"] if all(k in r["parts"] for rs in runs.values() for r in rs)}
     same = all(r["reward_curve"] == runs["base"][0]["reward_curve"] for rs in runs.values() for r in rs)
     print(json.dumps({"base": args.base, "steps": args.steps, "pairs": args.pairs,
                       "step_s_median": {s: round(v, 3) for s, v in med.items()}, "ratio_step_s": round(med["new"] / med["base"], 3),
                       "wall_s_median": {s: round(v, 1) for s, v in wall.items()}, "ratio_wall": round(wall["new"] / wall["base"], 3),
-                      "same_reward_curves": same}))
+                      "part_medians": parts, "same_reward_curves": same}))
     subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base_dir], capture_output=True)
 
 
