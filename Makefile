@@ -15,8 +15,11 @@ PYTEST_WORKERS ?= 0
 
 # Debian packages the sandboxes, the browser test and the one-node Slurm cluster of the tests
 # need (installed when missing, as root).
-SYSTEM_BINS := bwrap git chromium chromedriver slurmctld slurmd sbatch munged
-SYSTEM_PKGS := bubblewrap git chromium chromium-driver slurmctld slurmd slurm-client munge
+# (nano, htop, ping, sudo and the locales: what a laptop has, seen from inside the sandboxes)
+SYSTEM_BINS := bwrap git chromium chromedriver slurmctld slurmd sbatch munged nano htop ping sudo localedef
+SYSTEM_PKGS := bubblewrap git chromium chromium-driver slurmctld slurmd slurm-client munge nano htop iputils-ping sudo locales
+# the locales a sandbox persona may have (composer_dag/envs/rootfs.py: LOCALES), generated when missing
+PERSONA_LOCALES := en_US en_GB en_IN en_CA en_AU en_IE en_NZ en_ZA
 system-deps:
 	@missing=""; for b in $(SYSTEM_BINS); do PATH="$$PATH:/usr/sbin:/sbin" command -v $$b >/dev/null || missing="$$missing $$b"; done; \
 	if [ -n "$$missing" ]; then \
@@ -24,6 +27,9 @@ system-deps:
 	  if [ "$$(id -u)" != 0 ]; then echo "need root (or sudo) to apt-get install $(SYSTEM_PKGS)" >&2; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PKGS) >/dev/null; \
 	fi
+	@have="$$(locale -a 2>/dev/null)"; for l in $(PERSONA_LOCALES); do \
+	  echo "$$have" | grep -qx "$$l.utf8" && continue; echo "generating the locale $$l.UTF-8"; \
+	  localedef -i $$l -c -f UTF-8 $$l.UTF-8 || locale -a | grep -qx "$$l.utf8" || exit 1; done
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)

@@ -43,13 +43,34 @@ def test_every_probe_answers_in_the_sandbox_and_on_the_host(reports):
     assert str(ROOT) not in text and sys.prefix not in text
 
 
+# What still tells, each with what closes it; the sandbox's differences must be among these, so a
+# new tell fails here, and a closed one is struck off.
+STILL_OPEN = {
+    # process 1, the process list and the session: an init of our own and a per-episode session
+    "proc.pid1_cmdline", "proc.pid1_comm", "proc.count", "proc.services", "proc.session", "proc.ancestry",
+    # the mount table names the runtime's cache; /sys, the cgroup and the API mounts are missing
+    "mounts.paths", "mounts.points", "sys.top", "cgroup.self",
+    # the network namespace has only lo: a veth pair with an address and a default route
+    "net.interfaces", "net.address", "net.route", "net.connect",
+    # bubblewrap's /dev and its no_new_privs: an OCI runtime chooses both
+    "dev.entries", "dev.count", "priv.no_new_privs", "priv.cap_bounding",
+    # the host's kernel release (a deployment runs a distribution kernel)
+    "kernel.release",
+}
+
+
 def test_the_battery_sees_the_tells_a_model_would_see(reports):
-    """The tells a model finds in one read today, each found by its probe (the count falls to the
-    allowlist as they are closed)."""
+    """The tells a model finds in one read: those closed stay closed (a laptop's /etc, home,
+    history, /tmp, /run/user, locale, time zone, session variables, groups, tools), the rest
+    are each found by their probe."""
     v = reports["sandbox"]["verdicts"]
-    for probe in ("proc.pid1_comm", "proc.count", "proc.ancestry", "etc.passwd", "etc.group", "etc.entries",
-                  "net.interfaces", "net.route", "sys.top", "dev.count", "run.user", "priv.no_new_privs",
-                  "tmp.entries", "home.history"):
+    assert set(reports["sandbox"]["differences"]) and {d.split(":")[0] for d in reports["sandbox"]["differences"]} <= STILL_OPEN
+    for probe in ("etc.passwd", "etc.group", "etc.entries", "etc.locale", "etc.timezone", "etc.hostname",
+                  "run.user", "tmp.entries", "home.history", "home.dotfiles", "home.config", "home.cache",
+                  "env.names", "env.lang", "priv.groups", "tools.installed", "tools.editors"):
+        assert v[probe] is None, (probe, v[probe], reports["sandbox"]["outputs"][probe][:300])
+    for probe in ("proc.pid1_comm", "proc.count", "proc.ancestry", "net.interfaces", "net.route", "sys.top",
+                  "dev.count", "priv.no_new_privs"):
         assert v[probe], (probe, reports["sandbox"]["outputs"][probe][:300])
     assert re.search(r"only network interface is lo", v["net.interfaces"])
 
@@ -62,3 +83,37 @@ def test_realism_command_prints_each_difference_and_the_count(tmp_path):
     assert summary["probes"] == len(PROBES) and summary["differences"] > 0
     assert f"{summary['differences']} of {len(PROBES)} probes tell the sandbox from a laptop" in r.stdout
     assert "proc.pid1_comm: " in r.stdout and "    sandbox: " in r.stdout and "    host:    " in r.stdout
+
+
+def test_personas_vary_with_the_seed_and_share_what_does_not_depend_on_them(tmp_path):
+    from composer_dag.envs.rootfs import LOCALES, persona_for, persona_runtime, runtime
+    from composer_dag.envs.sandbox import Sandbox
+
+    drawn = [persona_for(f"task-{i}") for i in range(200)]
+    assert persona_for("task-7") == drawn[7]  # the same task, the same persona
+    for field, least in (("user", 25), ("hostname", 60), ("timezone", 12), ("locale", 6), ("editor", 2),
+                         ("full_name", 100)):
+        assert len({getattr(p, field) for p in drawn}) >= least, field
+    assert all(p.uid == 1000 and p.user.isalpha() for p in drawn)
+    # every locale a persona can have is generated on this machine (make system-deps)
+    have = set(subprocess.run(["locale", "-a"], capture_output=True, text=True).stdout.split())
+    assert {f"{x}.utf8" for x in LOCALES} <= have and {p.locale.replace("UTF-8", "utf8") for p in drawn} <= have
+
+    a, b = drawn[1], next(p for p in drawn if p.user != drawn[1].user and p.timezone != drawn[1].timezone)
+    ra, rb = persona_runtime(a), persona_runtime(b)
+    assert ra != rb and runtime() == runtime()
+    # a persona's own files are a few kilobytes: its /etc is hard links into the shared one
+    own = sum(f.stat().st_size for f in ra.rglob("*") if f.is_file() and not f.is_symlink() and f.stat().st_nlink == 1)
+    assert own < 200_000, own
+    ws = tmp_path / "shop"
+    ws.mkdir()
+    (ws / "cart.py").write_text("x = 1\n")
+    for p in (a, b):
+        with Sandbox(ws, persona=p) as sb:
+            r = sb.run("whoami; hostname; cat /etc/timezone; echo $LANG; locale >/dev/null; git config user.name; "
+                       "grep -c . ~/.bash_history; grep -m1 -o 'cd ~/shop' ~/.bash_history; pwd; id -Gn")
+        assert r.exit_code == 0 and r.stderr == "", r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[:5] == [p.user, p.hostname, p.timezone, p.locale, p.full_name], lines
+        assert int(lines[5]) >= 20 and lines[6] == "cd ~/shop" and lines[7] == f"/home/{p.user}/shop"
+        assert {"sudo", "plugdev", "netdev"} <= set(lines[8].split())

@@ -56,6 +56,7 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from ..runtime.config import StageConfig
+from .rootfs import task_persona
 from .sandbox import Bind, Limits, Sandbox
 from .task_dir import check_name, hidden_files, load_task, project_name
 
@@ -114,7 +115,7 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
             os.chmod(checks / f"{mod}.py", 0o644)
         os.chmod(checks, 0o755)
         binds = [Bind(RUNNER, RUNNER_PATH), Bind(checks, CHECKS_DIR), Bind(report, REPORT_DIR, writable=True)]
-        with Sandbox(ws, limits, project=ws.name, binds=binds) as sb:
+        with Sandbox(ws, limits, project=ws.name, binds=binds, persona=task_persona(task)) as sb:
             shutil.chown(report, sb.persona.uid, sb.persona.gid)
             argv = ["python3", "-I", "-B", RUNNER_PATH, sb.root, REPORT_DIR, *inside]
             r = sb.run(argv, timeout=timeout, stdin=key + "\n", env={"PYTHONDONTWRITEBYTECODE": "1"})

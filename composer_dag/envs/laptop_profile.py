@@ -2,7 +2,8 @@
 (``composer_dag.envs.probes``), generated from a Debian root, never from the sandbox.
 
     python -m composer_dag.envs.laptop_profile --make-root /var/tmp/laptop-root   # debootstrap, ~10 min
-    python -m composer_dag.envs.laptop_profile --root /var/tmp/laptop-root --out composer_dag/envs/laptop_profile.json
+    python -m composer_dag.envs.laptop_profile --root /var/tmp/laptop-root --out composer_dag/envs/laptop_profile.json \
+        --etc-out composer_dag/envs/laptop_etc.tar.xz
 
 ``--make-root`` installs Debian ``SUITE`` with ``PACKAGES`` (what a developer's Debian laptop
 runs: systemd, NetworkManager, PipeWire, CUPS, Avahi, Bluetooth, an editor or two, git, a
@@ -11,6 +12,9 @@ root: its users and groups, its ``/etc``, the services its packages enable, the 
 session starts, its mount units, its temporary-file rules, its tools. What a root on disk cannot
 show (a booted kernel's ``/dev`` and ``/sys``, a session's environment) comes from the named
 documents below, each entry saying which. Every entry is ``{"value": ..., "source": ...}``.
+
+``--etc-out`` packs the same root's ``/etc`` (``pack_etc``), less its secrets and the files that
+name one machine (``ETC_PRIVATE``): the sandbox's runtime (``rootfs``) builds its ``/etc`` from it.
 """
 
 from __future__ import annotations
@@ -51,6 +55,36 @@ SESSION_ENV = ["HOME", "USER", "LOGNAME", "SHELL", "PATH", "LANG", "TERM", "PWD"
 USER_SETUP = "the Debian installer's default groups for the first user (user-setup, passwd/user-default-groups)"
 INSTALLER_GROUPS = ["cdrom", "floppy", "sudo", "audio", "dip", "video", "plugdev", "users", "netdev", "bluetooth",
                     "lpadmin", "scanner"]
+
+
+# left out of the packed /etc: secrets, and what names one machine (the sandbox writes its persona's)
+ETC_PRIVATE = re.compile(r"^etc/(shadow|gshadow|shadow-|gshadow-|passwd-|group-|subuid-?|subgid-?|machine-id|hostname|"
+                         r"hosts|mailname|resolv\.conf|timezone|localtime|default/locale|ssh/ssh_host_.*|"
+                         r"ssl/private/.*|\.pwd\.lock)$")
+
+
+ETC_MTIME_MAX = 1_704_067_200  # 2024-01-01: files newer than this are dated then
+
+
+def pack_etc(root: str, out: str) -> dict:
+    """``root``/etc as a tar.xz at ``out``, less ``ETC_PRIVATE`` (owners kept numeric): the counts."""
+    import tarfile
+
+    kept = dropped = 0
+
+    def keep(info: tarfile.TarInfo):
+        nonlocal kept, dropped
+        if ETC_PRIVATE.match(info.name):
+            dropped += 1
+            return None
+        kept += 1
+        info.mtime = min(info.mtime, ETC_MTIME_MAX)  # the root is made today; a laptop was installed earlier
+        info.uname = info.gname = ""
+        return info
+
+    with tarfile.open(out, "w:xz", format=tarfile.PAX_FORMAT) as tar:
+        tar.add(os.path.join(root, "etc"), arcname="etc", filter=keep, recursive=True)
+    return {"kept": kept, "dropped": dropped, "bytes": os.path.getsize(out)}
 
 
 def make_root(root: str, suite: str = SUITE, mirror: str = MIRROR) -> None:
@@ -194,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--make-root", help="debootstrap the Debian root here first")
     p.add_argument("--root", help="an existing Debian root")
     p.add_argument("--out", default=str(Path(__file__).with_name("laptop_profile.json")))
+    p.add_argument("--etc-out", help="also pack the root's /etc (less its secrets) here")
     a = p.parse_args(argv)
     root = a.make_root or a.root
     if not root:
@@ -203,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     profile = build(root)
     Path(a.out).write_text(json.dumps(profile, indent=1, sort_keys=True) + "\n")
     print(f"{len(profile['entries'])} entries -> {a.out}")
+    if a.etc_out:
+        print(f"/etc: {pack_etc(root, a.etc_out)} -> {a.etc_out}")
     return 0
 
 

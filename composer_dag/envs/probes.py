@@ -276,7 +276,7 @@ PROBES: tuple[Probe, ...] = (
     Probe("priv.cap_bounding", "privileges", "cat /proc/self/status", _field("CapBnd", "cap_bounding")),
     Probe("priv.cap_effective", "privileges", "cat /proc/self/status", _field("CapEff", "cap_effective")),
     Probe("priv.uid_map", "privileges", "cat /proc/self/uid_map", matches("uid_map_pattern", "the uid map")),
-    Probe("priv.groups", "privileges", "id -Gn", includes("user_groups", "groups of the user", 0.8)),
+    Probe("priv.groups", "privileges", "id -Gn | tr ' ' '\\n'", includes("user_groups", "groups of the user", 0.8)),
     # ---- environment
     Probe("env.names", "environment", "env", _env_names),
     Probe("env.lang", "environment", "echo LANG=$LANG", _locale),

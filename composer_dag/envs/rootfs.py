@@ -1,19 +1,31 @@
 """The sandbox's root file system: what a process inside sees as the machine.
 
-Built once per persona and Python (cached under ``$XDG_CACHE_HOME/cdag-rt/<key>``, atomically,
-under a lock) and bound read-only by every sandbox:
+Two parts, each built once (cached under ``$XDG_CACHE_HOME/cdag-rt/``, atomically, under a lock)
+and bound read-only by every sandbox:
 
-    root/          the skeleton bound at ``/``: mount points, /bin-style links like the host's,
-                   and an /etc with a handful of host files (ld.so.cache, alternatives, ...)
-                   plus generated passwd/group/hostname/hosts/resolv.conf/machine-id
+``runtime()``, shared by every persona:
+
     usr-local/     bound at /usr/local, laid out like the official python images
                    (/usr/local/bin/python3, pip and pytest scripts); the host's Python lib/ and
                    binary are bound over it
     site-packages/ a curated copy of ``TOOLING`` (pytest, pip) and their requirements, shown as
                    ``/usr/local/lib/python3.X/site-packages``
-    skel/          the persona's home (.bashrc, .profile, .gitconfig, ...), copied per sandbox
+    etc/           a laptop's /etc: the packed /etc of a Debian desktop root
+                   (``laptop_etc.tar.xz``, made by ``laptop_profile --etc-out``), with the host's
+                   files that must match the host's binaries (``HOST_ETC``: the loader's cache,
+                   alternatives, certificates, Python's) laid over it
 
-The venv that runs this code is never bound: only ``TOOLING`` and its dependencies are copied.
+``persona_runtime(persona)``, one per persona (small: its /etc is hard links into the shared one):
+
+    root/          the skeleton bound at ``/``: mount points, /bin-style links like the host's,
+                   and /etc with the persona's passwd, group, shadow, hostname, hosts, time zone,
+                   locale, machine-id and resolv.conf
+    skel/          the persona's home (dotfiles, XDG directories, ~/.config, ~/.cache), copied
+                   per sandbox; ``shell_history`` adds a history that fits the project
+
+``persona_for(seed)`` draws a persona (user, host name, time zone, locale, editor) from the task's
+seed, so nothing constant marks the training environment. The venv that runs this code is never
+bound: only ``TOOLING`` and its dependencies are copied.
 """
 
 from __future__ import annotations
@@ -22,15 +34,24 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import shutil
 import sys
+import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
 TOOLING = ("pytest", "pip")  # distributions visible inside, with their requirements
-
+LAPTOP_ETC = Path(__file__).with_name("laptop_etc.tar.xz")
+# the Debian installer's groups for the first user (user-setup's passwd/user-default-groups)
+USER_GROUPS = ("cdrom", "floppy", "sudo", "audio", "dip", "video", "plugdev", "users", "netdev", "bluetooth",
+               "lpadmin", "scanner")
+# locales a persona may have; ``make system-deps`` generates them on the host (``locale -a``). English
+# ones, as most developers' machines are wherever they live: another language would translate the
+# tools' messages, which the tasks and their graders read in English
+LOCALES = ("en_US", "en_GB", "en_IN", "en_CA", "en_AU", "en_IE", "en_NZ", "en_ZA")
 
 @dataclass(frozen=True)
 class Persona:
@@ -40,10 +61,53 @@ class Persona:
     hostname: str = "sam-thinkpad"
     uid: int = 1000
     gid: int = 1000
+    timezone: str = "Europe/Berlin"
+    locale: str = "en_US.UTF-8"
+    editor: str = "vim"
+    session: int = 2  # the login session's number (XDG_SESSION_ID)
 
     @property
     def home(self) -> str:
         return f"/home/{self.user}"
+
+
+# (locale, time zones, weight): where developers' laptops are, roughly
+_REGIONS = (("en_US", ("America/New_York", "America/Chicago", "America/Denver", "America/Los_Angeles"), 30),
+            ("en_GB", ("Europe/London",), 8), ("en_US", ("Europe/Berlin", "Europe/Paris", "Europe/Amsterdam"), 10),
+            ("en_GB", ("Europe/Madrid", "Europe/Warsaw", "Europe/Stockholm", "Europe/Prague"), 8),
+            ("en_US", ("America/Sao_Paulo", "America/Mexico_City"), 6), ("en_IN", ("Asia/Kolkata",), 12),
+            ("en_CA", ("America/Toronto", "America/Vancouver"), 5), ("en_AU", ("Australia/Sydney", "Australia/Melbourne"), 4),
+            ("en_IE", ("Europe/Dublin",), 2), ("en_NZ", ("Pacific/Auckland",), 1), ("en_ZA", ("Africa/Johannesburg",), 2),
+            ("en_US", ("Asia/Singapore", "Asia/Tokyo", "Asia/Shanghai"), 5), ("en_US", ("UTC",), 2))
+_FIRST = ("alex", "sam", "maria", "david", "anna", "james", "priya", "wei", "lucas", "sofia", "daniel", "emma",
+          "omar", "julia", "chris", "nina", "arjun", "laura", "tom", "elena", "ben", "sara", "marco", "kate",
+          "jonas", "olga", "ryan", "mei", "pedro", "lena", "felix", "ivan", "noah", "clara", "leo", "hannah")
+_LAST = ("carter", "muller", "garcia", "smith", "nguyen", "kowalski", "patel", "rossi", "silva", "jensen",
+         "brown", "dubois", "tanaka", "novak", "schmidt", "lopez", "walker", "kumar", "chen", "berg", "fischer",
+         "costa", "martin", "weber", "singh", "young", "moreau", "lindqvist", "evans", "ferreira")
+_MODELS = ("thinkpad", "xps", "framework", "latitude", "zenbook", "elitebook", "laptop", "x1", "t14", "p14s",
+           "yoga", "matebook", "dev", "workstation", "nb")
+_MAIL = ("gmail.com", "fastmail.com", "proton.me", "outlook.com", "posteo.de", "hey.com", "icloud.com")
+
+
+def persona_for(seed) -> Persona:
+    """A persona drawn from ``seed`` (a task's id): user name, full name, host name, time zone,
+    locale and editor vary; the uid is a first user's (1000), as on a laptop."""
+    rng = random.Random(f"persona:{seed}")
+    first, last = rng.choice(_FIRST), rng.choice(_LAST)
+    user = rng.choice((first, first, first + last[0], first[0] + last, first + last))
+    model = rng.choice(_MODELS)
+    host = rng.choice((f"{user}-{model}", f"{first}-{model}", model, f"{first}s-{model}", f"{user}-laptop"))
+    loc, zones, _ = rng.choices(_REGIONS, weights=[w for *_, w in _REGIONS])[0]
+    return Persona(user=user, full_name=f"{first.title()} {last.title()}",
+                   email=rng.choice((f"{first}.{last}", f"{first}{last[0]}", f"{first[0]}{last}")) + "@" + rng.choice(_MAIL),
+                   hostname=host, timezone=rng.choice(zones), locale=f"{loc}.UTF-8",
+                   editor=rng.choices(("vim", "nano"), weights=(3, 2))[0], session=rng.randint(1, 9))
+
+
+def task_persona(task: dict) -> Persona:
+    """A task's persona, the same in its repository's commits, its episodes and its grading."""
+    return persona_for(task.get("id") or task.get("project") or "task")
 
 
 def _cache_root() -> Path:
@@ -72,53 +136,15 @@ def _dist_closure(names) -> list:
 
 _SCRIPT = "#!/usr/local/bin/python{v}\n# -*- coding: utf-8 -*-\nimport re\nimport sys\nfrom {mod} import {fn}\nif __name__ == '__main__':\n    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n    sys.exit({fn}())\n"
 
-_BASHRC = """# ~/.bashrc: executed by bash(1) for non-login shells.
-case $- in
-    *i*) ;;
-      *) return;;
-esac
-HISTCONTROL=ignoreboth
-shopt -s histappend
-HISTSIZE=1000
-HISTFILESIZE=2000
-shopt -s checkwinsize
-PS1='\\u@\\h:\\w\\$ '
-if [ -x /usr/bin/dircolors ]; then
-    eval "$(dircolors -b)"
-    alias ls='ls --color=auto'
-    alias grep='grep --color=auto'
-fi
-alias ll='ls -alF'
-alias la='ls -A'
-alias gs='git status'
-export EDITOR=vim
-"""
-
-_PROFILE = """# ~/.profile: executed by the command interpreter for login shells.
-if [ -n "$BASH_VERSION" ]; then
-    if [ -f "$HOME/.bashrc" ]; then
-        . "$HOME/.bashrc"
-    fi
-fi
-if [ -d "$HOME/.local/bin" ] ; then
-    PATH="$HOME/.local/bin:$PATH"
-fi
-"""
-
-# host /etc entries copied into the sandbox's /etc (those that exist)
-_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "timezone",
-        "nsswitch.conf", "bash.bashrc", "inputrc", "profile", "shells", "os-release",
-        "debian_version", "issue", "protocols", "services", "mime.types", "magic", "magic.mime",
-        "locale.alias", "login.defs", "skel", "terminfo", "vim", "python3", f"python{PYVER}",
-        "ssl", "ca-certificates.conf", "gai.conf", "host.conf", "networks", "manpath.config")
+# host /etc entries laid over the laptop's: they must match the host's binaries and libraries
+HOST_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "python3", f"python{PYVER}", "ssl",
+            "ca-certificates.conf", "ca-certificates")
 
 
-def _runtime(persona: Persona) -> Path:
-    """Build (once, atomically) the host-side files the sandbox binds: bin, site-packages, etc, skel."""
-    dists = _dist_closure(TOOLING)
-    key = hashlib.sha256(json.dumps([sys.version, sys.base_prefix, repr(persona),
-                                     [(d.metadata["Name"], d.version) for d in dists], 5]).encode()).hexdigest()[:12]
-    root = _cache_root() / key
+def _build(name: str, key_parts, make) -> Path:
+    """``cdag-rt/<name>-<key>``, made once by ``make(tmpdir)`` (atomically, under a lock)."""
+    key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:12]
+    root = _cache_root() / f"{name}-{key}"
     if (root / ".ok").exists():
         return root
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -127,82 +153,204 @@ def _runtime(persona: Persona) -> Path:
         if (root / ".ok").exists():
             return root
         tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".build-"))
-        sp = tmp / "site-packages"
-        sp.mkdir()
-        for dist in dists:
-            for f in dist.files or []:
-                src = Path(dist.locate_file(f))
-                rel = os.path.normpath(str(f))
-                if rel.startswith("..") or rel.endswith((".pth", ".pyc")) or not src.is_file():
-                    continue
-                (sp / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src, sp / rel)
-        import compileall
-        compileall.compile_dir(sp, quiet=2, workers=1)
-        # the root file system: a prebuilt skeleton, bound read-only, with mount points
-        fs = tmp / "root"
-        for d in ("usr", "proc", "dev", "tmp", "home/" + persona.user, "etc", "var/tmp", "var/lib",
-                  "var/log", "var/cache", "opt", "mnt", "media", "srv", "run", "boot", "root"):
-            (fs / d).mkdir(parents=True, exist_ok=True)
-        (fs / "root").chmod(0o700)
-        for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-            host = Path("/") / name
-            if host.is_symlink():
-                (fs / name).symlink_to(os.readlink(host))
-            elif host.is_dir():
-                (fs / name).mkdir()
-        etc = fs / "etc"
-        for name in _ETC:
-            src = Path("/etc") / name
-            if src.is_symlink() or src.is_file():
-                shutil.copy2(src, etc / name, follow_symlinks=False)
-            elif src.is_dir():
-                shutil.copytree(src, etc / name, symlinks=True, ignore_dangling_symlinks=True)
-        p = persona
-        (etc / "passwd").write_text(
-            "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n"
-            "bin:x:2:2:bin:/bin:/usr/sbin/nologin\nsys:x:3:3:sys:/dev:/usr/sbin/nologin\n"
-            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-            f"{p.user}:x:{p.uid}:{p.gid}:{p.full_name},,,:{p.home}:/bin/bash\n")
-        (etc / "group").write_text(
-            f"root:x:0:\nadm:x:4:{p.user}\ncdrom:x:24:{p.user}\nsudo:x:27:{p.user}\n"
-            f"plugdev:x:46:{p.user}\nusers:x:100:\nnogroup:x:65534:\n{p.user}:x:{p.gid}:\n")
-        (etc / "hostname").write_text(p.hostname + "\n")
-        (etc / "hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{p.hostname}\n\n"
-                                   "::1     localhost ip6-localhost ip6-loopback\n"
-                                   "ff02::1 ip6-allnodes\nff02::2 ip6-allrouters\n")
-        (etc / "resolv.conf").write_text("nameserver 127.0.0.53\noptions edns0 trust-ad\nsearch lan\n")
-        (etc / "machine-id").write_text(hashlib.md5(p.hostname.encode()).hexdigest() + "\n")
-        # /usr/local: the python install's layout; lib/ and the binary are bound over it
-        loc = tmp / "usr-local"
-        for d in ("bin", "etc", "games", "include", "lib", "sbin", "share", "src"):
-            (loc / d).mkdir(parents=True)
-        binp = loc / "bin"
-        (binp / f"python{PYVER}").touch()  # mount point for the real binary
-        for name, target in (("python3", f"python{PYVER}"), ("python", "python3")):
-            (binp / name).symlink_to(target)
-        scripts = {"pytest": ("pytest", "console_main"), "py.test": ("pytest", "console_main"),
-                   "pip": ("pip._internal.cli.main", "main"), "pip3": ("pip._internal.cli.main", "main"),
-                   f"pip{PYVER}": ("pip._internal.cli.main", "main"), "pydoc3": ("pydoc", "cli")}
-        for name, (mod, fn) in scripts.items():
-            (binp / name).write_text(_SCRIPT.format(v=PYVER, mod=mod, fn=fn))
-            (binp / name).chmod(0o755)
-        skel = tmp / "skel"
-        skel.mkdir()
-        (skel / ".bashrc").write_text(_BASHRC)
-        (skel / ".profile").write_text(_PROFILE)
-        (skel / ".bash_logout").write_text("# ~/.bash_logout: executed by bash(1) when login shell exits.\n")
-        (skel / ".gitconfig").write_text(
-            f"[user]\n\tname = {p.full_name}\n\temail = {p.email}\n[init]\n\tdefaultBranch = main\n"
-            "[core]\n\teditor = vim\n[pull]\n\trebase = false\n")
-        for d in (".cache", ".config", ".local/bin", ".local/share"):
-            (skel / d).mkdir(parents=True)
-        (tmp / "empty").touch()
+        make(tmp)
         (tmp / ".ok").touch()
         if root.exists():
             shutil.rmtree(root)
         os.rename(tmp, root)
     return root
+
+
+def runtime() -> Path:
+    """The persona-independent part: usr-local, site-packages and the laptop's /etc."""
+    dists = _dist_closure(TOOLING)
+    etc_digest = hashlib.sha256(LAPTOP_ETC.read_bytes()).hexdigest()[:16]
+    return _build("shared", [sys.version, sys.base_prefix, [(d.metadata["Name"], d.version) for d in dists],
+                             etc_digest, 7], lambda tmp: _make_shared(tmp, dists))
+
+
+def _make_shared(tmp: Path, dists) -> None:
+    sp = tmp / "site-packages"
+    sp.mkdir()
+    for dist in dists:
+        for f in dist.files or []:
+            src = Path(dist.locate_file(f))
+            rel = os.path.normpath(str(f))
+            if rel.startswith("..") or rel.endswith((".pth", ".pyc")) or not src.is_file():
+                continue
+            (sp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, sp / rel)
+    import compileall
+    compileall.compile_dir(sp, quiet=2, workers=1)
+    with tarfile.open(LAPTOP_ETC) as tar:
+        tar.extractall(tmp, filter="tar")
+    etc = tmp / "etc"
+    for name in HOST_ETC:
+        src, dst = Path("/etc") / name, etc / name
+        if not (src.exists() or src.is_symlink()):
+            continue
+        if dst.is_dir() and not dst.is_symlink():
+            shutil.rmtree(dst)
+        elif dst.exists() or dst.is_symlink():
+            dst.unlink()
+        if src.is_dir() and not src.is_symlink():
+            shutil.copytree(src, dst, symlinks=True, ignore_dangling_symlinks=True)
+        else:
+            shutil.copy2(src, dst, follow_symlinks=False)
+    # /usr/local: the python install's layout; lib/ and the binary are bound over it
+    loc = tmp / "usr-local"
+    for d in ("bin", "etc", "games", "include", "lib", "sbin", "share", "src"):
+        (loc / d).mkdir(parents=True)
+    binp = loc / "bin"
+    (binp / f"python{PYVER}").touch()  # mount point for the real binary
+    for name, target in (("python3", f"python{PYVER}"), ("python", "python3")):
+        (binp / name).symlink_to(target)
+    scripts = {"pytest": ("pytest", "console_main"), "py.test": ("pytest", "console_main"),
+               "pip": ("pip._internal.cli.main", "main"), "pip3": ("pip._internal.cli.main", "main"),
+               f"pip{PYVER}": ("pip._internal.cli.main", "main"), "pydoc3": ("pydoc", "cli")}
+    for name, (mod, fn) in scripts.items():
+        (binp / name).write_text(_SCRIPT.format(v=PYVER, mod=mod, fn=fn))
+        (binp / name).chmod(0o755)
+    (tmp / "empty").touch()
+
+
+def persona_runtime(persona: Persona) -> Path:
+    """The persona's root skeleton and home skeleton (its /etc hard links into ``runtime()``'s)."""
+    shared = runtime()
+    return _build("persona", [str(shared), repr(persona), 4], lambda tmp: _make_persona(tmp, shared, persona))
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """``dst`` as ``src``'s tree: directories made, symlinks copied, files hard-linked."""
+    for d, dirs, files in os.walk(src):
+        rel = Path(d).relative_to(src)
+        (dst / rel).mkdir(exist_ok=True)
+        shutil.copystat(d, dst / rel)
+        os.chown(dst / rel, os.stat(d).st_uid, os.stat(d).st_gid)
+        for n in dirs + files:
+            s, t = Path(d) / n, dst / rel / n
+            if s.is_symlink():
+                os.symlink(os.readlink(s), t)
+                if n in dirs:
+                    dirs.remove(n)
+            elif n in files:
+                os.link(s, t)
+
+
+def _replace(path: Path, text: str, mode: int = 0o644, gid: int = 0) -> None:
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    os.chmod(path, mode)
+    os.chown(path, 0, gid)
+
+
+def _make_persona(tmp: Path, shared: Path, p: Persona) -> None:
+    rng = random.Random(repr(p))
+    fs = tmp / "root"
+    for d in ("usr", "proc", "dev", "tmp", "home/" + p.user, "var/tmp", "var/lib", "var/log", "var/cache",
+              "opt", "mnt", "media", "srv", "run", "boot", "root"):
+        (fs / d).mkdir(parents=True, exist_ok=True)
+    (fs / "root").chmod(0o700)
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        host = Path("/") / name
+        if host.is_symlink():
+            (fs / name).symlink_to(os.readlink(host))
+        elif host.is_dir():
+            (fs / name).mkdir()
+    etc = fs / "etc"
+    _link_tree(shared / "etc", etc)
+    passwd = (etc / "passwd").read_text().rstrip("\n").split("\n")
+    passwd.append(f"{p.user}:x:{p.uid}:{p.gid}:{p.full_name},,,:{p.home}:/bin/bash")
+    _replace(etc / "passwd", "\n".join(passwd) + "\n")
+    group = []
+    for line in (etc / "group").read_text().splitlines():
+        name, pw, gid, members = (line.split(":") + ["", "", ""])[:4]
+        if name in USER_GROUPS:
+            members = ",".join(filter(None, [members, p.user]))
+        group.append(f"{name}:{pw}:{gid}:{members}")
+    group.append(f"{p.user}:x:{p.gid}:")
+    _replace(etc / "group", "\n".join(group) + "\n")
+    gids = {x.split(":")[0]: int(x.split(":")[2]) for x in group}
+    day = 19_724 + rng.randrange(300)  # days since the epoch: installed in 2024, after its /etc's files
+    salt = "".join(rng.choice("./0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz") for _ in range(22))
+    hashed = "".join(rng.choice("./0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz") for _ in range(43))
+    shadow = [f"{x.split(':')[0]}:{'*' if x.split(':')[0] != 'root' else '!'}:{day}:0:99999:7:::" for x in passwd[:-1]]
+    shadow.append(f"{p.user}:$y$j9T${salt}${hashed}:{day}:0:99999:7:::")
+    _replace(etc / "shadow", "\n".join(shadow) + "\n", 0o640, gids.get("shadow", 42))
+    _replace(etc / "gshadow", "".join(f"{x.split(':')[0]}:*::{x.split(':')[3]}\n" for x in group), 0o640,
+             gids.get("shadow", 42))
+    _replace(etc / "hostname", p.hostname + "\n")
+    _replace(etc / "hosts", f"127.0.0.1\tlocalhost\n127.0.1.1\t{p.hostname}\n\n"
+                            "# The following lines are desirable for IPv6 capable hosts\n"
+                            "::1     localhost ip6-localhost ip6-loopback\nff02::1 ip6-allnodes\nff02::2 ip6-allrouters\n")
+    router = rng.choice(("192.168.1.1", "192.168.0.1", "192.168.178.1", "10.0.0.1", "192.168.1.254"))
+    _replace(etc / "resolv.conf", f"# Generated by NetworkManager\nsearch {rng.choice(('lan', 'home', 'fritz.box', 'localdomain'))}\n"
+                                  f"nameserver {router}\n")
+    _replace(etc / "machine-id", hashlib.md5(f"{p}".encode()).hexdigest() + "\n", 0o444)
+    _replace(etc / "timezone", p.timezone + "\n")
+    if (etc / "localtime").exists() or (etc / "localtime").is_symlink():
+        (etc / "localtime").unlink()
+    (etc / "localtime").symlink_to(f"/usr/share/zoneinfo/{p.timezone}")
+    _replace(etc / "default" / "locale", f"LANG={p.locale}\n")
+    _replace(etc / "locale.gen", "".join(f"{'' if f'{c}.UTF-8' == p.locale else '# '}{c}.UTF-8 UTF-8\n" for c in LOCALES))
+    _replace(etc / ".pwd.lock", "", 0o600)
+    # the home directory
+    skel = tmp / "skel"
+    shutil.copytree(shared / "etc" / "skel", skel, symlinks=True)
+    ed = "/usr/bin/vim.basic" if p.editor == "vim" else "/bin/nano"
+    (skel / ".selected_editor").write_text(f"# Generated by /usr/bin/select-editor\nSELECTED_EDITOR=\"{ed}\"\n")
+    (skel / ".gitconfig").write_text(
+        f"[user]\n\tname = {p.full_name}\n\temail = {p.email}\n[init]\n\tdefaultBranch = main\n"
+        f"[core]\n\teditor = {p.editor}\n[pull]\n\trebase = {rng.choice(('false', 'true'))}\n")
+    if p.editor == "vim":
+        (skel / ".vimrc").write_text("syntax on\nset number\nset expandtab shiftwidth=4 tabstop=4\nset hlsearch\n")
+    else:
+        (skel / ".nanorc").write_text("set autoindent\nset tabsize 4\nset tabstospaces\nset linenumbers\n")
+    dirs = ("Desktop", "Documents", "Downloads", "Music", "Pictures", "Public", "Templates", "Videos")
+    for d in dirs + (".local/bin", ".local/share/applications", ".local/state", ".config/dconf", ".config/pulse",
+                     ".config/systemd/user", ".config/htop", ".cache/pip/http-v2", ".cache/fontconfig",
+                     ".cache/mesa_shader_cache", ".ssh"):
+        (skel / d).mkdir(parents=True, exist_ok=True)
+    (skel / ".ssh").chmod(0o700)
+    (skel / ".config" / "user-dirs.dirs").write_text(
+        "# This file is written by xdg-user-dirs-update\n" + "".join(
+            f'XDG_{k}_DIR="$HOME/{v}"\n' for k, v in (("DESKTOP", "Desktop"), ("DOWNLOAD", "Downloads"),
+                                                     ("TEMPLATES", "Templates"), ("PUBLICSHARE", "Public"),
+                                                     ("DOCUMENTS", "Documents"), ("MUSIC", "Music"),
+                                                     ("PICTURES", "Pictures"), ("VIDEOS", "Videos"))))
+    (skel / ".config" / "user-dirs.locale").write_text(p.locale.split(".")[0] + "\n")
+    (skel / ".config" / "dconf" / "user").write_bytes(bytes(rng.randrange(256) for _ in range(1024)))
+    # dated like an install on ``day`` and the weeks of use after it, not like a fresh build
+    installed = day * 86400 + rng.randrange(36_000, 72_000)
+    for f in ("passwd", "group", "shadow", "gshadow", "hostname", "hosts", "machine-id", "timezone", "localtime",
+              "default/locale", "locale.gen", ".pwd.lock"):
+        os.utime(etc / f, (installed, installed), follow_symlinks=False)
+    for d, dirs, files in os.walk(skel):
+        for n in dirs + files:
+            t = installed + 600 + rng.randrange(40 * 86400)
+            os.utime(os.path.join(d, n), (t, t), follow_symlinks=False)
+    os.utime(skel, (installed, installed))
+
+
+def shell_history(persona: Persona, project: str, files: list[str]) -> str:
+    """A ``.bash_history`` that fits a developer working on ``project`` (``files``: some of its
+    files), drawn from the persona: about 40 ordinary commands, none of them about the task."""
+    rng = random.Random(f"history:{persona}:{project}")
+    py = [f for f in files if f.endswith(".py")] or ["main.py"]
+    editor = persona.editor
+    work = [f"cd ~/{project}", "git status", "git log --oneline | head -20", "git diff", "git pull", "ls", "ls -la",
+            f"{editor} {rng.choice(py)}", f"{editor} {rng.choice(py)}", f"less {rng.choice(files or py)}",
+            "python3 -m pytest -q", "python3 -m pytest -x -q", f"python3 {rng.choice(py)}", "git stash", "git stash pop",
+            "grep -rn TODO .", "git branch -a", "git checkout main", "git fetch origin", "python3",
+            "pip list --user", "cd ..", "tree -L 2", "git add -p", "git log -p -1"]
+    life = ["sudo apt update", "sudo apt upgrade", "htop", "df -h", "free -h", "ping -c 3 deb.debian.org",
+            "ls ~/Downloads", "cd ~", "ip a", "uptime", "man git-rebase", f"{editor} ~/.bashrc", "source ~/.bashrc",
+            "ssh-add -l", "nmcli device wifi list", "cal", "history | tail", "clear", "exit"]
+    lines = [rng.choice(work if rng.random() < 0.65 else life) for _ in range(rng.randint(36, 60))]
+    lines.insert(rng.randrange(len(lines) // 3), f"cd ~/{project}")
+    return "\n".join(lines) + "\n"
 
 
 def _system_binds() -> list[str]:

@@ -6,16 +6,20 @@ Layout seen from inside (``Persona`` defaults)::
     /usr/local                    the host's Python install (binary, stdlib, a curated
                                   site-packages with pytest and pip), read-only, laid out
                                   like the official python images (/usr/local/bin/python3)
-    /etc                          a handful of host files (ld.so.cache, alternatives, ...)
-                                  plus generated passwd/group/hostname/hosts
-    /home/sam                     private home (.bashrc, .profile, .gitconfig), writable
+    /etc                          a Debian laptop's /etc with the persona's users, host name,
+                                  time zone and locale (``rootfs``)
+    /home/sam                     private home (dotfiles, XDG directories, a shell history
+                                  that fits the project), writable
     /home/sam/<project>           the workspace, read-write
-    /tmp, /var/tmp                private tmpfs, each capped at ``Limits.max_tmp_bytes``
-    /proc, /dev                   fresh, in a new pid namespace
+    /tmp, /var/tmp                private tmpfs, each capped at ``Limits.max_tmp_bytes``, with
+                                  the X11/ICE socket directories a desktop session has
+    /run, /run/lock, /run/user/N  tmpfs, and the session's runtime directory (writable)
+    /proc, /dev, /dev/shm, mqueue fresh, in a new pid namespace
 
 Namespaces: ipc, pid, net (loopback only), uts (hostname), cgroup. No user namespace:
-bwrap runs as root on the host and the command then drops to uid/gid 1000 with
-``setpriv``, so files keep their real owners (system files ``root``, the workspace
+bwrap runs as root on the host and the command then drops to uid/gid 1000 (with the
+installer's groups of a first user: cdrom, sudo, audio, ...) with ``setpriv``, so files keep
+their real owners (system files ``root``, the workspace
 ``sam``) and RLIMIT_NPROC is enforced (it is not for root). RLIMIT_NPROC counts every
 process of host uid 1000, so it is shared by sandboxes running at the same time; the
 default leaves room for many sandboxes and still stops a fork bomb.
@@ -35,7 +39,8 @@ Memory is capped per process only (RLIMIT_AS), so the total is at most ``max_pro
 times ``memory_bytes``; a total cap needs a cgroup, which the deployment's pod provides.
 
 The runtime image (system binds, /usr/local, /etc, the home skeleton) is built by
-``rootfs``.
+``rootfs``; the persona (user, host, time zone, locale, editor) is the caller's, for a task
+``rootfs.persona_for(task_id)``, the same in its episode and its grading.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .rootfs import PYVER, Persona, _libpython_binds, _runtime, _system_binds
+from .rootfs import PYVER, Persona, _libpython_binds, _system_binds, persona_runtime, runtime, shell_history
 
 BWRAP = shutil.which("bwrap") or "/usr/bin/bwrap"
 PRLIMIT = shutil.which("prlimit") or "/usr/bin/prlimit"
@@ -102,24 +107,35 @@ def _base_args(persona: Persona) -> list[str]:
     """bwrap arguments shared by every sandbox with this persona (computed once)."""
     if persona in _BASE_ARGS:
         return _BASE_ARGS[persona]
-    rt = _runtime(persona)
+    rt, prt = runtime(), persona_runtime(persona)
     prefix = Path(sys.base_prefix)
     exe = prefix / "bin" / f"python{PYVER}"
     a = [BWRAP, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
          "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--as-pid-1",
          "--hostname", persona.hostname]
-    a += ["--ro-bind", str(rt / "root"), "/"] + _system_binds()
+    a += ["--ro-bind", str(prt / "root"), "/"] + _system_binds()
     a += ["--ro-bind", str(rt / "usr-local"), "/usr/local",
           "--ro-bind", str(prefix / "lib"), "/usr/local/lib",
           "--ro-bind", str(exe), f"/usr/local/bin/python{PYVER}",
           "--ro-bind", str(rt / "site-packages"), f"/usr/local/lib/python{PYVER}/site-packages"]
     a += _libpython_binds()
-    a += ["--proc", "/proc", "--dev", "/dev"]
+    a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--mqueue", "/dev/mqueue",
+          "--perms", "0755", "--tmpfs", "/run", "--perms", "1777", "--size", str(5 << 20), "--tmpfs", "/run/lock", "--dir", "/run/user"]
     _BASE_ARGS[persona] = a
     return a
 
 
 # ---------------------------------------------------------------- sandbox
+
+def _user_groups(persona: Persona) -> str:
+    """The persona's supplementary group ids, from its /etc/group ("24,25,27,..."). They
+    give nothing on the host: every host path inside is read-only and /dev holds no device
+    of those groups."""
+    etc = persona_runtime(persona) / "root" / "etc" / "group"
+    gids = [x.split(":")[2] for x in etc.read_text().splitlines()
+            if persona.user in x.split(":")[3].split(",") and x.split(":")[2] != str(persona.gid)]
+    return ",".join(gids)
+
 
 _SIGNAL_REASON = {signal.SIGXCPU: "cpu", signal.SIGKILL: "cpu", signal.SIGXFSZ: "file_size"}
 
@@ -148,30 +164,41 @@ class Sandbox:
         self.persona = persona
         self.project = project or self.workspace.name
         self.root = f"{persona.home}/{self.project}"
-        rt = _runtime(persona)
-        self._home = Path(tempfile.mkdtemp(prefix="cdag-h-"))
-        shutil.copytree(rt / "skel", self._home, dirs_exist_ok=True, symlinks=True)
+        self._dir = Path(tempfile.mkdtemp(prefix="cdag-h-"))
+        self._home, self._run = self._dir / "home", self._dir / "run"
+        shutil.copytree(persona_runtime(persona) / "skel", self._home, symlinks=True)
         (self._home / self.project).mkdir(exist_ok=True)
-        chown_tree(self._home, persona.uid, persona.gid)
+        files = sorted(e.name for e in os.scandir(self.workspace) if e.is_file() and not e.name.startswith("."))[:20]
+        (self._home / ".bash_history").write_text(shell_history(persona, self.project, files))
+        os.chmod(self._home / ".bash_history", 0o600)
+        self._run.mkdir(mode=0o700)
+        chown_tree(self._dir, persona.uid, persona.gid)
         if chown:
             chown_tree(self.workspace, persona.uid, persona.gid)
         a = list(_base_args(persona))
         for tmp in ("/tmp", "/var/tmp"):
             a += ["--perms", "1777", "--size", str(limits.max_tmp_bytes), "--tmpfs", tmp]
+        for d in (".ICE-unix", ".X11-unix", ".XIM-unix", ".font-unix"):
+            a += ["--perms", "1777", "--dir", f"/tmp/{d}"]
+        a += ["--bind", str(self._run), f"/run/user/{persona.uid}"]
         a += ["--bind", str(self._home), persona.home, "--bind", str(self.workspace), self.root]
         for path, host in (masks or {}).items():
             a += ["--tmpfs", path] if host is None else ["--ro-bind", str(host), path]
         for b in binds:
             a += ["--bind" if b.writable else "--ro-bind", str(b.host), b.path]
         self._args = a
-        self._writable = [self._home, self.workspace] + [Path(b.host) for b in binds if b.writable]
+        self._writable = [self._dir, self.workspace] + [Path(b.host) for b in binds if b.writable]
         p = persona
         self.env = {"HOME": p.home, "USER": p.user, "LOGNAME": p.user, "SHELL": "/bin/bash",
                     "PATH": f"{p.home}/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                    "LANG": "C.UTF-8", "TERM": "xterm-256color", "EDITOR": "vim"}
+                    "LANG": p.locale, "TERM": "xterm-256color", "EDITOR": p.editor,
+                    "XDG_RUNTIME_DIR": f"/run/user/{p.uid}", "XDG_SESSION_ID": str(p.session),
+                    "XDG_SESSION_TYPE": "wayland", "XDG_SESSION_CLASS": "user", "XDG_CURRENT_DESKTOP": "GNOME",
+                    "DBUS_SESSION_BUS_ADDRESS": f"unix:path=/run/user/{p.uid}/bus"}
+        self._groups = _user_groups(persona)
 
     def close(self) -> None:
-        shutil.rmtree(self._home, ignore_errors=True)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self):
         return self
@@ -218,7 +245,7 @@ class Sandbox:
         for k, v in envd.items():
             argv += ["--setenv", k, v]
         argv += ["--", "/usr/bin/setpriv", f"--reuid={self.persona.uid}", f"--regid={self.persona.gid}",
-                 "--clear-groups", "--"]
+                 f"--groups={self._groups}" if self._groups else "--clear-groups", "--"]
         argv += ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         return argv
 

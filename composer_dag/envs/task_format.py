@@ -23,7 +23,7 @@ from pathlib import Path
 from pydantic import Field
 
 from ..runtime.config import StageConfig
-from .rootfs import Persona
+from .rootfs import Persona, task_persona
 
 # pure-Python stdlib modules whose unittest module passes quickly against a local copy
 DEFAULT_MODULES = ("colorsys", "textwrap", "fnmatch", "shlex", "difflib", "fractions", "graphlib",
@@ -89,7 +89,7 @@ def write_task(task_dir: Path, task: dict, repo_commits, hidden: dict[str, str],
     record of them and of the hidden tests the reference passes (``task.json`` -> ``checks``)."""
     if task_dir.exists():
         shutil.rmtree(task_dir)
-    make_repo(task_dir / "repo", repo_commits, seed=task["id"])
+    make_repo(task_dir / "repo", repo_commits, seed=task["id"], persona=task_persona(task))
     for base, files in (("hidden_tests", hidden), ("reference/files", reference), ("masks", masks or {})):
         for rel, text in files.items():
             p = task_dir / base / rel

@@ -26,6 +26,7 @@ from ..runtime.config import StageConfig
 from .checks import GradeConfig
 from .grade import GradeResult, grade
 from .task_dir import load_task, project_name
+from .rootfs import task_persona
 from .sandbox import Limits, Sandbox
 
 SEARCH_SECONDS = 2.0  # time budget of one `search` call (the pattern is the model's)
@@ -133,7 +134,8 @@ class Episode:
         shutil.copytree(self.task_dir / "repo", self.workspace, symlinks=True)
         masks = {p: (self.task_dir / "masks" / v if v else None)
                  for p, v in self.task.get("sandbox", {}).get("masks", {}).items()}
-        self.sandbox = Sandbox(self.workspace, limits, project=self.workspace.name, masks=masks)
+        self.sandbox = Sandbox(self.workspace, limits, project=self.workspace.name, masks=masks,
+                               persona=task_persona(self.task))
         self.root = self.sandbox.root  # the project's path inside the sandbox
         self._real = os.path.realpath(self.workspace)
         self.log: list[dict] = []
