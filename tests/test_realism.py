@@ -64,7 +64,9 @@ def test_the_battery_sees_the_tells_a_model_would_see(reports):
     history, /tmp, /run/user, locale, time zone, session variables, groups, tools), the rest
     are each found by their probe."""
     v = reports["sandbox"]["verdicts"]
-    assert set(reports["sandbox"]["differences"]) and {d.split(":")[0] for d in reports["sandbox"]["differences"]} <= STILL_OPEN
+    # the host's own uptime and disk show through; a freshly booted or small machine tells on both
+    host_too = {p for p in ("uptime", "disk.df") if reports["host"]["verdicts"][p]}
+    assert {d.split(":")[0] for d in reports["sandbox"]["differences"]} <= STILL_OPEN | host_too
     for probe in ("etc.passwd", "etc.group", "etc.entries", "etc.locale", "etc.timezone", "etc.hostname",
                   "run.user", "tmp.entries", "home.history", "home.dotfiles", "home.config", "home.cache",
                   "env.names", "env.lang", "priv.groups", "tools.installed", "tools.editors"):
