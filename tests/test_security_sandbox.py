@@ -162,6 +162,8 @@ def host_guard(server, canary):
     assert server.ping(), "the host loopback services stopped answering"
     for ep in opened:
         assert not ep._tmp.exists() and not ep.sandbox._home.exists(), "episode directories left behind"
+        net = ep.sandbox.network
+        assert net is None or not os.path.exists(f"/run/netns/{net.name}"), "network namespace left behind"
 
 
 def term(ep: Episode, command: str) -> tuple[str, dict]:
@@ -178,20 +180,30 @@ def tool(ep: Episode, name: str, **args):
 # ---------------------------------------------------------------- network
 
 def test_network_host_loopback_outside_and_dns_unreachable(task, host_guard, server):
-    """Network namespace: the host's loopback TCP server and abstract unix socket, an outside
-    address (TCP and UDP) and DNS are all unreachable; the host server never sees a connection."""
+    """Network namespace: the host's loopback TCP server and abstract unix socket, the host's own
+    addresses (TCP and UDP), an outside address and DNS are all unreachable: the sandbox's Wi-Fi
+    has a default route to a router that never answers, and its far end is in a namespace with
+    no address, no route and no forwarding. The host's listeners never see a packet."""
     ep = host_guard(task)
+    host_ips = [a for a in subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+                if "." in a and not a.startswith("127.")]
+    tcp_any = socket.create_server(("0.0.0.0", 0))
+    udp_any = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp_any.bind(("0.0.0.0", 0))
+    udp_any.setblocking(False)
+    tcp_any.setblocking(False)
     probe = f"""
 import json, socket
+from concurrent.futures import ThreadPoolExecutor
 def tcp(addr):
     try:
-        socket.create_connection(addr, timeout=3).close()
+        socket.create_connection(addr, timeout=4).close()
         return "connected"
     except OSError as e:
         return type(e).__name__
-def udp():
+def udp(addr):
     try:
-        socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("8.8.8.8", 53))
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", addr)
         return "sent"
     except OSError as e:
         return type(e).__name__
@@ -206,17 +218,40 @@ def dns():
         return str(socket.getaddrinfo("example.com", 443)[0][4])
     except OSError as e:
         return type(e).__name__
-print(json.dumps({{"host_lo": tcp(("127.0.0.1", {server.port})), "outside": tcp(("1.1.1.1", 443)),
-                  "udp": udp(), "abstract": unix(), "dns": dns()}}))
+hosts = {host_ips!r}
+with ThreadPoolExecutor(8) as ex:
+    out = {{"host_lo": ex.submit(tcp, ("127.0.0.1", {server.port})), "outside": ex.submit(tcp, ("1.1.1.1", 443)),
+           "dns": ex.submit(dns), "abstract": ex.submit(unix)}}
+    for h in hosts:
+        out["host_tcp_" + h] = ex.submit(tcp, (h, {tcp_any.getsockname()[1]}))
+        out["host_udp_" + h] = ex.submit(udp, (h, {udp_any.getsockname()[1]}))
+    out["udp"] = ex.submit(udp, ("8.8.8.8", 53))
+    print(json.dumps({{k: f.result() for k, f in out.items()}}))
 """
     (ep.workspace / "probe.py").write_text(probe)
     before = dict(server.accepted)
     out, entry = term(ep, "python3 probe.py")
     assert entry["exit_code"] == 0, out
     res = json.loads(out.splitlines()[-1])
-    assert res == {"host_lo": "ConnectionRefusedError", "outside": "OSError", "udp": "OSError",
-                   "abstract": "ConnectionRefusedError", "dns": "gaierror"}, res
+    unreachable = {"TimeoutError", "OSError"}  # the router never answers: a timeout or "No route to host"
+    assert res["host_lo"] == "ConnectionRefusedError" and res["abstract"] == "ConnectionRefusedError", res
+    assert res["outside"] in unreachable and res["dns"] == "gaierror" and res["udp"] == "sent", res
+    for h in host_ips:
+        assert res["host_tcp_" + h] in unreachable and res["host_udp_" + h] == "sent", res
     assert server.accepted == before
+    with pytest.raises(BlockingIOError):
+        tcp_any.accept()
+    with pytest.raises(BlockingIOError):
+        udp_any.recvfrom(16)
+    tcp_any.close(), udp_any.close()
+    # where the packets went: the far end's namespace has no address, no route, no forwarding
+    void = ep.sandbox.network and "cdag-void"
+    assert void, "the sandbox has no network namespace of its own"
+    ip = lambda *a: subprocess.run(["ip", "-n", void, *a], capture_output=True, text=True, check=True).stdout
+    assert "inet" not in ip("addr") and ip("route").strip() == "" and ip("-6", "route").strip() == ""
+    fwd = subprocess.run(["ip", "netns", "exec", void, "cat", "/proc/sys/net/ipv4/ip_forward"],
+                         capture_output=True, text=True).stdout.strip()
+    assert fwd == "0"
 
 
 # ---------------------------------------------------------------- file system

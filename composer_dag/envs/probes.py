@@ -259,7 +259,7 @@ PROBES: tuple[Probe, ...] = (
     Probe("net.interfaces", "network", "awk -F: 'NR > 2 {gsub(/ /, \"\", $1); print $1}' /proc/net/dev", _iface),
     Probe("net.address", "network", "hostname -I 2>&1", _address),
     Probe("net.route", "network", "cat /proc/net/route", _default_route),
-    Probe("net.lookup", "network", "getent ahosts pypi.org >/dev/null; python3 -c \"import socket\ntry: socket.getaddrinfo('pypi.org', 443)\nexcept OSError as e: print(e.strerror)\"", _dns),
+    Probe("net.lookup", "network", "python3 -c \"import socket\ntry: socket.getaddrinfo('pypi.org', 443)\nexcept OSError as e: print(e.strerror)\"", _dns),
     Probe("net.connect", "network",
           "python3 -c \"import socket, time\nt = time.monotonic()\ntry:\n    socket.create_connection(('151.101.0.223', 443), timeout=6).close(); r = 'connected'\nexcept OSError as e:\n    r = type(e).__name__ + ': ' + str(e.strerror or e)\nprint(f'seconds={time.monotonic() - t:.2f} {r}')\"",
           _connect),
@@ -297,15 +297,26 @@ PROBES: tuple[Probe, ...] = (
 )
 
 
+# probes that wait on the network; they run last, side by side, so as not to disturb the others
+WAITING = ("net.lookup", "net.connect")
+
+
 def battery_script(profile: dict) -> str:
     """One bash script that runs every probe, each output (stderr included) after a separator
-    line naming it; each probe at most 10 s."""
-    parts = []
+    line naming it; each probe at most 15 s (a lookup through a router that never answers takes
+    about 6). The ``WAITING`` probes run after the others, at the same time, into files under
+    /tmp that are printed and removed."""
+    parts, waiting = [], []
     for pr in PROBES:
         cmd = pr.command.replace("$(echo TOOLS)", " ".join(profile.get("tools", [])))
         # the separator written as an octal escape: the script's own text (process 1's command
         # line, in a sandbox) must not contain it
-        parts.append(f"printf '\\036%s\\n' {pr.name}; timeout 10 bash -c {_quote(cmd)} 2>&1")
+        if pr.name in WAITING:
+            waiting.append((pr.name, f"timeout 15 bash -c {_quote(cmd)} > /tmp/.probe-{pr.name} 2>&1 &"))
+        else:
+            parts.append(f"printf '\\036%s\\n' {pr.name}; timeout 15 bash -c {_quote(cmd)} 2>&1")
+    parts += [start for _, start in waiting] + ["wait"]
+    parts += [f"printf '\\036%s\\n' {name}; cat /tmp/.probe-{name}; rm -f /tmp/.probe-{name}" for name, _ in waiting]
     return "\n".join(parts) + "\n"
 
 

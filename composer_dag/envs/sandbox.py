@@ -16,7 +16,11 @@ Layout seen from inside (``Persona`` defaults)::
     /run, /run/lock, /run/user/N  tmpfs, and the session's runtime directory (writable)
     /proc, /dev, /dev/shm, mqueue fresh, in a new pid namespace
 
-Namespaces: ipc, pid, net (loopback only), uts (hostname), cgroup. No user namespace:
+Namespaces: ipc, pid, uts (hostname), cgroup, and net: the sandbox's own network namespace
+(``netns.Network``: loopback and a Wi-Fi-like interface with an address and a default route to
+a router that never answers; nothing it sends reaches anything), made once per Sandbox, so
+that one episode's commands share it like a laptop's session; where namespaces cannot be made
+(no CAP_NET_ADMIN), bwrap's empty one (loopback only). No user namespace:
 bwrap runs as root on the host and the command then drops to uid/gid 1000 (with the
 installer's groups of a first user: cdrom, sudo, audio, ...) with ``setpriv``, so files keep
 their real owners (system files ``root``, the workspace
@@ -56,9 +60,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from .netns import Network
 from .rootfs import PYVER, Persona, _libpython_binds, _system_binds, persona_runtime, runtime, shell_history
 
 BWRAP = shutil.which("bwrap") or "/usr/bin/bwrap"
@@ -110,7 +116,7 @@ def _base_args(persona: Persona) -> list[str]:
     rt, prt = runtime(), persona_runtime(persona)
     prefix = Path(sys.base_prefix)
     exe = prefix / "bin" / f"python{PYVER}"
-    a = [BWRAP, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+    a = [BWRAP, "--unshare-ipc", "--unshare-pid", "--unshare-uts",
          "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--as-pid-1",
          "--hostname", persona.hostname]
     a += ["--ro-bind", str(prt / "root"), "/"] + _system_binds()
@@ -126,6 +132,12 @@ def _base_args(persona: Persona) -> list[str]:
 
 
 # ---------------------------------------------------------------- sandbox
+
+def _release(tmp: Path, network: Network | None) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if network is not None:
+        network.close()
+
 
 def _user_groups(persona: Persona) -> str:
     """The persona's supplementary group ids, from its /etc/group ("24,25,27,..."). They
@@ -176,6 +188,11 @@ class Sandbox:
         if chown:
             chown_tree(self.workspace, persona.uid, persona.gid)
         a = list(_base_args(persona))
+        try:
+            self.network: Network | None = Network(persona)
+        except OSError:
+            self.network = None
+            a.append("--unshare-net")
         for tmp in ("/tmp", "/var/tmp"):
             a += ["--perms", "1777", "--size", str(limits.max_tmp_bytes), "--tmpfs", tmp]
         for d in (".ICE-unix", ".X11-unix", ".XIM-unix", ".font-unix"):
@@ -196,9 +213,10 @@ class Sandbox:
                     "XDG_SESSION_TYPE": "wayland", "XDG_SESSION_CLASS": "user", "XDG_CURRENT_DESKTOP": "GNOME",
                     "DBUS_SESSION_BUS_ADDRESS": f"unix:path=/run/user/{p.uid}/bus"}
         self._groups = _user_groups(persona)
+        self._closer = weakref.finalize(self, _release, self._dir, self.network)
 
     def close(self) -> None:
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._closer()
 
     def __enter__(self):
         return self
@@ -238,7 +256,8 @@ class Sandbox:
         L = self.limits
         wd = self.root if not cwd else (cwd if cwd.startswith("/") else f"{self.root}/{cwd}")
         envd = dict(self.env, PWD=wd, **(env or {}))
-        argv = [PRLIMIT, f"--cpu={L.cpu_seconds}:{L.cpu_seconds + 1}", f"--as={L.memory_bytes}",
+        argv = self.network.enter() if self.network else []
+        argv += [PRLIMIT, f"--cpu={L.cpu_seconds}:{L.cpu_seconds + 1}", f"--as={L.memory_bytes}",
                 f"--nproc={L.max_processes}", f"--fsize={fsize}",
                 f"--nofile={L.max_open_files}", "--core=0", "--"]
         argv += self._args + ["--info-fd", str(info_fd), "--chdir", wd, "--clearenv"]
