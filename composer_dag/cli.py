@@ -99,6 +99,9 @@ def cmd_sandbox_realism(args: argparse.Namespace) -> dict[str, Any]:
     if args.workspace_dir and not os.path.isdir(args.workspace_dir):
         raise ValueError(f"workspace {args.workspace_dir} does not exist")
     inside, host = sandbox_realism(args.workspace_dir), run_battery(None)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"sandbox": inside, "host": host}, f, indent=1)
     for name, why in inside["verdicts"].items():
         if why:
             answer = " | ".join(inside["outputs"].get(name, "").strip().splitlines()[:3])[:160]
@@ -173,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(func=cmd_sandbox_exec)
     rz = s.add_parser("realism", help="the realism battery: every probe a laptop would answer otherwise")
     rz.add_argument("workspace_dir", nargs="?", help="the project the sandbox opens (default: an empty one)")
+    rz.add_argument("--json", metavar="FILE", help="also write both reports (outputs, verdicts) here")
     rz.set_defaults(func=cmd_sandbox_realism)
     return p
 

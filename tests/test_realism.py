@@ -30,8 +30,19 @@ def test_the_battery_covers_every_area_and_the_profile_names_its_sources():
 
 
 @pytest.fixture(scope="module")
-def reports():
-    return {"sandbox": sandbox_realism(), "host": run_battery(None)}
+def realism_cli(tmp_path_factory):
+    """One run of ``composer-dag sandbox realism --json``: its stdout and both reports."""
+    tmp = tmp_path_factory.mktemp("realism")
+    (tmp / "project").mkdir()
+    r = subprocess.run([sys.executable, "-m", "composer_dag.cli", "sandbox", "realism", str(tmp / "project"),
+                        "--json", str(tmp / "reports.json")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout, json.loads((tmp / "reports.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reports(realism_cli):
+    return realism_cli[1]
 
 
 def test_every_probe_answers_in_the_sandbox_and_on_the_host(reports):
@@ -78,14 +89,39 @@ def test_the_battery_sees_the_tells_a_model_would_see(reports):
     assert re.search(r"seconds=[0-4]\.\d+ OSError: No route to host", out["net.connect"]), out["net.connect"]
 
 
-def test_realism_command_prints_each_difference_and_the_count(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "composer_dag.cli", "sandbox", "realism", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["probes"] == len(PROBES) and summary["differences"] > 0
-    assert f"{summary['differences']} of {len(PROBES)} probes tell the sandbox from a laptop" in r.stdout
-    assert "proc.pid1_comm: " in r.stdout and "    sandbox: " in r.stdout and "    host:    " in r.stdout
+def test_realism_command_prints_each_difference_and_the_count(realism_cli):
+    stdout, reports = realism_cli
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["probes"] == len(PROBES) and summary["differences"] == reports["sandbox"]["count"] > 0
+    assert f"{summary['differences']} of {len(PROBES)} probes tell the sandbox from a laptop" in stdout
+    assert "proc.pid1_comm: " in stdout and "    sandbox: " in stdout and "    host:    " in stdout
+
+
+def test_the_battery_in_a_grading_run_sees_what_the_episode_sees(tmp_path, reports):
+    """Grading runs the hidden tests in a sandbox of its own, with the episode's persona: the
+    battery there finds no tell the episode's sandbox does not have."""
+    from composer_dag.envs.checks import RUNNER, RUNNER_PATH, grading_sandbox
+    from composer_dag.envs.rootfs import task_persona
+    from composer_dag.envs.sandbox import Bind, Limits
+    from composer_dag.envs.tools import Episode
+
+    task_dir = tmp_path / "task"
+    (task_dir / "repo").mkdir(parents=True)
+    (task_dir / "repo" / "app.py").write_text("x = 1\n")
+    task = {"id": "shop-1234", "project": "shop", "instructions": "nothing"}
+    (task_dir / "task.json").write_text(json.dumps(task))
+    persona = task_persona(task)
+    with Episode(task_dir) as ep:
+        assert ep.sandbox.persona == persona and ep.root == f"/home/{persona.user}/shop"
+    ws = tmp_path / "grade" / "shop"
+    ws.mkdir(parents=True)
+    with grading_sandbox(task, ws, Limits(), [Bind(RUNNER, RUNNER_PATH)]) as sb:
+        assert sb.persona == persona
+        rep = run_battery(sb)
+        who = sb.run("whoami; hostname").stdout.split()
+    assert who == [persona.user, persona.hostname]
+    host_too = {p for p in ("uptime", "disk.df") if reports["host"]["verdicts"][p]}
+    assert {d.split(":")[0] for d in rep["differences"]} <= STILL_OPEN | host_too, rep["differences"]
 
 
 def test_personas_vary_with_the_seed_and_share_what_does_not_depend_on_them(tmp_path):

@@ -76,6 +76,11 @@ RUNNER = Path(__file__).with_name("check_runner.py")
 RUNNER_FAILED = 3  # the runner's exit code when it could not write its results
 
 
+def grading_sandbox(task: dict, workspace: Path, limits: Limits, binds: list[Bind]) -> Sandbox:
+    """The sandbox a grading run uses: the task's persona (the episode's), the runner's binds."""
+    return Sandbox(workspace, limits, project=workspace.name, binds=binds, persona=task_persona(task))
+
+
 class GradeConfig(StageConfig):
     """How an episode is graded into a reward (reached from a run config as
     ``orchestrator.episode.grade`` for RL and ``agent.episode.grade`` for evaluation)."""
@@ -115,7 +120,7 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
             os.chmod(checks / f"{mod}.py", 0o644)
         os.chmod(checks, 0o755)
         binds = [Bind(RUNNER, RUNNER_PATH), Bind(checks, CHECKS_DIR), Bind(report, REPORT_DIR, writable=True)]
-        with Sandbox(ws, limits, project=ws.name, binds=binds, persona=task_persona(task)) as sb:
+        with grading_sandbox(task, ws, limits, binds) as sb:
             shutil.chown(report, sb.persona.uid, sb.persona.gid)
             argv = ["python3", "-I", "-B", RUNNER_PATH, sb.root, REPORT_DIR, *inside]
             r = sb.run(argv, timeout=timeout, stdin=key + "\n", env={"PYTHONDONTWRITEBYTECODE": "1"})

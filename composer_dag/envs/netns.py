@@ -7,8 +7,10 @@ sits in ``cdag-void``, a namespace shared by every sandbox's far end that has no
 route, no IPv6 and no forwarding, and no bridge between the ends. So a packet leaves the
 sandbox's interface and goes nowhere:
 
-- a connection fails in about 3 s with "No route to host" (the router never answers ARP);
-- a name lookup fails with "Temporary failure in name resolution";
+- a connection fails in about 1 s with "No route to host" (the router never answers ARP, which
+  is asked once, not the default three times: each unanswered attempt costs a second);
+- a name lookup fails with "Temporary failure in name resolution" (two attempts per name, and
+  the search domain's name after it: about 4 s);
 - no sandbox reaches another, the host, or the host's loopback.
 
 Sandboxes join the namespace with ``nsenter --net``; ``close()`` deletes it (the veth pair goes
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 IP = shutil.which("ip") or "/usr/sbin/ip"
 NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
+SYSCTL = shutil.which("sysctl") or "/usr/sbin/sysctl"
 VOID = "cdag-void"
 _COUNT = itertools.count()
 _LOCK = threading.Lock()
@@ -101,6 +104,11 @@ class Network:
             _ip("-n", VOID, "link", "set", peer, "addrgenmode", "none", "up")
             _batch(self.name, f"link set lo up\naddr add {w.address} dev {w.interface}\n"
                               f"link set {w.interface} up\nroute add default via {w.router}\n")
+            # one ARP probe, not three: the unanswered router costs a second, not three, per attempt
+            r = subprocess.run([NSENTER, f"--net=/run/netns/{self.name}", "--", SYSCTL, "-qw",
+                                f"net.ipv4.neigh.{w.interface}.mcast_solicit=1"], capture_output=True, text=True)
+            if r.returncode:
+                raise OSError(f"sysctl in {self.name}: {r.stderr.strip()}")
         except OSError:
             self.close()
             raise

@@ -304,7 +304,7 @@ WAITING = ("net.lookup", "net.connect")
 def battery_script(profile: dict) -> str:
     """One bash script that runs every probe, each output (stderr included) after a separator
     line naming it; each probe at most 15 s (a lookup through a router that never answers takes
-    about 6). The ``WAITING`` probes run after the others, at the same time, into files under
+    about 4). The ``WAITING`` probes run after the others, at the same time, into files under
     /tmp that are printed and removed."""
     parts, waiting = [], []
     for pr in PROBES:
