@@ -108,8 +108,10 @@ def persona_for(seed) -> Persona:
 
 
 def task_persona(task: dict) -> Persona:
-    """A task's persona, the same in its repository's commits, its episodes and its grading."""
-    return persona_for(task.get("id") or task.get("project") or "task")
+    """A task's persona: its project's owner, so the tasks cut from one repository share one
+    laptop, as a developer's several tasks in one checkout would. The same in the repository's
+    commits, the task's episodes and its grading."""
+    return persona_for(task.get("project") or task.get("id") or "task")
 
 
 def _cache_root() -> Path:

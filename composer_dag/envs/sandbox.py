@@ -44,7 +44,7 @@ times ``memory_bytes``; a total cap needs a cgroup, which the deployment's pod p
 
 The runtime image (system binds, /usr/local, /etc, the home skeleton) is built by
 ``rootfs``; the persona (user, host, time zone, locale, editor) is the caller's, for a task
-``rootfs.persona_for(task_id)``, the same in its episode and its grading.
+``rootfs.task_persona(task)`` (its project's owner), the same in its episode and its grading.
 """
 
 from __future__ import annotations
