@@ -340,6 +340,59 @@ def test_cannot_signal_or_see_host_processes(task, host_guard):
         victim.wait()
 
 
+_SETID_SCAN = r"""
+import os, stat
+mounts = [(f[4], f[5].split(",")) for f in (line.split() for line in open("/proc/self/mountinfo"))]
+def mount_of(p):  # the last-mounted of the longest mount points holding p
+    best = max(range(len(mounts)), key=lambda i: (len(mounts[i][0]) if p == mounts[i][0] or p.startswith(mounts[i][0].rstrip("/") + "/") else -1, i))
+    return mounts[best]
+found, suid_mounts = 0, []
+for root, dirs, files in os.walk("/"):
+    if root in ("/proc", "/sys", "/dev"):
+        dirs[:] = []
+        continue
+    for name in files:
+        p = os.path.join(root, name)
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_mode & 0o6000:
+            found += 1
+            point, opts = mount_of(p)
+            if "nosuid" not in opts:
+                suid_mounts.append((p, point))
+print("setid-files", found, "on-suid-mounts", suid_mounts)
+"""
+
+
+def test_setuid_and_setgid_binaries_gain_nothing(task, host_guard):
+    """A setuid-root and a setgid-root copy of ``id`` put in the workspace by the host, and the
+    system's own sudo and su: inside, the effective uid and gid stay the user's, and every setuid
+    or setgid file the sandbox can see sits on a nosuid mount."""
+    ep = host_guard(task)
+    for name, mode in (("suid-id", 0o4755), ("sgid-id", 0o2755)):
+        shutil.copy("/usr/bin/id", ep.workspace / name)
+        os.chown(ep.workspace / name, 0, 0)
+        os.chmod(ep.workspace / name, mode)
+    assert os.stat(ep.workspace / "suid-id").st_mode & 0o4000  # the bit is really set on the host
+    uid, gid = ep.sandbox.persona.uid, ep.sandbox.persona.gid
+    out, _ = term(ep, "ls -l suid-id sgid-id; ./suid-id -u; ./suid-id -g; ./sgid-id -u; ./sgid-id -g; "
+                      "echo sudo; sudo -n id -u </dev/null 2>&1; echo rc=$?; "
+                      "echo su; su -c 'id -u' root </dev/null 2>&1; echo rc=$?")
+    lines = out.splitlines()[1:]  # after the exit code line; ls lists sgid-id first
+    assert lines[0].startswith("-rwxr-sr-x") and lines[1].startswith("-rwsr-xr-x"), out  # seen as set
+    assert lines[2:6] == [str(uid), str(gid), str(uid), str(gid)], out
+    sudo, su = out.split("\nsudo\n")[1].split("\nsu\n")
+    for part in (sudo, su):
+        assert "rc=0" not in part and not any(w == "0" for w in part.split()), out
+    (ep.workspace / "scan.py").write_text(_SETID_SCAN)
+    out, _ = term(ep, "python3 scan.py")
+    found = int(out.split("setid-files")[1].split()[0])
+    assert found >= 4, out  # the two copies, and the system's sudo and su at least
+    assert out.rstrip().endswith("on-suid-mounts []"), out
+
+
 def test_daemons_do_not_outlive_the_command(task, host_guard):
     """PID namespace with the command as its init: setsid/nohup/double-forked daemons, one of
     them holding stdout, are gone as soon as the command returns (no wait for the timeout)."""
