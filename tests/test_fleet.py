@@ -5,6 +5,7 @@ the trainer killed and resumed; a server that skips a reload; an injected sandbo
 out of the advantages."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -86,10 +87,12 @@ def test_fleet_distributed_run_learns(learnable_warm, servers, s3_bucket, tmp_pa
     from composer_dag.rl.report import reward_slope
     from composer_dag.rl.run import LEARNABLE_RUN, RLConfig
 
-    b, steps = s3_bucket["bucket"], 14
+    b, steps = s3_bucket["bucket"], 10
+    # 4 tasks x 8 samples a step, as test_reward_rises: on 2 tasks a step the recipe collapses on
+    # some seeds and batch orders (benchmarks/RESULTS.md, "test_reward_rises across seeds")
     cfg = RLConfig.load({**LEARNABLE_RUN, "policy_dir": learnable_warm["policy_dir"],
                          "tasks_dir": learnable_warm["tasks_dir"], "out_dir": str(tmp_path / "run"), "steps": steps,
-                         "seed": 0, "max_staleness": 1, "full_every": 4, "weights_uri": f"s3://{b}/weights",
+                         "tasks_per_step": 4, "seed": 0, "max_staleness": 1, "full_every": 4, "weights_uri": f"s3://{b}/weights",
                          "fleet": {"urls": servers.urls, "max_sandboxes": 16, "exchange_uri": f"s3://{b}/exchange",
                                    "version_timeout": 240}})
     path = tmp_path / "cfg.json"
@@ -98,14 +101,16 @@ def test_fleet_distributed_run_learns(learnable_warm, servers, s3_bucket, tmp_pa
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "run" / "result.json").read_text())
-    # Learned: the reward's least-squares slope over the run is positive. A step's mean reward over
-    # 16 episodes moves by about 0.1 from step to step, so no single step is compared. The KL term
-    # of the learnable settings keeps the policy from collapsing into repeating one token (reward
-    # 0 for good, as one run without it did); see benchmarks/RESULTS.md for the measured slopes.
+    # Learned: the last four steps' mean reward exceeds the first four's by twice the standard error
+    # of that difference (rewards are 0 or 1 here; 128 episodes a window), as in test_reward_rises.
+    # A step's mean over 32 episodes moves by about 0.08, so no single step is compared.
+    per = cfg.tasks_per_step * cfg.group_size
     curve = [v for _, v in res["reward_curve"]]
-    slope = reward_slope(curve)
-    print(f"fleet reward curve {[round(v, 3) for v in curve]}, slope {slope:+.4f} per step")
-    assert len(curve) == steps and slope > 0, curve
+    first, last, n = sum(curve[:4]) / 4, sum(curve[-4:]) / 4, 4 * per
+    se = math.sqrt(first * (1 - first) / n + last * (1 - last) / n)
+    print(f"fleet reward curve {[round(v, 3) for v in curve]}, first {first:.3f} last {last:.3f} 2se {2 * se:.3f}, "
+          f"slope {reward_slope(curve):+.4f} per step")
+    assert len(curve) == steps and last - first >= max(2 * se, 0.1), (curve, 2 * se)
     assert res["mode"] == "fleet" and res["steps"] == steps and res["weights_verified"]
     progress = [x.split() for x in r.stdout.splitlines() if x.startswith("step ")]  # one line per step, as trained
     assert [x[1] for x in progress] == [f"{i}/{steps}" for i in range(1, steps + 1)], r.stdout[-3000:]
@@ -119,12 +124,12 @@ def test_fleet_distributed_run_learns(learnable_warm, servers, s3_bucket, tmp_pa
         assert s["versions_served"] == versions and s["alive"]
         assert all(x["probe_diff"] <= cfg.fleet.probe_tolerance for x in s["reloads"])
     rows = [pq.read_table(tmp_path / "run" / "rollouts" / f"step_{i:04d}.parquet").to_pylist() for i in range(steps)]
-    assert [len(x) for x in rows] == [16] * steps
+    assert [len(x) for x in rows] == [per] * steps
     assert {r["server_id"] for x in rows for r in x} == {"s0", "s1"}
     for i, x in enumerate(rows):
         assert all(0 <= i - r["policy_version"] <= cfg.max_staleness and r["staleness"] == i - r["policy_version"]
                    and r["infra_error"] is None for r in x)
-        assert len({(r["group_id"], r["sample_index"]) for r in x}) == 16
+        assert len({(r["group_id"], r["sample_index"]) for r in x}) == per
     assert res["staleness"]["max"] <= 1
     print("fleet result", json.dumps({k: res[k] for k in ("step_seconds", "staleness")}))
 
@@ -136,13 +141,13 @@ def test_fleet_distributed_run_learns(learnable_warm, servers, s3_bucket, tmp_pa
     flat = [r for x in rows for r in x]
     sm = rl_summary(res, flat, metrics)
     assert metrics[0]["kl"] == 0 and all(m["kl"] > 0 for m in metrics[1:])  # the KL term at work, after the first update
-    assert sm["mode"] == "fleet" and sm["rollouts"] == 16 * steps
+    assert sm["mode"] == "fleet" and sm["rollouts"] == per * steps
     assert sm["retried_episodes"] == 0 and sm["infra_masked_episodes"] == 0
     assert [(x["step"], x["rollouts"], x["infra_masked"], x["retried"]) for x in sm["steps"]] == \
-        [(i, 16, 0, 0) for i in range(steps)]
-    assert all(sum(x["servers"].values()) == 16 and x["staleness_max"] <= 1 for x in sm["steps"])
+        [(i, per, 0, 0) for i in range(steps)]
+    assert all(sum(x["servers"].values()) == per and x["staleness_max"] <= 1 for x in sm["steps"])
     assert {s["server"]: s["versions_served"] for s in sm["servers"]} == {"s0": versions, "s1": versions}
-    assert sum(s["episodes"] for s in sm["servers"]) == 16 * steps and all(s["episodes"] > 0 for s in sm["servers"])
+    assert sum(s["episodes"] for s in sm["servers"]) == per * steps and all(s["episodes"] > 0 for s in sm["servers"])
     assert sm["staleness_max"] <= 1 and 0 <= sm["staleness_mean"] <= sm["staleness_max"]
     deltas = [p for p in res["published"] if p["kind"] == "delta"]
     assert sm["full_bytes"] == res["published"][steps - steps % 4]["bytes"] and sm["delta_bytes_mean"] == sum(
@@ -167,7 +172,7 @@ def test_fleet_distributed_run_learns(learnable_warm, servers, s3_bucket, tmp_pa
     # the one-process view of the same data (no fleet block, no server columns) is a valid summary too
     one = rl_summary({k: v for k, v in res.items() if k not in ("fleet", "mode")},
                      [{**r, "server_id": None, "attempts": None} for r in flat], metrics)
-    assert one["mode"] == "one_process" and one["servers"] == [] and one["rollouts"] == 16 * steps
+    assert one["mode"] == "one_process" and one["servers"] == [] and one["rollouts"] == per * steps
     summary_metadata(one)
 
 

@@ -165,12 +165,22 @@ def _build(name: str, key_parts, make) -> Path:
     return root
 
 
+_RUNTIMES: dict[Path, Path] = {}
+"""``runtime()``'s answer per cache root for this process: its key reads every tooling
+distribution's metadata (about 20 ms), which every sandbox would pay twice otherwise."""
+
+
 def runtime() -> Path:
     """The persona-independent part: usr-local, site-packages and the laptop's /etc."""
+    known = _RUNTIMES.get(_cache_root())
+    if known is not None and (known / ".ok").exists():
+        return known
     dists = _dist_closure(TOOLING)
     etc_digest = hashlib.sha256(LAPTOP_ETC.read_bytes()).hexdigest()[:16]
-    return _build("shared", [sys.version, sys.base_prefix, [(d.metadata["Name"], d.version) for d in dists],
+    root = _build("shared", [sys.version, sys.base_prefix, [(d.metadata["Name"], d.version) for d in dists],
                              etc_digest, 7], lambda tmp: _make_shared(tmp, dists))
+    _RUNTIMES[_cache_root()] = root
+    return root
 
 
 def _make_shared(tmp: Path, dists) -> None:
