@@ -17,10 +17,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from composer_dag.envs.sandbox import Sandbox
+from composer_dag.envs import sandbox as sandbox_mod
+from composer_dag.envs.sandbox import HAS_INIT, Sandbox
 from composer_dag.envs.task_format import task_dirs
 from composer_dag.envs.tasks import build_tasks
-from composer_dag.envs.tools import Episode
+from composer_dag.envs.tools import Episode, EpisodeConfig
 
 
 def pct(xs, q):
@@ -46,14 +47,30 @@ def main(n: int = 200) -> None:
         sb.run(["/bin/true"])
         plain = timed(lambda: subprocess.run(["/bin/true"]), n)
         boxed = timed(lambda: sb.run(["/bin/true"]), n)
+    # the baseline in the same run: the command as process 1, no init and no session (blocks of
+    # 20 alternating with the default, so that drift in the machine's load hits both)
+    with_init, without = [], []
+    for _ in range(max(1, n // 40)):
+        for flag, acc in ((True, with_init), (False, without)):
+            sandbox_mod.HAS_INIT = flag and HAS_INIT
+            sandbox_mod._BASE_ARGS.clear()
+            with Sandbox(ws) as sb:
+                acc += timed(lambda: sb.run(["/bin/true"]), 20)
+    sandbox_mod.HAS_INIT = HAS_INIT
+    sandbox_mod._BASE_ARGS.clear()
     rows.append(("sandbox start `/bin/true` p50 / p95", f"{pct(boxed, .5) * 1e3:.1f} / {pct(boxed, .95) * 1e3:.1f} ms"))
     rows.append(("plain subprocess spawn p50 / p95", f"{pct(plain, .5) * 1e3:.1f} / {pct(plain, .95) * 1e3:.1f} ms"))
     rows.append(("ratio (p50)", f"{pct(boxed, .5) / pct(plain, .5):.1f}x"))
+    rows.append(("start p50 with the laptop's init and session / with the command as process 1",
+                 f"{pct(with_init, .5) * 1e3:.1f} / {pct(without, .5) * 1e3:.1f} ms "
+                 f"({pct(with_init, .5) / pct(without, .5):.2f}x)"))
 
     out = tmp / "tasks"
     build_tasks(out, {"humaneval_limit": 1, "bugfix_count": 0, "eval_fraction": 0.0})
-    task = task_dirs(out, "rl_tasks")[0]
-    with Episode(task) as ep:
+    # the HumanEval task (the learnable family's allow a turn or two), with room for every action
+    task = next(t for t in task_dirs(out, "rl_tasks") if t.name.startswith("humaneval"))
+    cfg = EpisodeConfig(max_turns=1000)
+    with Episode(task, cfg) as ep:
         rt_cmd = timed(lambda: ep.step({"name": "run_terminal_cmd", "arguments": {"command": "echo hi"}}), 50)
         rt_read = timed(lambda: ep.step({"name": "read_file", "arguments": {"path": "README.md"}}), 50)
     rows.append(("tool round trip p50: run_terminal_cmd `echo hi`", f"{pct(rt_cmd, .5) * 1e3:.1f} ms"))
@@ -75,7 +92,7 @@ def main(n: int = 200) -> None:
     rows.append(("64 concurrent sandboxes (each `sleep 0.5`)", f"wall {wall:.2f} s, no cross-talk: {ok}"))
 
     # a 50-action episode: overhead = wall time minus time spent inside the commands
-    with Episode(task) as ep:
+    with Episode(task, cfg) as ep:
         actions = []
         for k in range(50):
             if k % 5 == 0:

@@ -57,34 +57,41 @@ def test_every_probe_answers_in_the_sandbox_and_on_the_host(reports):
 # What still tells, each with what closes it; the sandbox's differences must be among these, so a
 # new tell fails here, and a closed one is struck off.
 STILL_OPEN = {
-    # process 1, the process list and the session: an init of our own and a per-episode session
-    "proc.pid1_cmdline", "proc.pid1_comm", "proc.count", "proc.services", "proc.session", "proc.ancestry",
-    # the mount table names the runtime's cache; /sys, the cgroup and the API mounts are missing
-    "mounts.paths", "mounts.points", "sys.top", "cgroup.self",
+    # the mount table names the runtime's cache, and lacks the laptop's cgroup, debugfs, EFI mounts
+    "mounts.paths", "mounts.points", "cgroup.self",
     # bubblewrap's /dev and its no_new_privs: an OCI runtime chooses both
     "dev.entries", "dev.count", "priv.no_new_privs", "priv.cap_bounding",
     # the host's kernel release (a deployment runs a distribution kernel)
     "kernel.release",
 }
+# what the host's own kernel and machine show through: a freshly booted or small machine tells on
+# uptime and disk; a kernel built without Xen support has no /sys/hypervisor
+HOST_TOO = ("uptime", "disk.df", "sys.top")
 
 
 def test_the_battery_sees_the_tells_a_model_would_see(reports):
-    """The tells a model finds in one read: those closed stay closed (a laptop's /etc, home,
-    history, /tmp, /run/user, locale, time zone, session variables, groups, tools), the rest
-    are each found by their probe."""
+    """The tells a model finds in one read: those closed stay closed (process 1 and the process
+    list, a laptop's /etc, home, history, /tmp, /run/user, /sys, locale, time zone, session
+    variables, groups, tools), the rest are each found by their probe."""
     v = reports["sandbox"]["verdicts"]
-    # the host's own uptime and disk show through; a freshly booted or small machine tells on both
-    host_too = {p for p in ("uptime", "disk.df") if reports["host"]["verdicts"][p]}
+    host_too = {p for p in HOST_TOO if reports["host"]["verdicts"][p]}
     assert {d.split(":")[0] for d in reports["sandbox"]["differences"]} <= STILL_OPEN | host_too
-    for probe in ("etc.passwd", "etc.group", "etc.entries", "etc.locale", "etc.timezone", "etc.hostname",
+    for probe in ("proc.pid1_cmdline", "proc.pid1_comm", "proc.count", "proc.services", "proc.session",
+                  "proc.ancestry", "proc.exe", "ns.same_as_init",
+                  "etc.passwd", "etc.group", "etc.entries", "etc.locale", "etc.timezone", "etc.hostname",
                   "run.user", "tmp.entries", "home.history", "home.dotfiles", "home.config", "home.cache",
                   "env.names", "env.lang", "priv.groups", "tools.installed", "tools.editors", "net.interfaces",
                   "net.address", "net.route", "net.lookup", "net.connect"):
         assert v[probe] is None, (probe, v[probe], reports["sandbox"]["outputs"][probe][:300])
-    for probe in ("proc.pid1_comm", "proc.count", "proc.ancestry", "sys.top", "dev.count", "priv.no_new_privs"):
+    for probe in ("dev.count", "priv.no_new_privs"):
         assert v[probe], (probe, reports["sandbox"]["outputs"][probe][:300])
-    # a laptop whose Wi-Fi is up and whose router does not answer
     out = reports["sandbox"]["outputs"]
+    # /sys is there, and is the kernel's as the host has it (at most what the host lacks is missing)
+    assert v["sys.top"] is None or v["sys.top"] == reports["host"]["verdicts"]["sys.top"], v["sys.top"]
+    # process 1 is an init, and the probe's shell runs in a terminal of the user's session
+    assert out["proc.pid1_cmdline"].strip() == "/sbin/init" and out["proc.pid1_comm"].strip() == "systemd"
+    assert out["proc.ancestry"].split()[-3:] == ["gnome-terminal-", "systemd", "systemd"], out["proc.ancestry"]
+    # a laptop whose Wi-Fi is up and whose router does not answer
     assert "Temporary failure in name resolution" in out["net.lookup"]
     assert re.search(r"seconds=[0-4]\.\d+ OSError: No route to host", out["net.connect"]), out["net.connect"]
 
@@ -94,7 +101,7 @@ def test_realism_command_prints_each_difference_and_the_count(realism_cli):
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["probes"] == len(PROBES) and summary["differences"] == reports["sandbox"]["count"] > 0
     assert f"{summary['differences']} of {len(PROBES)} probes tell the sandbox from a laptop" in stdout
-    assert "proc.pid1_comm: " in stdout and "    sandbox: " in stdout and "    host:    " in stdout
+    assert "dev.count: " in stdout and "    sandbox: " in stdout and "    host:    " in stdout
 
 
 def test_the_battery_in_a_grading_run_sees_what_the_episode_sees(tmp_path, reports):
@@ -120,7 +127,7 @@ def test_the_battery_in_a_grading_run_sees_what_the_episode_sees(tmp_path, repor
         rep = run_battery(sb)
         who = sb.run("whoami; hostname").stdout.split()
     assert who == [persona.user, persona.hostname]
-    host_too = {p for p in ("uptime", "disk.df") if reports["host"]["verdicts"][p]}
+    host_too = {p for p in HOST_TOO if reports["host"]["verdicts"][p]}
     assert {d.split(":")[0] for d in rep["differences"]} <= STILL_OPEN | host_too, rep["differences"]
 
 

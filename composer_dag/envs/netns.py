@@ -13,13 +13,18 @@ sandbox's interface and goes nowhere:
   the search domain's name after it: about 4 s);
 - no sandbox reaches another, the host, or the host's loopback.
 
+Each namespace also gets its own sysfs (``sysfs``: mounted from inside it, so /sys/class/net
+lists its interfaces, not the host's), which the sandbox shows read-only at /sys.
+
 Sandboxes join the namespace with ``nsenter --net``; ``close()`` deletes it (the veth pair goes
-with it). Namespaces left by a process that died are removed by the next one to start a network.
+with it) and unmounts its sysfs. Namespaces and sysfs mounts left by a process that died are
+removed by the next one to start a network.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import os
 import random
@@ -32,9 +37,11 @@ IP = shutil.which("ip") or "/usr/sbin/ip"
 NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
 SYSCTL = shutil.which("sysctl") or "/usr/sbin/sysctl"
 VOID = "cdag-void"
+SYSFS_DIR = "/run/cdag-sys"  # one sysfs per namespace, at SYSFS_DIR/<name>
 _COUNT = itertools.count()
 _LOCK = threading.Lock()
 _SWEPT: list[int] = []
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -70,13 +77,28 @@ def _names() -> list[str]:
     return [x.split()[0] for x in _ip("netns", "list", check=False).stdout.splitlines() if x.strip()]
 
 
+def _dead(name: str) -> bool:
+    parts = name.split("-")
+    return len(parts) == 3 and parts[0] == "cdag" and parts[1].isdigit() and not os.path.exists(f"/proc/{parts[1]}")
+
+
+def _unmount(path: str) -> None:
+    if os.path.ismount(path) and _LIBC.umount2(path.encode(), 2) != 0:  # MNT_DETACH
+        subprocess.run(["umount", "-l", path], capture_output=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
 def _sweep() -> None:
-    """Delete the namespaces of processes that are gone, and make the void once."""
+    """Delete the namespaces (and sysfs mounts) of processes that are gone; make the void once."""
     names = _names()
     for n in names:
-        parts = n.split("-")
-        if len(parts) == 3 and parts[0] == "cdag" and parts[1].isdigit() and not os.path.exists(f"/proc/{parts[1]}"):
+        if _dead(n):
             _ip("netns", "delete", n, check=False)
+    with contextlib.suppress(OSError):
+        for n in os.listdir(SYSFS_DIR):
+            if _dead(n):
+                _unmount(os.path.join(SYSFS_DIR, n))
     if VOID not in names:
         _ip("netns", "add", VOID, check=False)
         for key in ("all", "default"):
@@ -95,6 +117,7 @@ class Network:
                 _SWEPT[:] = [os.getpid()]
         n = next(_COUNT)
         self.name = f"cdag-{os.getpid()}-{n}"
+        self.sysfs = None
         self.wifi = wifi_for(persona)
         self.peer = peer = f"v{os.getpid() % 100000}x{n}"[:15]
         w = self.wifi
@@ -104,11 +127,16 @@ class Network:
             _ip("-n", VOID, "link", "set", peer, "addrgenmode", "none", "up")
             _batch(self.name, f"link set lo up\naddr add {w.address} dev {w.interface}\n"
                               f"link set {w.interface} up\nroute add default via {w.router}\n")
-            # one ARP probe, not three: the unanswered router costs a second, not three, per attempt
-            r = subprocess.run([NSENTER, f"--net=/run/netns/{self.name}", "--", SYSCTL, "-qw",
-                                f"net.ipv4.neigh.{w.interface}.mcast_solicit=1"], capture_output=True, text=True)
+            # one ARP probe, not three: the unanswered router costs a second, not three, per attempt;
+            # and the namespace's own sysfs, mounted from inside it
+            self.sysfs = os.path.join(SYSFS_DIR, self.name)
+            os.makedirs(self.sysfs, mode=0o755)
+            r = subprocess.run([NSENTER, f"--net=/run/netns/{self.name}", "--", "/bin/sh", "-c",
+                                f'{SYSCTL} -qw net.ipv4.neigh.{w.interface}.mcast_solicit=1 && '
+                                f'mount -t sysfs -o nosuid,nodev,noexec sysfs "$0"', self.sysfs],
+                               capture_output=True, text=True)
             if r.returncode:
-                raise OSError(f"sysctl in {self.name}: {r.stderr.strip()}")
+                raise OSError(f"sysctl and sysfs in {self.name}: {r.stderr.strip()}")
         except OSError:
             self.close()
             raise
@@ -119,6 +147,8 @@ class Network:
         return [NSENTER, f"--net={self.path}", "--"]
 
     def close(self) -> None:
+        if self.sysfs:
+            _unmount(self.sysfs)
         if os.path.exists(f"/run/netns/{self.name}"):
             _ip("-n", VOID, "link", "delete", self.peer, check=False)  # the pair goes now, not when the kernel gets to it
             _ip("netns", "delete", self.name, check=False)

@@ -268,7 +268,9 @@ PROBES: tuple[Probe, ...] = (
     Probe("dev.entries", "dev", "ls -A /dev", includes("dev_entries", "/dev entries", 0.9)),
     Probe("dev.count", "dev", "ls -A /dev", at_least("dev_min", "/dev entries")),
     Probe("cgroup.self", "cgroup", "cat /proc/self/cgroup", matches("cgroup_pattern", "the cgroup")),
-    Probe("ns.same_as_init", "namespaces", "for n in pid net mnt uts ipc; do [ \"$(readlink /proc/self/ns/$n)\" = \"$(readlink /proc/1/ns/$n)\" ] || echo $n; done",
+    # pid 1's namespaces, where they can be read (a user cannot read root's; root can)
+    Probe("ns.same_as_init", "namespaces",
+          "for n in pid net mnt uts ipc; do i=$(readlink /proc/1/ns/$n 2>/dev/null) && [ \"$i\" != \"$(readlink /proc/self/ns/$n)\" ] && echo $n; done; true",
           lambda out, p: None if not out.strip() else f"namespaces other than pid 1's: {out.split()}"),
     # ---- privileges
     Probe("priv.no_new_privs", "privileges", "cat /proc/self/status", _field("NoNewPrivs", "no_new_privs")),

@@ -49,7 +49,9 @@ print(json.dumps({
 '''
 
 TELL_TALES = re.compile(r"sandbox|bwrap|bubblewrap|container|docker|episode|\brl\b|rl_|_rl\b|reward|"
-                        r"hidden|grader|rollout|composer|policy|\bagent", re.I)
+                        r"hidden|grader|rollout|composer|policy|(?<!ssh-)\bagent(?!-launch)", re.I)
+"""Words that give the game away. A laptop's SSH agent (``gcr-ssh-agent``, ``agent-launch``) is not
+one of them; a coding agent is."""
 
 
 def fingerprint(sandbox: Sandbox | None = None) -> dict:

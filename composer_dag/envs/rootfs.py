@@ -36,17 +36,20 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .laptop_session import INIT_SOURCE
 from .netns import wifi_for
 
 PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
 TOOLING = ("pytest", "pip")  # distributions visible inside, with their requirements
 LAPTOP_ETC = Path(__file__).with_name("laptop_etc.tar.xz")
+HOST_SYSTEMD = "/usr/lib/systemd"  # where the sandbox's process 1 is bound (it must exist on the host)
 # the Debian installer's groups for the first user (user-setup's passwd/user-default-groups)
 USER_GROUPS = ("cdrom", "floppy", "sudo", "audio", "dip", "video", "plugdev", "users", "netdev", "bluetooth",
                "lpadmin", "scanner")
@@ -177,8 +180,9 @@ def runtime() -> Path:
         return known
     dists = _dist_closure(TOOLING)
     etc_digest = hashlib.sha256(LAPTOP_ETC.read_bytes()).hexdigest()[:16]
+    init_digest = hashlib.sha256(INIT_SOURCE.read_bytes()).hexdigest()[:16]
     root = _build("shared", [sys.version, sys.base_prefix, [(d.metadata["Name"], d.version) for d in dists],
-                             etc_digest, 7], lambda tmp: _make_shared(tmp, dists))
+                             etc_digest, init_digest, 8], lambda tmp: _make_shared(tmp, dists))
     _RUNTIMES[_cache_root()] = root
     return root
 
@@ -226,12 +230,29 @@ def _make_shared(tmp: Path, dists) -> None:
         (binp / name).write_text(_SCRIPT.format(v=PYVER, mod=mod, fn=fn))
         (binp / name).chmod(0o755)
     (tmp / "empty").touch()
+    _make_init(tmp / "systemd-lib")
+
+
+def _make_init(dst: Path) -> None:
+    """``/usr/lib/systemd`` as the sandbox shows it: the host's, with the laptop's process 1
+    (``laptop_init.c``, built static here) as ``systemd``."""
+    if Path(HOST_SYSTEMD).is_dir():
+        shutil.copytree(HOST_SYSTEMD, dst, symlinks=True, ignore_dangling_symlinks=True)
+    else:
+        dst.mkdir()
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("building the sandbox's init needs a C compiler (cc or gcc): run `make system-deps`")
+    r = subprocess.run([cc, "-O2", "-static", "-o", str(dst / "systemd"), str(INIT_SOURCE)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        raise RuntimeError(f"building {INIT_SOURCE.name} failed:\n{r.stderr[-2000:]}")
 
 
 def persona_runtime(persona: Persona) -> Path:
     """The persona's root skeleton and home skeleton (its /etc hard links into ``runtime()``'s)."""
     shared = runtime()
-    return _build("persona", [str(shared), repr(persona), 5], lambda tmp: _make_persona(tmp, shared, persona))
+    return _build("persona", [str(shared), repr(persona), 6], lambda tmp: _make_persona(tmp, shared, persona))
 
 
 def _link_tree(src: Path, dst: Path) -> None:
@@ -264,7 +285,7 @@ def _make_persona(tmp: Path, shared: Path, p: Persona) -> None:
     rng = random.Random(repr(p))
     fs = tmp / "root"
     for d in ("usr", "proc", "dev", "tmp", "home/" + p.user, "var/tmp", "var/lib", "var/log", "var/cache",
-              "opt", "mnt", "media", "srv", "run", "boot", "root"):
+              "opt", "mnt", "media", "srv", "run", "boot", "root", "sys"):
         (fs / d).mkdir(parents=True, exist_ok=True)
     (fs / "root").chmod(0o700)
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):

@@ -15,6 +15,15 @@ Layout seen from inside (``Persona`` defaults)::
                                   the X11/ICE socket directories a desktop session has
     /run, /run/lock, /run/user/N  tmpfs, and the session's runtime directory (writable)
     /proc, /dev, /dev/shm, mqueue fresh, in a new pid namespace
+    /sys                          the network namespace's own sysfs, read-only
+    /usr/lib/systemd              the host's, with the laptop's init (``laptop_init.c``)
+
+Processes: process 1 is the laptop's init (``/sbin/init``, named ``systemd``), with a booted
+GNOME laptop's services and the user's session under it (``laptop_session``: about 45
+sleeping processes, at pids a machine up a while has); the command runs as the user in the
+session's terminal, so ``ps`` and ``/proc`` read like a laptop's, and when it returns the init
+exits and the kernel ends everything else in the namespace. Where the host has no
+/usr/lib/systemd to bind the init at, the command itself is process 1.
 
 Namespaces: ipc, pid, uts (hostname), cgroup, and net: the sandbox's own network namespace
 (``netns.Network``: loopback and a Wi-Fi-like interface with an address and a default route to
@@ -22,11 +31,12 @@ a router that never answers; nothing it sends reaches anything), made once per S
 that one episode's commands share it like a laptop's session; where namespaces cannot be made
 (no CAP_NET_ADMIN), bwrap's empty one (loopback only). No user namespace:
 bwrap runs as root on the host and the command then drops to uid/gid 1000 (with the
-installer's groups of a first user: cdrom, sudo, audio, ...) with ``setpriv``, so files keep
+installer's groups of a first user: cdrom, sudo, audio, ...) in the init's terminal, so files keep
 their real owners (system files ``root``, the workspace
 ``sam``) and RLIMIT_NPROC is enforced (it is not for root). RLIMIT_NPROC counts every
-process of host uid 1000, so it is shared by sandboxes running at the same time; the
-default leaves room for many sandboxes and still stops a fork bomb.
+process of host uid 1000, so it is shared by sandboxes running at the same time (each
+running command's session holds 15 of them); the default leaves room for many sandboxes and
+still stops a fork bomb.
 
 Disk: the writable host trees (workspace, home, writable binds) live on the host's disk,
 so their total is capped too. Before each command their usage is measured (bytes, the
@@ -52,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import selectors
 import shutil
 import signal
@@ -65,10 +76,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .netns import Network
-from .rootfs import PYVER, Persona, _libpython_binds, _system_binds, persona_runtime, runtime, shell_history
+from .laptop_session import INIT_DIR, init_env
+from .rootfs import (HOST_SYSTEMD, PYVER, Persona, _libpython_binds, _system_binds, persona_runtime, runtime,
+                     shell_history)
 
 BWRAP = shutil.which("bwrap") or "/usr/bin/bwrap"
 PRLIMIT = shutil.which("prlimit") or "/usr/bin/prlimit"
+HAS_INIT = Path(HOST_SYSTEMD).is_dir()  # where process 1 is bound; without it the command is process 1
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,8 @@ def _base_args(persona: Persona) -> list[str]:
           "--ro-bind", str(exe), f"/usr/local/bin/python{PYVER}",
           "--ro-bind", str(rt / "site-packages"), f"/usr/local/lib/python{PYVER}/site-packages"]
     a += _libpython_binds()
+    if HAS_INIT:
+        a += ["--ro-bind", str(rt / "systemd-lib"), HOST_SYSTEMD]
     a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--mqueue", "/dev/mqueue",
           "--perms", "0755", "--tmpfs", "/run", "--perms", "1777", "--size", str(5 << 20), "--tmpfs", "/run/lock", "--dir", "/run/user"]
     _BASE_ARGS[persona] = a
@@ -193,6 +209,8 @@ class Sandbox:
         except OSError:
             self.network = None
             a.append("--unshare-net")
+        else:
+            a += ["--ro-bind", self.network.sysfs, "/sys"]
         for tmp in ("/tmp", "/var/tmp"):
             a += ["--perms", "1777", "--size", str(limits.max_tmp_bytes), "--tmpfs", tmp]
         for d in (".ICE-unix", ".X11-unix", ".XIM-unix", ".font-unix"):
@@ -213,6 +231,9 @@ class Sandbox:
                     "XDG_SESSION_TYPE": "wayland", "XDG_SESSION_CLASS": "user", "XDG_CURRENT_DESKTOP": "GNOME",
                     "DBUS_SESSION_BUS_ADDRESS": f"unix:path=/run/user/{p.uid}/bus"}
         self._groups = _user_groups(persona)
+        self._etc = persona_runtime(persona) / "root" / "etc"
+        self._pids = random.Random(f"{persona!r}:{self.project}")
+        self._pid = 4000 + self._pids.randrange(20000)
         self._closer = weakref.finalize(self, _release, self._dir, self.network)
 
     def close(self) -> None:
@@ -261,12 +282,18 @@ class Sandbox:
                 f"--nproc={L.max_processes}", f"--fsize={fsize}",
                 f"--nofile={L.max_open_files}", "--core=0", "--"]
         argv += self._args + ["--info-fd", str(info_fd), "--chdir", wd, "--clearenv"]
+        command = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if HAS_INIT:  # process 1 is the laptop's init; the command runs in its terminal, as the user
+            self._pid = self._pid + 3 + self._pids.randrange(60) if self._pid < 30000 else 2000
+            envd.update(init_env(self.persona, self._etc, self._groups, command, self._pid),
+                        LAPTOP_INIT_PATH=envd["PATH"], PATH=INIT_DIR)
         for k, v in envd.items():
             argv += ["--setenv", k, v]
+        if HAS_INIT:
+            return argv + ["--", "systemd"]  # found on PATH: /proc/1/cmdline becomes "/sbin/init"
         argv += ["--", "/usr/bin/setpriv", f"--reuid={self.persona.uid}", f"--regid={self.persona.gid}",
                  f"--groups={self._groups}" if self._groups else "--clear-groups", "--"]
-        argv += ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        return argv
+        return argv + command
 
     def run(self, cmd: list[str] | str, timeout: float | None = None, stdin: str | bytes | None = None,
             *, cwd: str | None = None, env: dict | None = None) -> ExecResult:
