@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..config import RLConfig
 from ..weights import WeightCache, latest_version, version_manifest, write_weights_dir
 from .server import ServerClient, ServerDown
 
@@ -348,7 +349,6 @@ def role_main(description: str, run, argv=None) -> dict:
     """Entry point of a fleet role's process (trainer, orchestrator): the RL config in, and a
     fleet failure (probe mismatch, stopped fleet, timeout) as one line with exit status 1."""
     from ...pipes import entry_point
-    from ..run import RLConfig
 
     try:
         return entry_point(RLConfig, description, run, argv)
