@@ -259,7 +259,8 @@ with ThreadPoolExecutor(8) as ex:
 
 def test_filesystem_outside_the_workspace(task, host_guard, canary):
     """Read-only system binds, a private root (no host /root, /work, repo or host /tmp), a
-    read-only /sys of the sandbox's own network namespace, no hard links across mounts, no write through a user namespace; a symlink planted inside and
+    read-only /sys of the sandbox's own network namespace, a laptop's /dev whose device nodes
+    cannot be opened, no hard links across mounts, no write through a user namespace; a symlink planted inside and
     pointing at a host file is neither readable inside nor followed by the host-side file tools."""
     ep = host_guard(task)
     host_file = canary / "canary.txt"
@@ -276,10 +277,17 @@ def test_filesystem_outside_the_workspace(task, host_guard, canary):
             " && echo WROTE-remount || echo denied-remount"
             # /sys: the network namespace's own, read-only (its interfaces, not the host's)
             "; (echo 1 > /sys/kernel/mm/ksm/run) 2>/dev/null && echo WROTE-sys || echo denied-sys"
-            "; echo NETS $(ls /sys/class/net) END")
+            "; echo NETS $(ls /sys/class/net) END"
+            # /dev lists a laptop's devices; none opens (a nodev tmpfs), whatever its mode says
+            "; for d in kmsg nvme0n1 video0 fuse dri/renderD128 snd/pcmC0D0p input/event0 mem; do"
+            " head -c1 /dev/$d >/dev/null 2>&1 && echo OPENED-$d; { : > /dev/$d; } 2>/dev/null && echo OPENED-w-$d; done"
+            "; echo DEVS $(ls -A /dev | wc -l) $(stat -c %F /dev/nvme0n1 /dev/kmsg | tr ' ' _) END")
     out, entry = term(ep, cmd)
     assert "WROTE" not in out and "SEEN" not in out, out
     assert out.count("denied") == len(targets) + 3 and out.count("absent") == 6, out
+    assert "OPENED" not in out, out
+    devs = out.split("DEVS")[1].split("END")[0].split()
+    assert int(devs[0]) >= 150 and devs[1:] == ["block_special_file", "character_special_file"], devs
     nets = out.split("NETS")[1].split("END")[0].split()
     assert nets == sorted(["lo", ep.sandbox.network.wifi.interface]), nets
     assert "no-hardlink" in out

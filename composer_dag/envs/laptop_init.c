@@ -29,6 +29,7 @@
  *   LAPTOP_INIT_CMD_PID             the pid the command should get
  *   LAPTOP_INIT_ARGC, LAPTOP_INIT_ARG0..   the command's argv
  *   LAPTOP_INIT_PATH                the command's PATH (process 1's own is /usr/lib/systemd)
+ *   LAPTOP_INIT_DEV                 the laptop's /dev entries to make (see make_dev)
  * A pid is a hint: the next pid is set through /proc/sys/kernel/ns_last_pid where the kernel
  * allows it, so the tree's numbers look like those of a machine that has been up a while.
  *
@@ -44,6 +45,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -195,6 +198,58 @@ static void read_spec(void) {
     if (!spec.argv[0] || !spec.env) die("calloc");
 }
 
+/* The laptop's /dev entries (LAPTOP_INIT_DEV, one a line: "c|b|d MODE UID GID MAJOR MINOR PATH"
+ * or "l TARGET PATH", paths under /dev), made on bubblewrap's nodev tmpfs, dated like its nodes. */
+static void make_dev(const char *spec) {
+    struct stat ref;
+    struct timespec ts[2] = {{0, UTIME_OMIT}, {0, UTIME_OMIT}};
+    if (stat("/dev/null", &ref) == 0) {
+        ts[0] = ref.st_atim;
+        ts[1] = ref.st_mtim;
+    }
+    mode_t old = umask(0);
+    char *copy = strdup(spec), *rest = copy, *line;
+    while ((line = strsep(&rest, "\n")) != NULL) {
+        char *f[7], *p = line, path[512];
+        int n = 0;
+        while (n < 7 && (f[n] = strsep(&p, " ")) != NULL) n++;
+        if (n == 3 && f[0][0] == 'l') {
+            snprintf(path, sizeof path, "/dev/%s", f[2]);
+            if (symlink(f[1], path) != 0) continue;
+        } else if (n == 7) {
+            snprintf(path, sizeof path, "/dev/%s", f[6]);
+            mode_t mode = (mode_t)strtoul(f[1], NULL, 8);
+            dev_t dev = makedev(strtoul(f[4], NULL, 10), strtoul(f[5], NULL, 10));
+            int r = f[0][0] == 'd' ? mkdir(path, mode)
+                  : mknod(path, (f[0][0] == 'b' ? S_IFBLK : S_IFCHR) | mode, dev);
+            if (r != 0) continue;
+            if (lchown(path, (uid_t)strtoul(f[2], NULL, 10), (gid_t)strtoul(f[3], NULL, 10)) != 0) continue;
+        } else {
+            continue;
+        }
+        utimensat(AT_FDCWD, path, ts, AT_SYMLINK_NOFOLLOW);
+    }
+    free(copy);
+    umask(old);
+    /* then the directories, which the entries made in them touched, and bubblewrap's own */
+    copy = strdup(spec);
+    rest = copy;
+    while ((line = strsep(&rest, "\n")) != NULL) {
+        char path[512], *last = strrchr(line, ' ');
+        if (line[0] == 'd' && last) {
+            snprintf(path, sizeof path, "/dev/%s", last + 1);
+            utimensat(AT_FDCWD, path, ts, AT_SYMLINK_NOFOLLOW);
+        }
+    }
+    free(copy);
+    static const char *own[] = {"core", "fd", "stdin", "stdout", "stderr", "ptmx", ""};
+    for (int i = 0; own[i]; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "/dev/%s", own[i]);
+        utimensat(AT_FDCWD, path, ts, AT_SYMLINK_NOFOLLOW);
+    }
+}
+
 static int status_code(int st) {
     if (WIFEXITED(st)) return WEXITSTATUS(st);
     if (WIFSIGNALED(st)) return 128 + WTERMSIG(st);
@@ -285,6 +340,8 @@ int main(int argc, char **argv) {
         title_start = argv[0];
         title_end = last > environ ? last[-1] + strlen(last[-1]) + 1 : argv[0] + strlen(argv[0]) + 1;
         read_spec();
+        const char *dev = getenv("LAPTOP_INIT_DEV");
+        if (dev) make_dev(dev);
         set_title("/sbin/init");
         prctl(PR_SET_NAME, "systemd", 0, 0, 0);
         spawn_sleepers(spec.services);

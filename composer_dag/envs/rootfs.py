@@ -255,7 +255,7 @@ def _make_init(dst: Path) -> None:
 def persona_runtime(persona: Persona) -> Path:
     """The persona's root skeleton and home skeleton (its /etc hard links into ``runtime()``'s)."""
     shared = runtime()
-    return _build("persona", [str(shared), repr(persona), 6], lambda tmp: _make_persona(tmp, shared, persona))
+    return _build("persona", [str(shared), repr(persona), 7], lambda tmp: _make_persona(tmp, shared, persona))
 
 
 def _link_tree(src: Path, dst: Path) -> None:
@@ -288,7 +288,7 @@ def _make_persona(tmp: Path, shared: Path, p: Persona) -> None:
     rng = random.Random(repr(p))
     fs = tmp / "root"
     for d in ("usr", "proc", "dev", "tmp", "home/" + p.user, "var/tmp", "var/lib", "var/log", "var/cache",
-              "opt", "mnt", "media", "srv", "run", "boot", "root", "sys"):
+              "opt", "mnt", "media", "srv", "run", "boot/efi", "root", "sys"):
         (fs / d).mkdir(parents=True, exist_ok=True)
     (fs / "root").chmod(0o700)
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):

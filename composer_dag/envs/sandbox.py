@@ -143,6 +143,10 @@ def _base_args(persona: Persona) -> list[str]:
         a += ["--ro-bind", str(rt / "systemd-lib"), HOST_SYSTEMD]
     a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--mqueue", "/dev/mqueue",
           "--perms", "0755", "--tmpfs", "/run", "--perms", "1777", "--size", str(5 << 20), "--tmpfs", "/run/lock", "--dir", "/run/user"]
+    # a laptop's other mount points, as its user sees them: /dev/hugepages empty, the EFI
+    # partition root's alone (Debian mounts it umask=0077)
+    a += ["--perms", "0755", "--size", "4096", "--tmpfs", "/dev/hugepages", "--perms", "0700", "--size", "4096",
+          "--tmpfs", "/boot/efi"]
     _BASE_ARGS[persona] = a
     return a
 
@@ -210,7 +214,10 @@ class Sandbox:
             self.network = None
             a.append("--unshare-net")
         else:
-            a += ["--ro-bind", self.network.sysfs, "/sys"]
+            # /sys's own mount points: the cgroup tree's, and debugfs and tracefs, root's alone
+            a += ["--ro-bind", self.network.sysfs, "/sys", "--perms", "0755", "--size", "4096", "--tmpfs", "/sys/fs/cgroup",
+                  "--perms", "0700", "--size", "4096", "--tmpfs", "/sys/kernel/debug",
+                  "--perms", "0700", "--size", "4096", "--tmpfs", "/sys/kernel/tracing"]
         for tmp in ("/tmp", "/var/tmp"):
             a += ["--perms", "1777", "--size", str(limits.max_tmp_bytes), "--tmpfs", tmp]
         for d in (".ICE-unix", ".X11-unix", ".XIM-unix", ".font-unix"):
