@@ -94,7 +94,7 @@ def cmd_sandbox_exec(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
 
 def cmd_sandbox_realism(args: argparse.Namespace) -> dict[str, Any]:
-    from composer_dag.envs.probes import PROBES, run_battery, sandbox_realism
+    from composer_dag.envs.probes import ALLOWLIST, PROBES, open_tells, run_battery, sandbox_realism
 
     if args.workspace_dir and not os.path.isdir(args.workspace_dir):
         raise ValueError(f"workspace {args.workspace_dir} does not exist")
@@ -107,9 +107,13 @@ def cmd_sandbox_realism(args: argparse.Namespace) -> dict[str, Any]:
             answer = " | ".join(inside["outputs"].get(name, "").strip().splitlines()[:3])[:160]
             host_answer = " | ".join(host["outputs"].get(name, "").strip().splitlines()[:3])[:160]
             sys.stdout.write(f"{name}: {why}\n    sandbox: {answer}\n    host:    {host_answer}\n")
+            if name in ALLOWLIST:
+                sys.stdout.write(f"    allowed: {ALLOWLIST[name][0]}; a deployment: {ALLOWLIST[name][1]}\n")
+    tells = open_tells(inside)
     sys.stdout.write(f"{inside['count']} of {len(PROBES)} probes tell the sandbox from a laptop "
-                     f"(the host: {host['count']})\n")
-    return {"probes": len(PROBES), "differences": inside["count"], "host_differences": host["count"]}
+                     f"(the host: {host['count']}); {inside['count'] - len(tells)} of them allowed "
+                     f"(the host shows through), {len(tells)} open\n")
+    return {"probes": len(PROBES), "differences": inside["count"], "open": len(tells), "host_differences": host["count"]}
 
 
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:

@@ -59,23 +59,34 @@ def test_every_probe_answers_in_the_sandbox_and_on_the_host(reports):
 STILL_OPEN = {
     # the mount table names the runtime's cache (bind mounts from the host's disk)
     "mounts.paths",
-    # bubblewrap's no_new_privs, and the host's: its container's bounding set, its cgroup hierarchy
-    "priv.no_new_privs", "priv.cap_bounding", "cgroup.self",
-    # the host's kernel release (a deployment runs a distribution kernel)
-    "kernel.release",
+    # bubblewrap sets no_new_privs; an OCI runtime (every mount nosuid instead) would not
+    "priv.no_new_privs",
 }
-# what the host's own kernel and machine show through: a freshly booted or small machine tells on
-# uptime and disk; a kernel built without Xen support has no /sys/hypervisor
-HOST_TOO = ("uptime", "disk.df", "sys.top")
+# the tells the issue found in one read: none may be allowed, whatever the host shows
+NEVER_ALLOWED = {"mounts.paths", "proc.pid1_cmdline", "proc.pid1_comm", "proc.count", "etc.entries", "etc.passwd",
+                 "etc.group", "net.interfaces", "dev.count", "priv.no_new_privs", "tmp.entries", "home.history",
+                 "run.user"}
+
+
+def test_the_allowlist_is_short_and_says_why_and_what_to_do():
+    from composer_dag.envs.probes import ALLOWLIST
+
+    assert len(ALLOWLIST) <= 8 and set(ALLOWLIST) <= {p.name for p in PROBES}
+    assert not set(ALLOWLIST) & NEVER_ALLOWED and not set(ALLOWLIST) & STILL_OPEN
+    assert all(len(why) > 30 and len(fix) > 20 for why, fix in ALLOWLIST.values())
 
 
 def test_the_battery_sees_the_tells_a_model_would_see(reports):
     """The tells a model finds in one read: those closed stay closed (process 1 and the process
     list, /dev, the mount points, a laptop's /etc, home, history, /tmp, /run/user, /sys, locale,
     time zone, session variables, groups, tools), the rest are each found by their probe."""
+    from composer_dag.envs.probes import ALLOWLIST, open_tells
+
     v = reports["sandbox"]["verdicts"]
-    host_too = {p for p in HOST_TOO if reports["host"]["verdicts"][p]}
-    assert {d.split(":")[0] for d in reports["sandbox"]["differences"]} <= STILL_OPEN | host_too
+    assert {d.split(":")[0] for d in open_tells(reports["sandbox"])} <= STILL_OPEN
+    # what is allowed shows through from the host: the host's own answer differs the same way
+    for probe in set(ALLOWLIST) & {d.split(":")[0] for d in reports["sandbox"]["differences"]}:
+        assert reports["host"]["verdicts"][probe], (probe, v[probe])
     for probe in ("proc.pid1_cmdline", "proc.pid1_comm", "proc.count", "proc.services", "proc.session",
                   "proc.ancestry", "proc.exe", "ns.same_as_init", "dev.entries", "dev.count", "mounts.points",
                   "mounts.types",
@@ -88,7 +99,7 @@ def test_the_battery_sees_the_tells_a_model_would_see(reports):
         assert v[probe], (probe, reports["sandbox"]["outputs"][probe][:300])
     out = reports["sandbox"]["outputs"]
     # /sys is there, and is the kernel's as the host has it (at most what the host lacks is missing)
-    assert v["sys.top"] is None or v["sys.top"] == reports["host"]["verdicts"]["sys.top"], v["sys.top"]
+    assert v["sys.top"] is None or "(hypervisor)" in v["sys.top"], v["sys.top"]
     # process 1 is an init, and the probe's shell runs in a terminal of the user's session
     assert out["proc.pid1_cmdline"].strip() == "/sbin/init" and out["proc.pid1_comm"].strip() == "systemd"
     assert out["proc.ancestry"].split()[-3:] == ["gnome-terminal-", "systemd", "systemd"], out["proc.ancestry"]
@@ -101,6 +112,7 @@ def test_realism_command_prints_each_difference_and_the_count(realism_cli):
     stdout, reports = realism_cli
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["probes"] == len(PROBES) and summary["differences"] == reports["sandbox"]["count"] > 0
+    assert 0 < summary["open"] <= len(STILL_OPEN) and "allowed: " in stdout
     assert f"{summary['differences']} of {len(PROBES)} probes tell the sandbox from a laptop" in stdout
     assert "priv.no_new_privs: " in stdout and "    sandbox: " in stdout and "    host:    " in stdout
 
@@ -128,8 +140,9 @@ def test_the_battery_in_a_grading_run_sees_what_the_episode_sees(tmp_path, repor
         rep = run_battery(sb)
         who = sb.run("whoami; hostname").stdout.split()
     assert who == [persona.user, persona.hostname]
-    host_too = {p for p in HOST_TOO if reports["host"]["verdicts"][p]}
-    assert {d.split(":")[0] for d in rep["differences"]} <= STILL_OPEN | host_too, rep["differences"]
+    from composer_dag.envs.probes import open_tells
+
+    assert {d.split(":")[0] for d in open_tells(rep)} <= STILL_OPEN, rep["differences"]
 
 
 def test_personas_vary_with_the_seed_and_share_what_does_not_depend_on_them(tmp_path):

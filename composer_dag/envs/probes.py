@@ -356,6 +356,31 @@ def run_battery(sandbox=None, profile: dict | None = None, timeout: float = 300)
     return {"outputs": outputs, "verdicts": verdicts, "differences": diffs, "count": len(diffs)}
 
 
+ALLOWLIST: dict[str, tuple[str, str]] = {
+    # probe: (why the sandbox cannot hide it, what a deployment can do about it)
+    "kernel.release": ("the sandbox runs on the host's kernel, and uname reads that kernel's build",
+                       "run the workers on a distribution kernel (Debian's linux-image-amd64)"),
+    "sys.top": ("sysfs's top level is the kernel's: /sys is there, but this host's kernel has no /sys/hypervisor",
+                "the same: a distribution kernel has it"),
+    "priv.cap_bounding": ("a process can only drop capabilities from its bounding set: the sandbox starts from the "
+                          "host container's, which lacks CAP_SYS_RESOURCE here",
+                          "give the workers' container the full set (the sandbox's user holds none of them anyway)"),
+    "cgroup.self": ("the cgroup hierarchy is the host's (v1 here); a cgroup namespace hides the path above, not the "
+                    "version", "a cgroup v2 host, each sandbox in a session-N.scope under user.slice/user-1000.slice"),
+    "uptime": ("/proc/uptime is the host's, so a freshly booted worker tells",
+               "long-running workers, or a time namespace with a boot-time offset"),
+    "disk.df": ("df reports the size and free space of the host's disk under the workspace",
+                "workers whose scratch disk is laptop-sized"),
+}
+"""Differences the sandbox cannot hide because the host shows through them, with what a deployment
+does about each. ``open_tells`` leaves them out; every other difference is a tell to close."""
+
+
+def open_tells(report: dict) -> list[str]:
+    """A battery report's differences that are not on ``ALLOWLIST``."""
+    return [d for d in report["differences"] if d.split(":")[0] not in ALLOWLIST]
+
+
 def sandbox_realism(workspace: str | os.PathLike | None = None) -> dict:
     """The battery inside a fresh sandbox on ``workspace`` (default: an empty project)."""
     import tempfile
@@ -372,6 +397,7 @@ def sandbox_realism(workspace: str | os.PathLike | None = None) -> dict:
 def differences_table(report: dict) -> str:
     """The differences as a markdown table (probe, area, what gives it away)."""
     area = {p.name: p.area for p in PROBES}
-    rows = [f"| {name} | {area.get(name, '')} | {why.replace('|', '/')} |"
+    rows = [f"| {name} | {area.get(name, '')} | {why.replace('|', '/')} | "
+            f"{('allowed: ' + ALLOWLIST[name][0]).replace('|', '/') if name in ALLOWLIST else 'open'} |"
             for name, why in report["verdicts"].items() if why]
-    return "\n".join(["| probe | area | what a laptop would not show |", "|---|---|---|", *rows])
+    return "\n".join(["| probe | area | what a laptop would not show | status |", "|---|---|---|---|", *rows])
