@@ -61,6 +61,14 @@ RL_GRIDS = {
         "lr3e-4-warm3": {"trainer": {"lr": 3e-4, "kl_coef": 0.1, "warmup_steps": 3}},
         "lr1e-4-warm3": {"trainer": {"lr": 1e-4, "kl_coef": 0.1, "warmup_steps": 3}},
     },
+    # after the personas (prompts name the persona's home; RL's gain fell to +0.03): more updates,
+    # a higher rate, larger groups, each against the default in the same sweep
+    "sweep2": {
+        "default": {},
+        "steps12": {"steps": 12},
+        "lr5e-4-warm3": {"trainer": {"lr": 5e-4, "kl_coef": 0.1, "warmup_steps": 3}},
+        "group8": {"group_size": 8},
+    },
 }
 RL_COMMON = {"steps": 8}
 
