@@ -1,8 +1,9 @@
 """The process tree a sandbox shows: a booted Debian laptop's, with the command in its terminal.
 
 ``laptop_init.c`` (built once into the runtime, bound at ``/lib/systemd/systemd``) is process 1
-and every process of the tree but the command (forks of it, each titled like a laptop's process); this module says which processes, as whom and
-with which pids, in the ``LAPTOP_INIT_*`` environment it reads (``init_env``). The services are those
+and every process of the tree but the command (forks of it, each titled like a laptop's
+process); this module says which processes, as whom and with which pids, and which /dev entries,
+in the ``LAPTOP_INIT_*`` environment it reads (``init_env``). The services are those
 of ``laptop_profile.json``'s ``service_comms`` (a Debian bookworm GNOME laptop's enabled
 services), each with the command line its unit starts it with; the session is the user's
 manager, its ``(sd-pam)``, the user services and a terminal.
@@ -14,7 +15,7 @@ import functools
 import random
 from pathlib import Path
 
-INIT_DIR = "/usr/lib/systemd"  # bound from the runtime; process 1 is its ``systemd``
+INIT_DIR = "/usr/lib/systemd"  # bound from the runtime (it must exist on the host); process 1 is its ``systemd``
 INIT_SOURCE = Path(__file__).with_name("laptop_init.c")
 
 # (user, command line): "comm=NAME " first where the process renames itself
@@ -68,20 +69,30 @@ MANAGER = "/lib/systemd/systemd --user"
 TERMINAL = "comm=gnome-terminal- /usr/libexec/gnome-terminal-server"
 
 
-def _users(etc: Path) -> dict[str, tuple[int, int]]:
+def _ids(etc: Path, table: str) -> dict[str, tuple[int, int]]:
+    """Name -> (id, group id) from ``etc/passwd``, or name -> (gid, gid) from ``etc/group``."""
     out = {}
-    for line in (etc / "passwd").read_text().splitlines():
+    for line in (etc / table).read_text().splitlines():
         f = line.split(":")
         if len(f) > 3:
-            out[f[0]] = (int(f[2]), int(f[3]))
+            out[f[0]] = (int(f[2]), int(f[3]) if table == "passwd" else int(f[2]))
     return out
 
 
 def init_env(persona, etc: Path, groups: str, argv: list[str], cmd_pid: int) -> dict[str, str]:
-    """The ``LAPTOP_INIT_*`` variables process 1 reads: the tree for ``persona`` (its users from
-    ``etc``, the /etc the sandbox shows), the user's supplementary ``groups``, the command and
-    the pid it should get (the tree's own pids are the persona's, as on a machine up a while)."""
-    users = _users(etc)
+    """The ``LAPTOP_INIT_*`` variables process 1 reads: the persona's tree (``tree_env``), the
+    command and the pid it should get."""
+    env = dict(tree_env(persona, etc, groups), LAPTOP_INIT_CMD_PID=str(cmd_pid), LAPTOP_INIT_ARGC=str(len(argv)))
+    env.update({f"LAPTOP_INIT_ARG{i}": a for i, a in enumerate(argv)})
+    return env
+
+
+@functools.lru_cache(maxsize=64)
+def tree_env(persona, etc: Path, groups: str) -> dict[str, str]:
+    """What does not change from one command to the next (computed once per persona): the tree
+    for ``persona`` (its users from ``etc``, the /etc the sandbox shows, the user's supplementary
+    ``groups``) at pids of a machine up a while, and its /dev (``dev_entries``). Callers copy it."""
+    users = _ids(etc, "passwd")
     rng = random.Random(f"pids:{persona!r}")
     fmt = {"host": persona.hostname, "uid": persona.uid}
 
@@ -100,24 +111,12 @@ def init_env(persona, etc: Path, groups: str, argv: list[str], cmd_pid: int) -> 
         pid += 1 + rng.randrange(30)
         session.append(line(me, pid, cmd))
     terminal = line(me, pid + 600 + rng.randrange(2000), TERMINAL)
-    env = {"LAPTOP_INIT_ROLE": "init", "LAPTOP_INIT_UID": str(persona.uid), "LAPTOP_INIT_GID": str(persona.gid), "LAPTOP_INIT_GROUPS": groups,
-           "LAPTOP_INIT_SERVICES": "\n".join(services), "LAPTOP_INIT_MANAGER": manager, "LAPTOP_INIT_SESSION": "\n".join(session),
-           "LAPTOP_INIT_TERMINAL": terminal, "LAPTOP_INIT_CMD_PID": str(cmd_pid),
-           "LAPTOP_INIT_ARGC": str(len(argv))}
-    env.update({f"LAPTOP_INIT_ARG{i}": a for i, a in enumerate(argv)}, LAPTOP_INIT_DEV=dev_entries(persona, etc))
-    return env
+    return {"LAPTOP_INIT_ROLE": "init", "LAPTOP_INIT_UID": str(persona.uid), "LAPTOP_INIT_GID": str(persona.gid),
+            "LAPTOP_INIT_GROUPS": groups, "LAPTOP_INIT_SERVICES": "\n".join(services),
+            "LAPTOP_INIT_MANAGER": manager, "LAPTOP_INIT_SESSION": "\n".join(session),
+            "LAPTOP_INIT_TERMINAL": terminal, "LAPTOP_INIT_DEV": dev_entries(persona, etc)}
 
 
-def _groups(etc: Path) -> dict[str, int]:
-    out = {}
-    for line in (etc / "group").read_text().splitlines():
-        f = line.split(":")
-        if len(f) > 2:
-            out[f[0]] = int(f[2])
-    return out
-
-
-@functools.lru_cache(maxsize=64)
 def dev_entries(persona, etc: Path) -> str:
     """A laptop's /dev beyond bubblewrap's (which binds null, zero, full, random, urandom and tty
     and mounts pts, shm and mqueue): the nodes a booted NVMe laptop's devtmpfs and udev make
@@ -125,7 +124,7 @@ def dev_entries(persona, etc: Path) -> str:
     one a line: ``c|b|d MODE UID GID MAJOR MINOR PATH`` or ``l TARGET PATH``. The init makes them
     on bubblewrap's /dev, a ``nodev`` tmpfs: they list as a laptop's and none can be opened, not
     even by root ("Permission denied"), so no device of the host is reachable through them."""
-    gid = _groups(etc)
+    gid = {name: ids[0] for name, ids in _ids(etc, "group").items()}
     rng = random.Random(f"dev:{persona!r}")
     lines: list[str] = []
 

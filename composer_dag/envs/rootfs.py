@@ -43,13 +43,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .laptop_session import INIT_SOURCE
+from .laptop_session import INIT_DIR, INIT_SOURCE
 from .netns import wifi_for
 
 PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
 TOOLING = ("pytest", "pip")  # distributions visible inside, with their requirements
 LAPTOP_ETC = Path(__file__).with_name("laptop_etc.tar.xz")
-HOST_SYSTEMD = "/usr/lib/systemd"  # where the sandbox's process 1 is bound (it must exist on the host)
 # the Debian installer's groups for the first user (user-setup's passwd/user-default-groups)
 USER_GROUPS = ("cdrom", "floppy", "sudo", "audio", "dip", "video", "plugdev", "users", "netdev", "bluetooth",
                "lpadmin", "scanner")
@@ -236,8 +235,8 @@ def _make_shared(tmp: Path, dists) -> None:
 def _make_init(dst: Path) -> None:
     """``/usr/lib/systemd`` as the sandbox shows it: the host's, with the laptop's process 1
     (``laptop_init.c``, built static here) as ``systemd``."""
-    if Path(HOST_SYSTEMD).is_dir():
-        shutil.copytree(HOST_SYSTEMD, dst, symlinks=True, ignore_dangling_symlinks=True)
+    if Path(INIT_DIR).is_dir():
+        shutil.copytree(INIT_DIR, dst, symlinks=True, ignore_dangling_symlinks=True)
     else:
         dst.mkdir()
     cc = shutil.which("cc") or shutil.which("gcc")

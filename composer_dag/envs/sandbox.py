@@ -77,12 +77,11 @@ from pathlib import Path
 
 from .netns import Network
 from .laptop_session import INIT_DIR, init_env
-from .rootfs import (HOST_SYSTEMD, PYVER, Persona, _libpython_binds, _system_binds, persona_runtime, runtime,
-                     shell_history)
+from .rootfs import PYVER, Persona, _libpython_binds, _system_binds, persona_runtime, runtime, shell_history
 
 BWRAP = shutil.which("bwrap") or "/usr/bin/bwrap"
 PRLIMIT = shutil.which("prlimit") or "/usr/bin/prlimit"
-HAS_INIT = Path(HOST_SYSTEMD).is_dir()  # where process 1 is bound; without it the command is process 1
+HAS_INIT = Path(INIT_DIR).is_dir()  # where process 1 is bound; without it the command is process 1
 
 
 @dataclass(frozen=True)
@@ -140,7 +139,7 @@ def _base_args(persona: Persona) -> list[str]:
           "--ro-bind", str(rt / "site-packages"), f"/usr/local/lib/python{PYVER}/site-packages"]
     a += _libpython_binds()
     if HAS_INIT:
-        a += ["--ro-bind", str(rt / "systemd-lib"), HOST_SYSTEMD]
+        a += ["--ro-bind", str(rt / "systemd-lib"), INIT_DIR]
     a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--mqueue", "/dev/mqueue",
           "--perms", "0755", "--tmpfs", "/run", "--perms", "1777", "--size", str(5 << 20), "--tmpfs", "/run/lock", "--dir", "/run/user"]
     # a laptop's other mount points, as its user sees them: /dev/hugepages empty, the EFI
