@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from composer_dag.runtime.errors import one_line
@@ -72,6 +73,25 @@ def cmd_env_grade(args: argparse.Namespace) -> dict[str, Any]:
     if not os.path.exists(os.path.join(args.task_dir, "task.json")):
         raise ValueError(f"{args.task_dir} has no task.json: not a task directory")
     return grade_cli(args.task_dir, args.workspace_dir)
+
+
+def cmd_env_bootstrap(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    from composer_dag.envs.repo_env import BootstrapConfig, bootstrap
+
+    cfg = BootstrapConfig.load({k: v for k, v in {"test_timeout": args.test_timeout, "store": args.store}.items()
+                                if v is not None})
+    r = bootstrap(args.src, Path(args.out), cfg, log=_progress)
+    keys = ("ok", "reason", "test_command", "tests_passing", "tests_total", "seconds", "env_digest")
+    return {**{k: r.get(k) for k in keys}, **({"error": r["error"]} if r.get("error") else {})}, 0 if r["ok"] else 1
+
+
+def cmd_tasks_mine(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    from composer_dag.envs.tasks_repo import mine
+
+    if not os.path.exists(os.path.join(args.env_dir, "env.json")):
+        raise ValueError(f"{args.env_dir} has no env.json: not an environment (make one with `env bootstrap`)")
+    r = mine(Path(args.env_dir), Path(args.out), max_tasks=args.max, seed=args.seed, log=_progress)
+    return r, 0 if r["ok"] else 1
 
 
 def cmd_sandbox_exec(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
@@ -171,6 +191,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("task_dir")
     g.add_argument("workspace_dir")
     g.set_defaults(func=cmd_env_grade)
+    b = e.add_parser("bootstrap", help="make a repository (directory, git PATH[@REV], sdist file or URL) an "
+                                       "environment whose own tests run in the sandbox, offline")
+    b.add_argument("src")
+    b.add_argument("--out", required=True, help="the environment directory to write")
+    b.add_argument("--test-timeout", type=float, default=None, help="seconds per run of the suite")
+    b.add_argument("--store", default=None, help="the wheel store (default $COMPOSER_HOME/wheel-store)")
+    b.set_defaults(func=cmd_env_bootstrap)
+
+    t = sub.add_parser("tasks", help="RL tasks").add_subparsers(dest="tasks_command", required=True)
+    m = t.add_parser("mine", help="synthetic-bug tasks from an environment made by `env bootstrap`")
+    m.add_argument("env_dir")
+    m.add_argument("--out", required=True, help="the directory to write task directories into")
+    m.add_argument("--max", type=int, default=10, help="tasks at most")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_tasks_mine)
 
     s = sub.add_parser("sandbox", help="the bubblewrap sandbox").add_subparsers(dest="sandbox_command", required=True)
     x = s.add_parser("exec", help="run a command in the sandbox; its exit code is passed through")

@@ -7,7 +7,10 @@ on (builtins, ``os``/``sys`` exits and writes, every method of ``unittest``'s ca
 suite and loader classes, its own functions), puts ``ROOT`` first on ``sys.path``, imports each
 test file as a module and runs its ``unittest`` cases and its module-level ``test*`` functions,
 each outcome caught by the runner itself (``passed``, ``failed``, ``error``, ``skipped``,
-``xfailed``, ``xpassed``). After every test it checks that the recorded objects are still the
+``xfailed``, ``xpassed``). With ``--pytest INI CHECKS_ROOT PATH...`` it runs pytest in its own
+process instead (the settings file and the tree recorded with the task, plugin autoload off, no
+conftest above ``CHECKS_ROOT``), records each report itself and watches pytest's runner,
+report and collection functions as it watches ``unittest``'s. After every test it checks that the recorded objects are still the
 originals and that no trace or profile hook is set. At the end it runs the exit handlers the
 code under test registered, checks once more, and writes one ``results.json`` into
 ``REPORT_DIR`` (created exclusively, links not followed): an HMAC-SHA256 of the payload with
@@ -45,6 +48,12 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
     import unittest.suite
 
     root, report_dir, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+    pytest_mode = files[:1] == ["--pytest"]
+    if pytest_mode:  # --pytest INI CHECKS_ROOT PATH...: the recorded tree, run by pytest in this process
+        ini, checks_root, files = files[1], files[2], files[3:]
+        for k in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
+            os.environ.pop(k, None)
+        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     _exit, _open, _write, _close = os._exit, os.open, os.write, os.close
     _dumps, _hmac_new, _sha256 = json.dumps, hmac.new, hashlib.sha256
     _gettrace, _getprofile = sys.gettrace, sys.getprofile
@@ -80,6 +89,21 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
     watch(hmac, ["new", "compare_digest", "HMAC"], "hmac")
     watch(hashlib, ["sha256"], "hashlib")
     watch(json, ["dumps"], "json")
+    if pytest_mode:
+        import _pytest.main
+        import _pytest.python
+        import _pytest.reports
+        import _pytest.runner
+        import pytest
+
+        watch(pytest, ["main", "fail", "skip", "xfail", "raises", "approx", "TestReport", "Function", "Item"], "pytest")
+        watch(_pytest.runner, [n for n, v in vars(_pytest.runner).items() if inspect.isfunction(v)], "_pytest.runner")
+        watch(_pytest.main, [n for n, v in vars(_pytest.main).items() if inspect.isfunction(v)], "_pytest.main")
+        watch(_pytest.python, [n for n, v in vars(_pytest.python).items() if inspect.isfunction(v)], "_pytest.python")
+        for cls in (_pytest.reports.TestReport, _pytest.reports.BaseReport, _pytest.runner.CallInfo,
+                    _pytest.python.Function):
+            watch(cls, [n for n, v in vars(cls).items() if callable(v) or isinstance(v, (staticmethod, classmethod))],
+                  cls.__qualname__)
     meta_path = list(sys.meta_path)
 
     def check(where):
@@ -176,7 +200,45 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
 
     sys.path.insert(0, root)
     check("start")
-    for path in files:
+    if pytest_mode:
+        def outcome_of(report):
+            if report.skipped:
+                return "xfailed" if hasattr(report, "wasxfail") else "skipped"
+            if report.failed:
+                return "failed" if report.when == "call" else "error"
+            return "xpassed" if hasattr(report, "wasxfail") else "passed"
+
+        class Recorder:
+            def pytest_sessionstart(self, session):
+                meta_path[:] = list(sys.meta_path)  # pytest's assertion rewriting hook, now in place
+
+            def pytest_collectreport(self, report):
+                if report.failed:
+                    record(f"{report.nodeid or '<collection>'}::<module>", "error", RuntimeError(str(report.longrepr)[-500:]))
+
+            def pytest_runtest_logreport(self, report):
+                if report.when != "call" and report.passed:
+                    return
+                outcome = outcome_of(report)
+                exc = RuntimeError(str(report.longrepr)[-500:]) if outcome in ("failed", "error") else None
+                if exc is not None and report.longrepr is not None:
+                    exc = AssertionError(str(getattr(report.longrepr, "reprcrash", None) and
+                                             report.longrepr.reprcrash.message or report.longrepr)[-500:])
+                record(report.nodeid, outcome, exc)
+
+            def pytest_runtest_logfinish(self, nodeid, location):
+                check(nodeid)
+
+        rec = Recorder()
+        watch(Recorder, [n for n, v in vars(Recorder).items() if callable(v)], "runner.Recorder")
+        try:
+            pytest.main(["-c", ini, "--rootdir", checks_root, "--confcutdir", checks_root, "-p", "no:cacheprovider",
+                         "-o", "addopts=", "-q", "-rN", "--color=no", *files], plugins=[rec])
+        except BaseException as e:  # noqa: BLE001
+            record("<pytest>::<session>", "error", e)
+        # pytest takes its assertion rewriting hook out again at the end: only that one may go
+        meta_path[:] = [m for m in meta_path if m in sys.meta_path or type(m).__name__ != "AssertionRewritingHook"]
+    for path in ([] if pytest_mode else files):
         name = os.path.basename(path)[:-3]
         try:
             spec = importlib.util.spec_from_file_location(name, path)

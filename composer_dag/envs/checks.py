@@ -103,15 +103,36 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
     task = load_task(task_dir)
     timeout = timeout or task.get("limits", {}).get("test_timeout", 120)
     key = secrets.token_hex(32)
+    pytest_task = task.get("framework") == "pytest"
     with tempfile.TemporaryDirectory(prefix="cdag-g-") as tmp:
         ws = Path(tmp) / project_name(task)
         shutil.copytree(workspace, ws, symlinks=True, ignore=_skip_in_copy)
         report = Path(tmp) / "report"
         report.mkdir()
         checks = Path(tmp) / "checks"
-        checks.mkdir(mode=0o755)
         stems, inside = {}, []
-        for f in files:
+        binds = []
+        if pytest_task:
+            # the recorded tree (tests, conftest files, helpers, pytest.ini), a canary replacing
+            # the one file it was made from; the workspace's virtual environment made afresh
+            shutil.copytree(task_dir / "hidden_tests", checks)
+            canary_info = (task.get("checks") or {}).get("canaries") or {}
+            for f in files:
+                f = Path(f)
+                rel = (canary_info.get(f.name) or {}).get("replaces") if f.parent.name == "canaries" else \
+                    f.relative_to(task_dir / "hidden_tests").as_posix()
+                if f.parent.name == "canaries":
+                    (checks / rel).write_bytes(f.read_bytes())
+                inside.append(rel)
+            for p in [checks, *checks.rglob("*")]:
+                os.chmod(p, 0o755 if p.is_dir() else 0o644)
+            from .repo_env import venv_binds
+
+            binds = venv_binds(ws, task_dir / "layer", f"{task_persona(task).home}/{ws.name}")
+            inside = ["--pytest", f"{CHECKS_DIR}/pytest.ini", CHECKS_DIR, *[f"{CHECKS_DIR}/{r}" for r in inside]]
+        else:
+            checks.mkdir(mode=0o755)
+        for f in ([] if pytest_task else files):
             data = Path(f).read_bytes()
             mod = check_name(data)
             stems[mod] = Path(f).stem
@@ -119,10 +140,11 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
             (checks / f"{mod}.py").write_bytes(data)
             os.chmod(checks / f"{mod}.py", 0o644)
         os.chmod(checks, 0o755)
-        binds = [Bind(RUNNER, RUNNER_PATH), Bind(checks, CHECKS_DIR), Bind(report, REPORT_DIR, writable=True)]
+        binds += [Bind(RUNNER, RUNNER_PATH), Bind(checks, CHECKS_DIR), Bind(report, REPORT_DIR, writable=True)]
         with grading_sandbox(task, ws, limits, binds) as sb:
             shutil.chown(report, sb.persona.uid, sb.persona.gid)
-            argv = ["python3", "-I", "-B", RUNNER_PATH, sb.root, REPORT_DIR, *inside]
+            python = f"{sb.root}/.venv/bin/python" if pytest_task else "python3"
+            argv = [python, "-I", "-B", RUNNER_PATH, sb.root, REPORT_DIR, *inside]
             r = sb.run(argv, timeout=timeout, stdin=key + "\n", env={"PYTHONDONTWRITEBYTECODE": "1"})
         payload, extra, problem = _read_results(report, key)
     per_test: dict[str, str] = {}

@@ -88,15 +88,19 @@ def check_task(task_dir: Path) -> dict:
         ref_ws = apply_reference(task_dir, Path(tmp) / "ws")
         ref, details = run_hidden_tests(task_dir, ref_ws)
         flags = detect_flags(task_dir, ref_ws) + behaviour_flags(details)
-        c_tests, c_details = run_checks(task_dir, ref_ws, canaries) if canaries else ({}, {"valid": True})
+        if task.get("framework") == "pytest":  # a canary replaces a file of the tree: one run each
+            c_runs = [(p, *run_checks(task_dir, ref_ws, [p])) for p in canaries]
+        else:
+            c_tests, c_details = run_checks(task_dir, ref_ws, canaries) if canaries else ({}, {"valid": True})
+            c_runs = [(p, {k: v for k, v in c_tests.items() if k.split("::")[0].split(".")[0] == p.stem}, c_details)
+                      for p in canaries]
     ref_o, broken_o = outcomes(ref), outcomes(broken)
     passed, failed = score(ref, checks.get("expected"))
     ok_ref = bool(ref_o) and passed > 0 and failed == 0 and all(v in ("passed", "skipped", "xfailed") for v in ref_o.values())
     ok_broken = any(v in ("failed", "error") for v in broken_o.values()) or not broken_o
     info = checks.get("canaries") or {}
-    canary_ok = bool(c_details.get("valid")) and all(
-        not canary_passes({k: v for k, v in c_tests.items() if k.split("::")[0].split(".")[0] == p.stem},
-                          c_details, (info.get(p.name) or {}).get("failing")) for p in canaries)
+    canary_ok = all(bool(d.get("valid")) and not canary_passes(t, d, (info.get(p.name) or {}).get("failing"))
+                    for p, t, d in c_runs)
     return {"id": task_dir.name, "reference_passes": ok_ref, "broken_fails": ok_broken,
             "reference_flags": flags, "canaries": len(canaries), "reference_fails_canaries": canary_ok,
             "ok": ok_ref and ok_broken and not flags and canary_ok,

@@ -23,7 +23,13 @@ def check_name(data: bytes) -> str:
 
 
 def hidden_files(task_dir: Path) -> list[Path]:
+    """The test files a grading runs: every ``hidden_tests/*.py``, or for a repository task (a
+    recorded tree run by pytest) the files holding its ``FAIL_TO_PASS`` and ``PASS_TO_PASS`` tests."""
     d = Path(task_dir) / "hidden_tests"
+    task = load_task(task_dir)
+    if task.get("framework") == "pytest":
+        ids = (task.get("tests") or {}).get("FAIL_TO_PASS", []) + (task.get("tests") or {}).get("PASS_TO_PASS", [])
+        return [d / rel for rel in sorted({i.split("::", 1)[0] for i in ids}) if (d / rel).is_file()]
     return sorted(p for p in d.glob("*.py") if p.is_file()) if d.is_dir() else []
 
 

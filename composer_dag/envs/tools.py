@@ -134,9 +134,22 @@ class Episode:
         shutil.copytree(self.task_dir / "repo", self.workspace, symlinks=True)
         masks = {p: (self.task_dir / "masks" / v if v else None)
                  for p, v in self.task.get("sandbox", {}).get("masks", {}).items()}
+        persona = task_persona(self.task)
+        binds, self._layers = [], []
+        if self.task.get("sandbox", {}).get("venv"):
+            # a repository task: the project's own .venv, its site-packages the shared layer
+            # (read-only; the file tools read it where the terminal sees it)
+            from .repo_env import venv_binds
+
+            binds = venv_binds(self.workspace, self.task_dir / "layer", f"{persona.home}/{self.workspace.name}")
+            self._layers = [(os.path.realpath(self.workspace) + b.path[len(f"{persona.home}/{self.workspace.name}"):],
+                             os.path.realpath(b.host)) for b in binds]
         self.sandbox = Sandbox(self.workspace, limits, project=self.workspace.name, masks=masks,
-                               persona=task_persona(self.task))
+                               persona=persona, binds=binds)
         self.root = self.sandbox.root  # the project's path inside the sandbox
+        if binds:
+            self.sandbox.env.update(VIRTUAL_ENV=f"{self.root}/.venv",
+                                    PATH=f"{self.root}/.venv/bin:{self.sandbox.env['PATH']}")
         self._real = os.path.realpath(self.workspace)
         self.log: list[dict] = []
         self.turn = 0
@@ -244,9 +257,23 @@ class Episode:
         if real != self._real and not real.startswith(self._real + os.sep):
             entry["outside"] = True
             raise ToolError(f"{path}: outside the project directory {self.root}")
+        for mount, layer in self._layers:
+            if real == mount or real.startswith(mount + os.sep):
+                mapped = os.path.realpath(layer + real[len(mount):])
+                if mapped != layer and not mapped.startswith(layer + os.sep):
+                    entry["outside"] = True
+                    raise ToolError(f"{path}: outside the project directory {self.root}")
+                return Path(mapped)
         return Path(real)
 
+    def _read_only(self, f: Path, path: str) -> None:
+        if any(str(f) == layer or str(f).startswith(layer + os.sep) for _, layer in self._layers):
+            raise ToolError(f"{path}: read-only file system")
+
     def _rel(self, p: Path) -> str:
+        for mount, layer in self._layers:
+            if str(p) == layer or str(p).startswith(layer + os.sep):
+                return os.path.relpath(mount + str(p)[len(layer):], self._real)
         return os.path.relpath(p, self._real)
 
     # -- tools
@@ -288,7 +315,8 @@ class Episode:
             rel = self._rel(f)
             if ".git" in Path(rel).parts or "__pycache__" in rel or f.stat().st_size > 1 << 20:
                 continue
-            if not os.path.realpath(f).startswith(self._real + os.sep):
+            if not os.path.realpath(f).startswith(self._real + os.sep) and not any(
+                    os.path.realpath(f).startswith(layer + os.sep) for _, layer in self._layers):
                 continue
             try:
                 text = f.read_text()
@@ -308,6 +336,7 @@ class Episode:
 
     def _t_edit_file(self, entry, path, old, new) -> str:
         f = self._path(path, entry)
+        self._read_only(f, path)
         if old == "":
             if f.exists():
                 raise ToolError(f"{path}: already exists; give the text to replace in `old`")
