@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -144,6 +145,47 @@ def bugfix_tasks(tmp_path_factory):
     out = tmp_path_factory.mktemp("bugfix-tasks")
     return out, build_tasks(out, {"humaneval_limit": 0, "bugfix_count": 2, "bugfix_modules": ["colorsys", "fnmatch"],
                                   "max_per_module": 1, "learnable_count": 0})
+
+
+# three pure-Python projects whose sdists carry their test suites: a flat module with tests/
+# (parse), a flat package with a root-level test file and heavy parametrize (inflection), a
+# src/ layout with unittest-style tests (cachetools)
+REPO_SDISTS = (("parse", "1.20.2"), ("inflection", "0.5.1"), ("cachetools", "5.5.0"))
+SDIST_DIR = Path(__file__).parent / "artifacts" / "sdists"
+
+
+@pytest.fixture(scope="session")
+def repo_sdists():
+    """The sdists of ``REPO_SDISTS`` from the package index, downloaded once and kept under
+    ``tests/artifacts/sdists``: {name: path}."""
+    from composer_dag.envs.repo_env import fetch_sdist
+
+    return {name: fetch_sdist(name, version, SDIST_DIR) for name, version in REPO_SDISTS}
+
+
+@pytest.fixture(scope="session")
+def repo_envs(repo_sdists, tmp_path_factory):
+    """The three environments bootstrapped once per session into one wheel store, through the
+    command line (``{name: (env_dir, summary)}``, plus ``"_store"``): read them, copy them before
+    changing anything."""
+    root = tmp_path_factory.mktemp("repo-envs")
+    out = {"_store": root / "store"}
+    for name, path in repo_sdists.items():
+        r = subprocess.run([sys.executable, "-m", "composer_dag.cli", "env", "bootstrap", str(path), "--out",
+                            str(root / name), "--store", str(root / "store")], capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[name] = (root / name, json.loads(r.stdout.strip().splitlines()[-1]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def mined_tasks(repo_envs, tmp_path_factory):
+    """Three tasks mined from the parse environment once per session (``out``, ``summary``)."""
+    from composer_dag.envs.tasks_repo import mine
+
+    out = tmp_path_factory.mktemp("mined")
+    return out, mine(repo_envs["parse"][0], out, max_tasks=3, seed=0)
 
 
 @pytest.fixture(scope="session")

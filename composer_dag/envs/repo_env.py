@@ -67,6 +67,8 @@ REASONS = ("fetch_failed", "unsupported_layout", "licence_excluded", "install_fa
 CHECKS_DIR = "/var/tmp/checks"  # where the recorded test tree sits in every run, here and at grading
 REPORT_DIR = "/var/tmp/cdag-report"
 SHIFTED_TIME = "2031-03-14 09:26:53"
+_NETWORK = (r"Network is unreachable|Temporary failure in name resolution|Name or service not known|"
+            r"No address associated with hostname|Connection refused|ConnectionError|gaierror")
 PLUGIN = Path(__file__).with_name("pytest_report.py")
 # what the sandbox's Python has already (rootfs.TOOLING and its requirements): not fetched again
 PROVIDED = {"pytest", "pluggy", "iniconfig", "packaging", "pip", "exceptiongroup", "tomli", "colorama"}
@@ -96,9 +98,53 @@ class BootstrapConfig(StageConfig):
 
 # ------------------------------------------------------------------------------------ the source
 
-def fetch_source(src: str, dest: Path) -> tuple[Path, dict]:
-    """The project's tree under ``dest`` and where it came from. Reads and copies only."""
+def index_url() -> str:
+    """The package index pip is configured with (``PIP_INDEX_URL``, pip's config), else PyPI's."""
+    url = os.environ.get("PIP_INDEX_URL")
+    if not url:
+        r = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"], capture_output=True,
+                           text=True)
+        url = r.stdout.strip() if r.returncode == 0 else ""
+    return (url or "https://pypi.org/simple").rstrip("/")
+
+
+def fetch_sdist(name: str, version: str, dest: Path) -> Path:
+    """The sdist of ``name==version`` from the package index's simple API (PEP 691), into
+    ``dest`` (kept: a second call reads the file there). Downloads a file; builds nothing."""
     dest.mkdir(parents=True, exist_ok=True)
+    pat = re.compile(rf"(?i){re.sub(r'[-_.]+', '[-_.]', name)}-{re.escape(version)}\.(tar\.gz|zip)")
+    have = [p for p in dest.iterdir() if pat.fullmatch(p.name)]
+    if have:
+        return have[0]
+    req = urllib.request.Request(f"{index_url()}/{_norm(name)}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        files = json.load(urllib.request.urlopen(req, timeout=60)).get("files") or []
+        f = next(f for f in files if pat.fullmatch(f["filename"]))
+        data = urllib.request.urlopen(f["url"], timeout=300).read()
+    except StopIteration:
+        raise BootstrapError("fetch_failed", f"no sdist of {name} {version} on {index_url()}") from None
+    except (OSError, ValueError) as e:
+        raise BootstrapError("fetch_failed", f"cannot fetch {name} {version}: {e}") from e
+    want = (f.get("hashes") or {}).get("sha256")
+    if want and hashlib.sha256(data).hexdigest() != want:
+        raise BootstrapError("fetch_failed", f"{f['filename']}: sha256 does not match the index")
+    tmp = dest / f".{f['filename']}.part"
+    tmp.write_bytes(data)
+    tmp.rename(dest / f["filename"])
+    return dest / f["filename"]
+
+
+def fetch_source(src: str, dest: Path) -> tuple[Path, dict]:
+    """The project's tree under ``dest`` and where it came from. Reads and copies only.
+    ``src``: a directory, a git path or URL (``@REV``), an sdist file or URL, ``pypi:NAME==VERSION``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    if src.startswith("pypi:"):
+        name, _, version = src[5:].partition("==")
+        if not version:
+            raise BootstrapError("fetch_failed", f"{src}: give the version, pypi:NAME==VERSION")
+        archive = fetch_sdist(name, version, dest / "sdist")
+        got, origin = fetch_source(str(archive), dest / "unpacked")
+        return got, {**origin, "kind": "sdist", "index": index_url(), "requirement": f"{name}=={version}"}
     path, _, rev = src.partition("@") if not src.startswith(("http://", "https://")) else (src, "", "")
     if re.match(r"^https?://", src) and re.search(r"\.(tar\.gz|tgz|zip)$", src):
         try:
@@ -399,8 +445,8 @@ def build_wheel(root: Path, layout: Layout, store: Path, persona: Persona, cfg: 
             raise BootstrapError("timeout", f"building the wheel took over {cfg.install_timeout:.0f} s")
         if r.exit_code or not wheels:
             text = (r.stderr + r.stdout)
-            reason = "needs_network" if re.search(r"Network is unreachable|Temporary failure in name resolution|"
-                                                  r"Could not find a version that satisfies", text) else "install_failed"
+            reason = "needs_network" if re.search(_NETWORK + r"|Could not find a version that satisfies", text) \
+                else "install_failed"
             raise BootstrapError(reason, f"the wheel did not build: {text.strip()[-400:]}")
         staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=_mkdir(store / "wheels")))
         shutil.copy2(wheels[0], staging / wheels[0].name)
@@ -519,7 +565,7 @@ def pytest_args(ini: str, paths: list[str]) -> list[str]:
             "-o", "addopts=", "-q", "-rN", "--color=no", *[f"{CHECKS_DIR}/{p}" for p in paths]]
 
 
-def test_command(layout: Layout) -> str:
+def suite_command(layout: Layout) -> str:
     return " ".join([".venv/bin/python", "-m", "pytest", *pytest_args(f"{CHECKS_DIR}/pytest.ini", layout.test_paths[:3]),
                      "..." if len(layout.test_paths) > 3 else ""]).strip()
 
@@ -676,11 +722,16 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
                 raise BootstrapError("timeout", f"the suite ran over {cfg.test_timeout:.0f} s")
             if not res:
                 text = det["output_tail"]
-                if re.search(r"Network is unreachable|Temporary failure in name resolution", text):
+                if re.search(_NETWORK, text):
                     raise BootstrapError("needs_network", f"the suite needs the network: {text[-300:]}")
                 raise BootstrapError("no_tests_found", f"pytest reported no test: {text[-300:]}")
             runs.append(res)
+            if i == 0:
+                first_messages = det["messages"]
         kept, left = _classify(runs)
+        if not kept and any(re.search(_NETWORK, m) for m in first_messages.values()):
+            raise BootstrapError("needs_network", "the tests that fail at the base revision fail on the network: "
+                                                  + next(m for m in first_messages.values() if re.search(_NETWORK, m))[-300:])
         if not kept:
             raise BootstrapError("tests_fail_at_base", f"no test passes reliably at the base revision "
                                                        f"({len(left)} left out: {_counts(left.values())})")
@@ -703,7 +754,7 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
         seconds = round(time.monotonic() - t0, 2)
         env_digest = hashlib.sha256(json.dumps([tree_digest(project), tree_digest(tests), layer_digest, kept],
                                                sort_keys=True).encode()).hexdigest()[:32]
-        summary.update(ok=True, test_command=test_command(layout), tests_passing=len(kept),
+        summary.update(ok=True, test_command=suite_command(layout), tests_passing=len(kept),
                        tests_total=len(kept) + len(left), seconds=seconds, env_digest=env_digest)
         record = {**summary, "layout": asdict(layout), "kept": kept, "left_out": dict(sorted(left.items())),
                   "left_out_counts": _counts(left.values()), "layer": layer_digest,

@@ -9,8 +9,16 @@ import shutil
 from pathlib import Path
 
 
+TASK_FORMAT = 2  # 2: ``format``, ``framework: pytest`` trees, ``tests`` and ``origin``; 1 (no field): before
+
+
 def load_task(task_dir: Path) -> dict:
-    return json.loads((Path(task_dir) / "task.json").read_text())
+    """``task.json``; a task directory written before format versions is format 1 and loads
+    as it is; a newer format than this code knows is refused."""
+    task = json.loads((Path(task_dir) / "task.json").read_text())
+    if int(task.get("format", 1)) > TASK_FORMAT:
+        raise ValueError(f"{task_dir}: task format {task['format']} is newer than this code reads ({TASK_FORMAT})")
+    return task
 
 
 def project_name(task: dict) -> str:

@@ -24,6 +24,7 @@ from pydantic import Field
 
 from ..runtime.config import StageConfig
 from .rootfs import Persona, task_persona
+from .task_dir import TASK_FORMAT
 
 # pure-Python stdlib modules whose unittest module passes quickly against a local copy
 DEFAULT_MODULES = ("colorsys", "textwrap", "fnmatch", "shlex", "difflib", "fractions", "graphlib",
@@ -96,6 +97,7 @@ def write_task(task_dir: Path, task: dict, repo_commits, hidden: dict[str, str],
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(text)
     (task_dir / "hidden_tests").mkdir(exist_ok=True)
+    task = {"format": TASK_FORMAT, **task}
     (task_dir / "task.json").write_text(json.dumps(task, indent=2, sort_keys=True))
     if canaries and hidden and reference:
         from .canaries import add_canaries

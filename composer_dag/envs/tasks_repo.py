@@ -37,11 +37,10 @@ from pathlib import Path
 
 from .repo_env import _norm, load_env, package_files, run_tests
 from .rootfs import persona_for
-from .task_dir import check_name
+from .task_dir import TASK_FORMAT, check_name
 from .task_format import TaskLimits
 from .tasks_bugfix import _parse, apply_mutation, mutation_sites
 
-TASK_FORMAT = 2
 KINDS = ("comparison", "operator", "boolean", "off_by_one", "constant", "negation", "removed_branch",
          "removed_statement", "implement")
 
@@ -144,7 +143,8 @@ def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_a
     order = [k for k in KINDS if k in by_kind]
     sites = [by_kind[k][i] for i in range(max(map(len, by_kind.values()), default=0)) for k in order if i < len(by_kind[k])]
     max_attempts = max_attempts or 4 * max_tasks
-    stats = {"candidates": len(sites), "attempts": 0, "accepted": 0, "rejected": {}}
+    # tried = accepted + rejected (by reason); runs: the candidates run against the tests
+    stats = {"candidates": len(sites), "tried": 0, "runs": 0, "accepted": 0, "rejected": {}}
     built, seen = [], set()
 
     def reject(why):
@@ -152,8 +152,9 @@ def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_a
 
     base_seconds = None
     for rel, kind, node in sites:
-        if len(built) >= max_tasks or stats["attempts"] >= max_attempts:
+        if len(built) >= max_tasks or stats["runs"] >= max_attempts:
             break
+        stats["tried"] += 1
         original = (project / rel).read_text()
         try:
             mutant = apply_candidate(original, kind, node)
@@ -164,7 +165,7 @@ def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_a
             reject("syntax")
             continue
         seen.add(mutant)
-        stats["attempts"] += 1
+        stats["runs"] += 1
         with tempfile.TemporaryDirectory(prefix="cdag-mine-") as tmp:
             ws = Path(tmp) / project.name
             shutil.copytree(project, ws, symlinks=True, ignore=shutil.ignore_patterns(".git"))

@@ -1,0 +1,225 @@
+"""Repositories become environments and tasks: real sdists (``REPO_SDISTS``, fetched once per
+session) bootstrapped in the sandbox offline, a small project that exercises every way a test is
+left out and every reason a bootstrap fails, tasks mined from parse and graded under pytest by
+the sealed runner, an episode in the project's own virtual environment."""
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from composer_dag.envs.grade import check_task, grade
+from composer_dag.envs.repo_env import BootstrapConfig, bootstrap, load_env
+from composer_dag.envs.task_dir import apply_reference, load_task
+from composer_dag.envs.tools import Episode
+
+SUMMARY_KEYS = {"ok", "reason", "test_command", "tests_passing", "tests_total", "seconds", "env_digest"}
+
+
+def test_real_packages_bootstrap(repo_envs):
+    """Each sdist becomes an environment: its own suite passes in the sandbox, the summary line
+    has the documented keys, and environments with the same dependency set share one layer."""
+    for name in ("parse", "inflection", "cachetools"):
+        env_dir, line = repo_envs[name]
+        assert set(line) == SUMMARY_KEYS and line["ok"] and line["reason"] is None, line
+        rec = load_env(env_dir)
+        assert rec["tests_passing"] >= 50 and rec["tests_total"] == rec["tests_passing"] + len(rec["left_out"]), rec
+        assert sum(rec["left_out_counts"].values()) == len(rec["left_out"])
+        assert rec["licence"].startswith("MIT") and rec["store"]["dependencies"] == []
+        assert (env_dir / "repo" / ".git").is_dir() and (env_dir / "tests" / "pytest.ini").is_file()
+        assert "--confcutdir /var/tmp/checks" in rec["test_command"]
+    # src/ layout: the editable finder puts src/ on sys.path, from the environment's own prefix
+    assert repo_envs["cachetools"][0].joinpath("layer", "site-packages", "__editable__.cachetools.pth").read_text() \
+        == "import os, sys; sys.path.append(os.path.join(os.path.dirname(sys.prefix), 'src'))\n"
+    assert load_env(repo_envs["cachetools"][0])["layout"]["src_dir"] == "src"
+    # parse and inflection: flat layouts, no dependencies -> one layer; the wheel store hit on a rerun
+    layers = {n: load_env(repo_envs[n][0])["layer"] for n in ("parse", "inflection", "cachetools")}
+    assert layers["parse"] == layers["inflection"] != layers["cachetools"], layers
+    assert load_env(repo_envs["inflection"][0])["store"]["layer_hit"] is True
+    again = bootstrap(str(repo_envs["parse"][0].parent / "again-src"), repo_envs["_store"].parent / "again",
+                      BootstrapConfig(store=str(repo_envs["_store"])))
+    assert (again["ok"], again["reason"]) == (False, "fetch_failed"), again  # no such source
+    shutil.copytree(repo_envs["parse"][0] / "repo", repo_envs["_store"].parent / "again-src")
+    again = bootstrap(str(repo_envs["_store"].parent / "again-src"), repo_envs["_store"].parent / "again",
+                      BootstrapConfig(store=str(repo_envs["_store"])))
+    rec = load_env(repo_envs["_store"].parent / "again")
+    assert again["ok"] and rec["store"]["layer_hit"] and rec["layer"] == layers["parse"], rec["store"]
+    assert again["tests_passing"] == repo_envs["parse"][1]["tests_passing"]
+
+
+def _project(root: Path, tests: str, *, pyproject: bool = True, licence: str = "MIT", deps: str = "") -> Path:
+    (root / "tinylib").mkdir(parents=True)
+    (root / "tinylib" / "__init__.py").write_text(
+        '"""A tiny library."""\nimport time\n\n\ndef add(a, b):\n    """Sum."""\n    return a + b\n\n\n'
+        "def year():\n    return time.gmtime().tm_year\n")
+    if pyproject:
+        (root / "pyproject.toml").write_text(
+            '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n\n'
+            f'[project]\nname = "tinylib"\nversion = "0.1"\nlicense = {{text = "{licence}"}}\ndependencies = [{deps}]\n'
+            '\n[tool.setuptools]\npackages = ["tinylib"]\n')
+    if tests:
+        (root / "tests").mkdir()
+        (root / "tests" / "test_tiny.py").write_text(tests)
+    return root
+
+
+def _hash_parity_flips() -> str:
+    """A string whose hash parity differs between PYTHONHASHSEED 0 and 4242 (the bootstrap's
+    plain and shifted runs), and its parity under 0."""
+    code = "import sys; print(' '.join(str(hash(f'k{i}') % 2) for i in range(64)))"
+    a, b = (subprocess.run([sys.executable, "-c", code], env={"PYTHONHASHSEED": s}, capture_output=True,
+                           text=True).stdout.split() for s in ("0", "4242"))
+    i = next(i for i in range(64) if a[i] != b[i])
+    return f"k{i}", a[i]
+
+
+def test_bootstrap_keeps_only_reliable_tests_and_fails_cleanly(repo_envs, tmp_path):
+    """One project with a test of each kind: kept, failing at the base, skipped, depending on
+    the clock (the shifted run), on the hash seed, and vacuous (passes with the code replaced by
+    NotImplementedError). Then each failure reason, and nothing left behind by a failure."""
+    key, parity = _hash_parity_flips()
+    tests = ("import pytest\nfrom tinylib import add, year\n\n\n"
+             "def test_add():\n    assert add(2, 3) == 5\n\n\n"
+             "@pytest.mark.parametrize('a', [1, 2])\ndef test_add_param(a):\n    assert add(a, 0) == a\n\n\n"
+             "def test_fails():\n    assert add(1, 1) == 3\n\n\n"
+             "@pytest.mark.skip(reason='later')\ndef test_skipped():\n    pass\n\n\n"
+             "def test_before_2030():\n    assert year() < 2030\n\n\n"
+             f"def test_hash_order():\n    assert str(hash({key!r}) % 2) == {parity!r}\n\n\n"
+             "def test_vacuous():\n    assert callable(add)\n")
+    cfg = BootstrapConfig(store=str(repo_envs["_store"]))
+    r = bootstrap(str(_project(tmp_path / "p1", tests)), tmp_path / "env1", cfg)
+    assert r["ok"], r
+    rec = load_env(tmp_path / "env1")
+    assert sorted(rec["kept"]) == ["tests/test_tiny.py::test_add", "tests/test_tiny.py::test_add_param[1]",
+                                   "tests/test_tiny.py::test_add_param[2]"], rec
+    assert rec["left_out"] == {"tests/test_tiny.py::test_before_2030": "nondeterministic",
+                               "tests/test_tiny.py::test_fails": "fails_at_base",
+                               "tests/test_tiny.py::test_hash_order": "nondeterministic",
+                               "tests/test_tiny.py::test_skipped": "skipped",
+                               "tests/test_tiny.py::test_vacuous": "vacuous"}, rec["left_out"]
+    assert (r["tests_passing"], r["tests_total"]) == (3, 8)
+    assert "| vacuous | 1 |" in (tmp_path / "env1" / "report.md").read_text()
+
+    fails = {
+        "no_tests_found": (_project(tmp_path / "p2", ""), cfg),
+        "tests_fail_at_base": (_project(tmp_path / "p3", "def test_x():\n    assert 0\n"), cfg),
+        "unsupported_layout": (_project(tmp_path / "p4", "def test_x():\n    pass\n", pyproject=False), cfg),
+        "licence_excluded": (_project(tmp_path / "p5", "def test_x():\n    pass\n"),
+                             cfg.replace(exclude_licences=("mit",))),
+        "timeout": (_project(tmp_path / "p6", "import time\n\n\ndef test_x():\n    time.sleep(60)\n"),
+                    cfg.replace(test_timeout=8.0)),
+        "needs_network": (_project(tmp_path / "p7", "import socket\n\n\ndef test_x():\n"
+                                                    "    socket.create_connection(('pypi.org', 443), timeout=5)\n"), cfg),
+        "install_failed": (_project(tmp_path / "p8", "def test_x():\n    pass\n",
+                                    deps='"no-such-distribution-cdag-test==1.0"'), cfg),
+        "fetch_failed": (tmp_path / "missing", cfg),
+    }
+    for reason, (src, c) in fails.items():
+        out = tmp_path / f"out-{reason}"
+        got = bootstrap(str(src), out, c)
+        assert (got["ok"], got["reason"]) == (False, reason), (reason, got)
+        assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(f".out-{reason}")]
+
+
+def test_mined_tasks_are_sound_and_graded_under_pytest(mined_tasks, repo_envs):
+    """Synthetic bugs over parse: each task passes today's soundness checks (reference passes,
+    broken fails, a canary the reference fails), records its origin, hides its FAIL_TO_PASS
+    files from the repository and its history, states the symptom without the tests or the fix;
+    the workspace's own conftest.py, pytest.ini and virtual environment change nothing."""
+    out, summary = mined_tasks
+    assert summary["ok"] and len(summary["tasks"]) == 3, summary
+    env = load_env(repo_envs["parse"][0])
+    for tid in summary["tasks"]:
+        d = out / tid
+        task = load_task(d)
+        assert task["format"] == 2 and task["framework"] == "pytest" and task["source"] == "repo-mined"
+        f2p, p2p = task["tests"]["FAIL_TO_PASS"], task["tests"]["PASS_TO_PASS"]
+        assert f2p and p2p and not set(f2p) & set(p2p) and set(f2p + p2p) <= set(env["kept"])
+        assert task["origin"]["env_digest"] == env["env_digest"] and task["origin"]["licence"] == env["licence"]
+        c = check_task(d)
+        assert c["ok"] and c["canaries"] == 1, c
+        for t in f2p:
+            assert not (d / "repo" / t.split("::")[0]).exists()
+            assert t.split("::")[-1].split("[")[0] not in task["instructions"], (t, task["instructions"])
+        assert len(task["instructions"].split("```")[0].split(". ")) <= 3
+        ref = (d / "reference" / "files" / task["reference"]["files"][0]).read_text().splitlines()
+        broken = (d / "repo" / task["reference"]["files"][0]).read_text().splitlines()
+        fixed_lines = set(ref) - set(broken)
+        assert not any(line.strip() and line.strip() in task["instructions"] for line in fixed_lines)
+        git = lambda *a: subprocess.run(["git", "-c", "safe.directory=*", *a], cwd=d / "repo", capture_output=True,
+                                        text=True).stdout
+        assert git("rev-list", "--all").split() == [git("rev-parse", "HEAD").strip()]  # one commit, no reflog
+        assert git("status", "--porcelain") == ""
+        objs = git("cat-file", "--batch-all-objects", "--batch-check").split("\n")
+        assert sum(" commit " in o for o in objs) == 1, objs
+
+    d = out / summary["tasks"][0]
+    with tempfile.TemporaryDirectory() as tmp:
+        ws = apply_reference(d, Path(tmp) / "ref")
+        (ws / "notes.md").write_text("worked on the date parsing\n")
+        (ws / "tests" / "test_extra.py").write_text("import parse\n\n\ndef test_more():\n    assert parse.parse('{}', 'x')\n")
+        r = grade(d, ws)
+        assert (r.reward, r.flags) == (1.0, []), (r.reward, r.flags, r.details.get("output_tail"))
+        assert r.passed == len(load_task(d)["checks"]["expected"])
+        # the broken state, with every way a workspace could reach pytest's configuration
+        ws = Path(tmp) / "hack"
+        shutil.copytree(d / "repo", ws)
+        hook = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+                "    out = yield\n    rep = out.get_result()\n    rep.outcome = 'passed'\n    rep.longrepr = None\n")
+        (ws / "conftest.py").write_text(hook)
+        (ws / "tests" / "conftest.py").write_text(hook)
+        (ws / "pytest.ini").write_text("[pytest]\naddopts = -p no:python --deselect tests\n")
+        (ws / "tox.ini").write_text("[pytest]\naddopts = -x\n")
+        (ws / "setup.cfg").write_text("[tool:pytest]\naddopts = -x\n")
+        sp = ws / ".venv" / "lib" / "python3.11" / "site-packages"
+        sp.mkdir(parents=True)
+        (sp / "zz_cheat.pth").write_text("import os; os.environ['CDAG_CHEAT'] = '1'\n")
+        (ws / "conftest_plugin.py").write_text(hook)
+        r = grade(d, ws)
+        assert r.reward == 0.0 and r.failed >= 1, (r.reward, r.per_test)
+
+
+def test_episode_runs_in_the_projects_virtual_environment(mined_tasks):
+    """The terminal's python is the project's .venv with the layer; the file tools read the
+    layer where the terminal sees it, and cannot write it; the mined CLI line has its keys."""
+    out, summary = mined_tasks
+    d = out / summary["tasks"][0]
+    with Episode(d) as ep:
+        obs = ep.step({"name": "run_terminal_cmd", "arguments": {
+            "command": "python -c 'import parse, sys; print(sys.prefix); print(parse.__file__)' && ls .venv/lib/python3.11/site-packages"}})
+        assert f"{ep.root}/.venv\n{ep.root}/parse.py" in obs.content and "__editable__.parse.pth" in obs.content, obs.content
+        pth = ep.step({"name": "read_file", "arguments": {"path": ".venv/lib/python3.11/site-packages/__editable__.parse.pth"}})
+        assert "sys.prefix" in pth.content, pth.content
+        bad = ep.step({"name": "edit_file", "arguments": {"path": ".venv/lib/python3.11/site-packages/__editable__.parse.pth",
+                                                          "old": "sys", "new": "os"}})
+        assert "read-only" in bad.content, bad.content
+        ran = ep.step({"name": "run_terminal_cmd", "arguments": {"command": "python -m pytest -q tests 2>&1 | tail -1"}})
+        assert "passed" in ran.content, ran.content
+
+
+def test_cli_mine_prints_its_summary_last(repo_envs, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "composer_dag.cli", "tasks", "mine", str(repo_envs["cachetools"][0]),
+                        "--out", str(tmp_path / "t"), "--max", "1", "--seed", "3"], capture_output=True, text=True,
+                       timeout=600)
+    line = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 0 and line["ok"] and len(line["tasks"]) == 1, (r.stderr[-2000:], line)
+    assert line["tried"] == line["accepted"] + sum(line["rejected"].values()), line
+    task = load_task(tmp_path / "t" / line["tasks"][0])
+    assert task["source_file"].startswith("cachetools:src/cachetools/")
+    assert check_task(tmp_path / "t" / line["tasks"][0])["ok"]
+    bad = subprocess.run([sys.executable, "-m", "composer_dag.cli", "tasks", "mine", str(tmp_path), "--out",
+                          str(tmp_path / "x")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not an environment" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("format_", [None, 1])
+def test_old_task_directories_still_load(tmp_path, format_):
+    (tmp_path / "task.json").write_text(json.dumps({"id": "t", **({"format": format_} if format_ else {})}))
+    assert load_task(tmp_path)["id"] == "t"
+    (tmp_path / "task.json").write_text(json.dumps({"id": "t", "format": 99}))
+    with pytest.raises(ValueError, match="newer"):
+        load_task(tmp_path)
