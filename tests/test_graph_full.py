@@ -214,9 +214,9 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
 # shards; a one-process RL step from it on transformers, so its candidate carries what SFT lost
 FORGET_CONFIG = {
     "ops": {
-        "sft_checkpoint": {"config": {"max_steps": 10, "log_every": 5, "lr": 8e-3, "min_lr": 8e-3, "warmup_steps": 2,
-                                      "pretrain_share": 0.0, "early_stop_patience": None, "eval_every": 10,
-                                      "save_every": 10, "format_samples": 2, "min_format_share": 0.0}},
+        "sft_checkpoint": {"config": {"max_steps": 6, "log_every": 3, "lr": 8e-3, "min_lr": 8e-3, "warmup_steps": 1,
+                                      "pretrain_share": 0.0, "early_stop_patience": None, "eval_every": 6,
+                                      "save_every": 6, "format_samples": 2, "min_format_share": 0.0}},
         "rl_run": {"config": {"steps": 1, "tasks_per_step": 1, "group_size": 2, "async_generation": False,
                               "inference": {"engine": "hf"}, "orchestrator": {"max_turns": 1}}},
         "evaluated_model": {"config": EVAL_CONFIG},
@@ -238,6 +238,7 @@ def test_gate_fails_on_perplexity_when_sft_forgets(graph):
         instance=instance, raise_on_error=False, run_config=FORGET_CONFIG,
         asset_selection=[dg.AssetKey(k) for k in ("sft_checkpoint", "rl_rollouts", "rl_checkpoint",
                                                   "evaluated_model", "promoted_model")])
+    print_step_times(instance, [result])
     ran = {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()}
     assert ran == {"sft_checkpoint", "rl_rollouts", "rl_checkpoint", "evaluated_model"}, ran  # promotion did not happen
     assert instance.get_latest_materialization_event(dg.AssetKey("midtrained_checkpoint")).run_id == mid_before.run_id
