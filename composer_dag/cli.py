@@ -90,8 +90,28 @@ def cmd_tasks_mine(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
     if not os.path.exists(os.path.join(args.env_dir, "env.json")):
         raise ValueError(f"{args.env_dir} has no env.json: not an environment (make one with `env bootstrap`)")
-    r = mine(Path(args.env_dir), Path(args.out), max_tasks=args.max, seed=args.seed, log=_progress)
+    r = mine(Path(args.env_dir), Path(args.out), max_tasks=args.max, seed=args.seed, history=not args.no_history,
+             log=_progress)
     return r, 0 if r["ok"] else 1
+
+
+def cmd_tasks_import(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    from composer_dag.envs.repo_env import BootstrapConfig
+    from composer_dag.envs.swebench import import_instances
+
+    if not os.path.isfile(args.instances):
+        raise ValueError(f"{args.instances} does not exist")
+    r = import_instances(Path(args.instances), args.repos, Path(args.out),
+                         BootstrapConfig.load({"store": args.store} if args.store else {}), log=_progress)
+    return r, 0 if r["ok"] else 1
+
+
+def cmd_tasks_export(args: argparse.Namespace) -> dict[str, Any]:
+    from composer_dag.envs.swebench import export_tasks
+
+    if not os.path.isdir(args.tasks_dir):
+        raise ValueError(f"{args.tasks_dir} is not a directory")
+    return export_tasks(Path(args.tasks_dir), Path(args.out), Path(args.mirror_dir) if args.mirror_dir else None)
 
 
 def cmd_sandbox_exec(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
@@ -205,7 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, help="the directory to write task directories into")
     m.add_argument("--max", type=int, default=10, help="tasks at most")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--no-history", action="store_true", help="no tasks from the repository's git history")
     m.set_defaults(func=cmd_tasks_mine)
+    i = t.add_parser("import", help="SWE-bench-style instances (JSON lines) as tasks, verified in the sandbox")
+    i.add_argument("instances")
+    i.add_argument("--repos", required=True, help="a directory of mirrors (<owner>__<name> or <name>) or a git URL prefix")
+    i.add_argument("--out", required=True)
+    i.add_argument("--store", default=None, help="the wheel store (default $COMPOSER_HOME/wheel-store)")
+    i.set_defaults(func=cmd_tasks_import)
+    x = t.add_parser("export", help="the repository tasks of a directory as SWE-bench-style instances")
+    x.add_argument("tasks_dir")
+    x.add_argument("--out", required=True, help="the JSON-lines file to write")
+    x.add_argument("--mirror-dir", default=None, help="also write a bare mirror per repository with every base commit")
+    x.set_defaults(func=cmd_tasks_export)
 
     s = sub.add_parser("sandbox", help="the bubblewrap sandbox").add_subparsers(dest="sandbox_command", required=True)
     x = s.add_parser("exec", help="run a command in the sandbox; its exit code is passed through")

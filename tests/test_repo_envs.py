@@ -223,3 +223,104 @@ def test_old_task_directories_still_load(tmp_path, format_):
     (tmp_path / "task.json").write_text(json.dumps({"id": "t", "format": 99}))
     with pytest.raises(ValueError, match="newer"):
         load_task(tmp_path)
+
+
+def _cli(*args, timeout=900):
+    r = subprocess.run([sys.executable, "-m", "composer_dag.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return r.returncode, json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else None, r.stderr
+
+
+def test_swebench_export_then_import_gives_back_the_tasks(mined_tasks, repo_envs, tmp_path):
+    """Export writes SWE-bench instances (the test lists JSON-encoded strings of pytest node ids)
+    and a mirror per repository; import checks each base commit out of the mirror, bootstraps it,
+    verifies FAIL_TO_PASS and PASS_TO_PASS in the sandbox and gives back the same tasks. Bad
+    instances are refused, each with its reason, and leave nothing behind."""
+    out, summary = mined_tasks
+    sub = tmp_path / "two"
+    for tid in summary["tasks"][:2]:
+        shutil.copytree(out / tid, sub / tid)
+    code, line, err = _cli("tasks", "export", str(sub), "--out", str(tmp_path / "inst.jsonl"), "--mirror-dir",
+                           str(tmp_path / "mirrors"))
+    assert code == 0 and line["written"] == 2, err
+    insts = [json.loads(l) for l in (tmp_path / "inst.jsonl").read_text().splitlines()]
+    for inst in insts:
+        assert {"instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement", "FAIL_TO_PASS",
+                "PASS_TO_PASS"} <= set(inst)
+        assert isinstance(inst["FAIL_TO_PASS"], str) and json.loads(inst["FAIL_TO_PASS"])
+        assert inst["patch"].startswith("diff --git a/") and "+++ b/tests/" in inst["test_patch"]
+    good = insts[0]
+    bad = ["not json", json.dumps({"instance_id": "x"}),
+           json.dumps({**good, "instance_id": "nomirror", "repo": "someone/elsewhere"}),
+           json.dumps({**good, "instance_id": "nobase", "base_commit": "0" * 40}),
+           json.dumps({**good, "instance_id": "noapply", "patch": good["patch"].replace("-", "~")}),
+           json.dumps({**good, "instance_id": "passes", "FAIL_TO_PASS": json.dumps(json.loads(good["PASS_TO_PASS"])[:1]),
+                       "PASS_TO_PASS": "[]"}),
+           json.dumps(good)]
+    (tmp_path / "all.jsonl").write_text("\n".join(json.dumps(i) for i in insts) + "\n" + "\n".join(bad) + "\n")
+    code, line, err = _cli("tasks", "import", str(tmp_path / "all.jsonl"), "--repos", str(tmp_path / "mirrors"),
+                           "--out", str(tmp_path / "imported"), "--store", str(repo_envs["_store"]))
+    assert code == 0 and line["imported"] == 2, (line, err[-2000:])
+    assert line["refused"] == {"bad_record": 2, "duplicate_id": 1, "fail_to_pass_passes_at_base": 1,
+                               "no_base_commit": 1, "no_mirror": 1, "patch_does_not_apply": 1}, line
+    assert line["lines"] == 2 + len(bad)
+    assert sorted(p.name for p in (tmp_path / "imported").iterdir()) == sorted(i["instance_id"] for i in insts)
+    for inst in insts:
+        a, b = out / inst["instance_id"], tmp_path / "imported" / inst["instance_id"]
+        ta, tb = load_task(a), load_task(b)
+        assert ta["tests"] == tb["tests"] and ta["instructions"] == tb["instructions"]
+        rel = ta["reference"]["files"][0]
+        assert (a / "reference" / "files" / rel).read_bytes() == (b / "reference" / "files" / rel).read_bytes()
+        for f in {t.split("::")[0] for t in ta["tests"]["FAIL_TO_PASS"]}:
+            assert (a / "hidden_tests" / f).read_bytes() == (b / "hidden_tests" / f).read_bytes()
+        git = lambda d, *x: subprocess.run(["git", "-c", "safe.directory=*", *x], cwd=d / "repo", capture_output=True,
+                                           text=True).stdout
+        assert git(a, "rev-parse", "HEAD^{tree}") == git(b, "rev-parse", "HEAD^{tree}")
+        assert check_task(b)["ok"]
+
+
+@pytest.fixture(scope="module")
+def parse_history(repo_envs, tmp_path_factory):
+    """A git repository of parse's releases 1.20.0, 1.20.1 and 1.20.2 (their sdists committed in
+    turn, so the diffs are the real ones), bootstrapped at its head."""
+    from composer_dag.envs.repo_env import fetch_sdist
+    from tests.conftest import SDIST_DIR
+
+    root = tmp_path_factory.mktemp("history")
+    repo = root / "parse"
+    repo.mkdir()
+    git = lambda *a, **kw: subprocess.run(["git", "-c", "user.name=Rita Jones", "-c", "user.email=rita@example.org",
+                                           *a], cwd=repo, check=True, capture_output=True, **kw)
+    git("init", "-q", "-b", "main")
+    for month, version in enumerate(("1.20.0", "1.20.1", "1.20.2"), 1):
+        for p in repo.iterdir():
+            if p.name != ".git":
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        subprocess.run(["tar", "-xzf", str(fetch_sdist("parse", version, SDIST_DIR)), "--strip-components=1"], cwd=repo,
+                       check=True)
+        git("add", "-A")
+        date = f"2024-0{month}-15T10:00:00+00:00"
+        git("commit", "-q", "-m", f"Release {version}", env={"GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date,
+                                                              "PATH": "/usr/bin:/bin", "HOME": str(root)})
+    r = bootstrap(str(repo), root / "env", BootstrapConfig(store=str(repo_envs["_store"])))
+    assert r["ok"], r
+    return root / "env"
+
+
+def test_history_tasks_follow_swebench_recipe(parse_history, tmp_path):
+    """A release whose new tests fail on the previous release's code becomes a task: the commit
+    message says nothing ("Release 1.20.2"), so the changelog's entry is the problem statement;
+    the checkout holds nothing after the base commit."""
+    from composer_dag.envs.tasks_repo import mine
+
+    r = mine(parse_history, tmp_path / "t", max_tasks=0)
+    hist = [t for t in r["tasks"] if t.startswith("history-")]
+    assert r["history"]["commits"] == 3 and hist, r
+    task = load_task(tmp_path / "t" / hist[0])
+    assert task["source"] == "swe-instances" and task["reference"]["files"] == ["parse.py"]
+    assert "tests/test_parse.py::test_hyphen_inside_field_name" in task["tests"]["FAIL_TO_PASS"]
+    assert "hyphen" in task["instructions"].lower() and "Release" not in task["instructions"], task["instructions"]
+    repo = tmp_path / "t" / hist[0] / "repo"
+    log = subprocess.run(["git", "-c", "safe.directory=*", "log", "--all", "--format=%s"], cwd=repo, capture_output=True,
+                         text=True).stdout.split("\n")
+    assert "Release 1.20.2" not in log and "Release 1.20.1" in log, log
+    assert check_task(tmp_path / "t" / hist[0])["ok"]

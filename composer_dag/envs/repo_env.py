@@ -160,12 +160,15 @@ def fetch_source(src: str, dest: Path) -> tuple[Path, dict]:
                                          "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
     if (p / ".git").exists() or re.match(r"^(git@|git://|ssh://|https?://)", path):
         out = dest / "src" / (Path(path.rstrip("/")).name.removesuffix(".git") or "project")
-        r = subprocess.run(["git", "clone", "-q", "--no-hardlinks", path, str(out)], capture_output=True, text=True)
-        if r.returncode:
-            raise BootstrapError("fetch_failed", f"git clone {path}: {r.stderr.strip()[-300:]}")
+        out.mkdir(parents=True)
         git = lambda *a: subprocess.run(["git", "-c", "safe.directory=*", *a], cwd=out, capture_output=True, text=True)
-        if rev and git("checkout", "-q", "--detach", rev).returncode:
-            raise BootstrapError("fetch_failed", f"no revision {rev} in {path}")
+        # only the revision and its ancestors: nothing after it (a later fix) comes along
+        git("init", "-q", "-b", "main")
+        r = git("fetch", "-q", "--no-tags", str(Path(path).resolve()) if p.exists() else path, rev or "HEAD")
+        if r.returncode:
+            raise BootstrapError("fetch_failed", f"git fetch {path} {rev or 'HEAD'}: {r.stderr.strip()[-300:]}")
+        if git("checkout", "-q", "-B", "main", "FETCH_HEAD").returncode:
+            raise BootstrapError("fetch_failed", f"cannot check out {rev or 'HEAD'} of {path}")
         head = git("rev-parse", "HEAD").stdout.strip()
         return out, {"kind": "git", "path": path, "revision": head}
     if p.is_dir():

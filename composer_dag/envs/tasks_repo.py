@@ -110,8 +110,10 @@ def statement(kind: str, package: str, module: str, function: str, message: str,
 
 
 def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_attempts: int | None = None,
-         canaries: bool = True, log=lambda m: None) -> dict:
-    """Tasks from the environment at ``env_dir`` into ``out_dir/<task id>``; the JSON summary."""
+         canaries: bool = True, history: bool = True, log=lambda m: None) -> dict:
+    """Tasks from the environment at ``env_dir`` into ``out_dir/<task id>``: up to ``max_tasks``
+    synthetic bugs, and (``history``) the tasks of its git history (``swebench.history_instances``,
+    none for a repository of one commit); the JSON summary."""
     t0 = time.monotonic()
     env_dir, out_dir = Path(env_dir), Path(out_dir)
     env = load_env(env_dir)
@@ -198,6 +200,22 @@ def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_a
         built.append(d)
         stats["accepted"] += 1
         log(f"{tid}: {kind} in {rel}:{function}, {len(f2p)} FAIL_TO_PASS, {len(p2p)} PASS_TO_PASS")
+    if history:
+        from .repo_env import BootstrapConfig
+        from .swebench import history_instances, import_instances
+
+        hist = history_instances(env_dir)
+        stats["history"] = {"commits": hist["commits"], "skipped": hist["skipped"], "instances": len(hist["instances"])}
+        if hist["instances"]:
+            with tempfile.TemporaryDirectory(prefix="cdag-hist-") as tmp:
+                jsonl = Path(tmp) / "history.jsonl"
+                jsonl.write_text("".join(json.dumps(i) + "\n" for i in hist["instances"]))
+                (Path(tmp) / "mirrors").mkdir()
+                (Path(tmp) / "mirrors" / env["name"]).symlink_to(project.resolve())
+                got = import_instances(jsonl, str(Path(tmp) / "mirrors"), out_dir, BootstrapConfig(), log=log,
+                                       canaries=canaries)
+            stats["history"].update(imported=got["imported"], refused=got["refused"])
+            built += [out_dir / t for t in got["tasks"]]
     stats["seconds"] = round(time.monotonic() - t0, 2)
     return {"ok": bool(built), "tasks": [p.name for p in built], **stats, "env_digest": env["env_digest"],
             "out": str(out_dir)}
@@ -210,44 +228,58 @@ def _git(repo: Path, *args, env=None):
 
 def write_repo_task(task_dir: Path, env: dict, env_dir: Path, rel: str, original: str, mutant: str, kind: str,
                     function: str, f2p: list[str], p2p: list[str], instructions: str) -> Path:
-    """Write one mined task (replacing any there), staged beside it and renamed into place."""
+    """One mined task: the change folded into the repository's last commit, the FAIL_TO_PASS
+    files taken out of it (they come back with the reference)."""
+    hidden = sorted({t.split("::", 1)[0] for t in f2p})
+    return write_pytest_task(
+        task_dir, env, env_dir, changes={rel: mutant, **{h: None for h in hidden}},
+        reference={rel: original.encode(), **{h: (env_dir / "tests" / h).read_bytes() for h in hidden}},
+        hidden_tree=env_dir / "tests", f2p=f2p, p2p=p2p, instructions=instructions, source="repo-mined",
+        source_file=f"{_norm(env['name'])}:{rel}", reference_meta={"files": [rel], "kind": "bugfix", "mutation": kind,
+                                                             "function": function},
+        origin_extra={"change": kind, "file": rel, "function": function})
+
+
+def write_pytest_task(task_dir: Path, env: dict, env_dir: Path, *, changes: dict[str, str | None],
+                      reference: dict[str, bytes], hidden_tree: Path, f2p: list[str], p2p: list[str],
+                      instructions: str, source: str, source_file: str, reference_meta: dict,
+                      origin_extra: dict) -> Path:
+    """Write a task run by pytest (replacing any there), staged beside it and renamed into place:
+    ``repo/`` is the environment's repository with ``changes`` ({path: text, or None to delete})
+    folded into its last commit, nothing of the earlier state left in the object store;
+    ``hidden_tests/`` is ``hidden_tree``; ``reference/files`` is ``reference``."""
     staging = Path(tempfile.mkdtemp(prefix=f".{task_dir.name}.tmp-", dir=task_dir.parent))
     try:
         repo = staging / "repo"
         shutil.copytree(env_dir / "repo", repo, symlinks=True)
-        (repo / rel).write_text(mutant)
-        hidden = sorted({t.split("::", 1)[0] for t in f2p})
-        for h in hidden:
-            if (repo / h).exists():
-                (repo / h).unlink()
-        head = _git(repo, "log", "-1", "--format=%an%x00%ae%x00%ad%x00%cd%x00%B", "--date=raw").stdout.split("\0")
-        genv = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(repo), "GIT_CONFIG_NOSYSTEM": "1",
-                "GIT_AUTHOR_NAME": head[0], "GIT_AUTHOR_EMAIL": head[1], "GIT_AUTHOR_DATE": head[2],
-                "GIT_COMMITTER_NAME": head[0], "GIT_COMMITTER_EMAIL": head[1], "GIT_COMMITTER_DATE": head[3]}
-        _git(repo, "add", "-A", env=genv)
-        _git(repo, "commit", "-q", "--amend", "--no-edit", "--allow-empty", env=genv)
-        for obj in ("reflog", "gc"):  # the pre-amend commit must not be reachable or lying around
-            args = ["expire", "--expire=now", "--all"] if obj == "reflog" else ["--prune=now", "-q"]
-            _git(repo, obj, *args, env=genv)
-        shutil.copytree(env_dir / "tests", staging / "hidden_tests")
+        for rel, text in changes.items():
+            if text is None:
+                if (repo / rel).exists():
+                    (repo / rel).unlink()
+            else:
+                (repo / rel).write_text(text)
+        if changes:
+            head = _git(repo, "log", "-1", "--format=%an%x00%ae%x00%ad%x00%cd%x00%B", "--date=raw").stdout.split("\0")
+            genv = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(repo), "GIT_CONFIG_NOSYSTEM": "1",
+                    "GIT_AUTHOR_NAME": head[0], "GIT_AUTHOR_EMAIL": head[1], "GIT_AUTHOR_DATE": head[2],
+                    "GIT_COMMITTER_NAME": head[0], "GIT_COMMITTER_EMAIL": head[1], "GIT_COMMITTER_DATE": head[3]}
+            _git(repo, "add", "-A", env=genv)
+            _git(repo, "commit", "-q", "--amend", "--no-edit", "--allow-empty", env=genv)
+            for obj in ("reflog", "gc"):  # the pre-amend commit must not be reachable or lying around
+                args = ["expire", "--expire=now", "--all"] if obj == "reflog" else ["--prune=now", "-q"]
+                _git(repo, obj, *args, env=genv)
+        shutil.copytree(hidden_tree, staging / "hidden_tests")
         shutil.copytree(env_dir / "layer", staging / "layer", symlinks=True)
-        ref = staging / "reference" / "files" / rel
-        ref.parent.mkdir(parents=True)
-        ref.write_text(original)
-        # the hidden test files removed from repo/ come back with the reference
-        for h in hidden:
-            (staging / "reference" / "files" / h).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(env_dir / "tests" / h, staging / "reference" / "files" / h)
-        origin = env.get("origin") or {}
-        task = {"format": TASK_FORMAT, "id": task_dir.name, "source": "repo-mined",
-                "source_file": f"{_norm(env['name'])}:{rel}", "project": project_dir_name(env),
-                "instructions": instructions, "limits": TaskLimits().to_dict(), "framework": "pytest",
-                "tests": {"FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p},
-                "reference": {"files": [rel], "kind": "bugfix", "mutation": kind, "function": function},
-                "origin": {"repository": env["name"], "version": env.get("version"), "source": origin,
+        for rel, data in reference.items():
+            (staging / "reference" / "files" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (staging / "reference" / "files" / rel).write_bytes(data)
+        task = {"format": TASK_FORMAT, "id": task_dir.name, "source": source, "source_file": source_file,
+                "project": project_dir_name(env), "instructions": instructions, "limits": TaskLimits().to_dict(),
+                "framework": "pytest", "tests": {"FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p},
+                "reference": {"files": sorted(reference), **reference_meta},
+                "origin": {"repository": env["name"], "version": env.get("version"), "source": env.get("origin") or {},
                            "commit": _git(env_dir / "repo", "rev-parse", "HEAD").stdout.strip(),
-                           "env_digest": env["env_digest"], "licence": env.get("licence"), "change": kind,
-                           "file": rel, "function": function},
+                           "env_digest": env["env_digest"], "licence": env.get("licence"), **origin_extra},
                 "sandbox": {"venv": True},
                 "checks": {"expected": sorted(f2p + p2p)}}
         (staging / "task.json").write_text(json.dumps(task, indent=2, sort_keys=True))
