@@ -49,6 +49,8 @@ def pytest_runtest_logreport(report):
 def pytest_collectreport(report):
     if report.failed:
         _results[report.nodeid or "<collection>"] = "collect_error"
+        lines = [l[1:].strip() for l in str(report.longrepr).splitlines() if l.startswith("E ")]
+        _messages[report.nodeid or "<collection>"] = "\n".join(lines[-6:])[:1000] or str(report.longrepr)[-600:]
 
 
 def pytest_sessionfinish(session, exitstatus):

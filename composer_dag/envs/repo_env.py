@@ -63,7 +63,7 @@ from .rootfs import PYVER, Persona, persona_for
 from .sandbox import Bind, Limits, Sandbox
 
 REASONS = ("fetch_failed", "unsupported_layout", "licence_excluded", "install_failed", "needs_network",
-           "no_tests_found", "tests_fail_at_base", "timeout")
+           "suite_does_not_start", "no_tests_found", "tests_fail_at_base", "timeout")
 CHECKS_DIR = "/var/tmp/checks"  # where the recorded test tree sits in every run, here and at grading
 REPORT_DIR = "/var/tmp/cdag-report"
 SHIFTED_TIME = "2031-03-14 09:26:53"
@@ -307,6 +307,7 @@ def _is_test_name(name: str) -> bool:
 def _test_files(root: Path, src_dir: str, packages: list[str]) -> list[str]:
     dirs = [root / d for d in ("tests", "test", "testing") if (root / d).is_dir()]
     dirs += [root / src_dir / p / d for p in packages for d in ("tests", "test") if (root / src_dir / p / d).is_dir()]
+    dirs += [root / src_dir / p for p in packages if (root / src_dir / p).is_dir()]  # test modules in the package
     files = [p for d in dirs for p in d.rglob("*.py") if re.match(r"(test_.*|.*_test)\.py$", p.name)]
     files += [p for p in root.glob("*.py") if re.match(r"(test_.*|.*_test)\.py$", p.name)]
     return sorted(dict.fromkeys(p.relative_to(root).as_posix() for p in files
@@ -323,9 +324,13 @@ def _support_files(root: Path, tests: list[str]) -> list[str]:
             for p in (root / parts[0]).rglob("*"):
                 if p.is_file() and not _SKIP_DIRS & set(p.relative_to(root).parts[:-1]):
                     out.add(p.relative_to(root).as_posix())
-        elif len(parts) > 1:  # tests inside the package: the test directory itself
+        elif len(parts) > 1:  # tests inside the package: a tests/ directory whole, else only conftest.py
             d = root.joinpath(*parts[:-1])
-            out.update(p.relative_to(root).as_posix() for p in d.glob("*") if p.is_file())
+            if _is_test_name(d.name):
+                out.update(p.relative_to(root).as_posix() for p in d.rglob("*") if p.is_file()
+                           and "__pycache__" not in p.parts)
+            elif (d / "conftest.py").is_file():  # never the package's own modules: they are the code under test
+                out.add((d / "conftest.py").relative_to(root).as_posix())
     if (root / "conftest.py").is_file():
         out.add("conftest.py")
     return sorted(out - set(tests))
@@ -714,7 +719,7 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
         (tests / "pytest.ini").write_text(layout.pytest_ini)
         project = env / "repo"
         paths = layout.test_paths[:cfg.max_test_files]
-        runs = []
+        runs, suite_seconds = [], 0.0
         for i, shifted in enumerate((None, None, cfg.shifted_time)):
             res, det = run_tests(project, tests, layer, persona, paths, cfg.test_timeout,
                                  hash_seed=cfg.hash_seeds[bool(shifted)], random_seed=cfg.random_seeds[bool(shifted)],
@@ -727,14 +732,21 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
                 text = det["output_tail"]
                 if re.search(_NETWORK, text):
                     raise BootstrapError("needs_network", f"the suite needs the network: {text[-300:]}")
+                if det["exit_code"] in (1, 2, 3, 4) and re.search(r"Error|error:", text):
+                    # pytest stopped before any test: a conftest or a setting this pytest refuses
+                    raise BootstrapError("suite_does_not_start", f"pytest stopped before any test: {text[-400:]}")
                 raise BootstrapError("no_tests_found", f"pytest reported no test: {text[-300:]}")
             runs.append(res)
+            suite_seconds = max(suite_seconds, det["seconds"])
             if i == 0:
                 first_messages = det["messages"]
         kept, left = _classify(runs)
         if not kept and any(re.search(_NETWORK, m) for m in first_messages.values()):
             raise BootstrapError("needs_network", "the tests that fail at the base revision fail on the network: "
                                                   + next(m for m in first_messages.values() if re.search(_NETWORK, m))[-300:])
+        if not kept and left and set(left.values()) == {"collection_error"}:
+            why = next(iter(first_messages.values()), "")
+            raise BootstrapError("suite_does_not_start", f"no test module imports in the sandbox: {why[-400:]}")
         if not kept:
             raise BootstrapError("tests_fail_at_base", f"no test passes reliably at the base revision "
                                                        f"({len(left)} left out: {_counts(left.values())})")
@@ -763,7 +775,7 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
                   "left_out_counts": _counts(left.values()), "layer": layer_digest,
                   "store": {"wheel": wheel.name, "wheel_hit": wheel_hit, "layer_hit": layer_hit,
                             "dependencies": [w.name for w in deps]},
-                  "persona_seed": _norm(layout.name)}
+                  "persona_seed": _norm(layout.name), "suite_seconds": suite_seconds}
         shutil.copytree(layer, env / "layer", symlinks=True)
         (env / "env.json").write_text(json.dumps(record, indent=2, sort_keys=True))
         (env / "report.md").write_text(_report(record))

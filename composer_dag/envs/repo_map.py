@@ -42,7 +42,8 @@ def run_one(storage: Storage, spec: dict, index: int) -> dict:
             summary = bootstrap(src, Path(tmp) / "env", cfg)
             result.update(bootstrap={k: summary.get(k) for k in ("ok", "reason", "tests_passing", "tests_total",
                                                                  "env_digest", "name", "version", "licence")},
-                          bootstrap_seconds=summary["seconds"], reason=summary["reason"])
+                          bootstrap_seconds=summary["seconds"], reason=summary["reason"],
+                          **({"error": summary["error"][:500]} if summary.get("error") else {}))
             if summary["ok"]:
                 storage.put_dir(str(Path(tmp) / "env"), f"{out}/envs/{index}")
                 if spec.get("mine_max", 0) > 0:

@@ -152,7 +152,6 @@ def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_a
     def reject(why):
         stats["rejected"][why] = stats["rejected"].get(why, 0) + 1
 
-    base_seconds = None
     for rel, kind, node in sites:
         if len(built) >= max_tasks or stats["runs"] >= max_attempts:
             break
@@ -172,12 +171,12 @@ def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_a
             ws = Path(tmp) / project.name
             shutil.copytree(project, ws, symlinks=True, ignore=shutil.ignore_patterns(".git"))
             (ws / rel).write_text(mutant)
-            timeout = max(60.0, 5 * (base_seconds or 60.0))
+            # a change can make the suite loop: five times its time at bootstrap, at least 30 s
+            timeout = max(30.0, 5 * float(env.get("suite_seconds") or 12.0))
             res, det = run_tests(ws, tests_tree, layer, persona, paths, timeout)
         if det["timed_out"]:
             reject("timeout")
             continue
-        base_seconds = base_seconds or det["seconds"]
         f2p = sorted(t for t in kept if res.get(t) in ("failed", "error") or t not in res)
         p2p = sorted(t for t in kept if res.get(t) == "passed")
         if not f2p:
