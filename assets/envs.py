@@ -32,9 +32,15 @@ def task_sets(context: dg.AssetExecutionContext, config: TaskParams, artifacts: 
     storage = artifacts.get()
     cfg = engine_config(TaskBuildConfig, config)
     with tempfile.TemporaryDirectory(prefix="composer-tasks-") as tmp:
-        context.log.info(f"building tasks: HumanEval ({cfg.humaneval_limit or 'all'}) + {cfg.bugfix_count} bug fixes")
+        context.log.info(f"building tasks: HumanEval ({cfg.humaneval_limit or 'all'}) + {cfg.bugfix_count} bug fixes + "
+                         f"{cfg.learnable_count} learnable + mined from {len(cfg.repositories)} repositories")
         summary = engine.build_tasks(tmp, cfg)
         context.log.info(f"built {summary['tasks']} tasks in {summary['seconds']['total']} s")
+        repo_meta = repositories_metadata(summary.get("repositories") or {})
+        for name, r in (summary.get("repositories") or {}).items():
+            context.log.info(f"repository {name}: " + (f"{r.get('tasks', 0)} tasks mined from {r['tests_passing']} kept "
+                                                      f"tests in {r['seconds']} + {r.get('mine_seconds')} s" if r["ok"]
+                                                      else f"refused: {r['reason']}: {r.get('error', '')}"))
         if not summary["split_check"]["ok"]:
             raise dg.Failure(description=f"train/eval split is not disjoint: {summary['split_check']}", allow_retries=False)
         rows = []
@@ -58,7 +64,7 @@ def task_sets(context: dg.AssetExecutionContext, config: TaskParams, artifacts: 
                                  f"from a laptop, {len(open_tells(report))} not on the allowlist")
             yield dg.MaterializeResult(
                 asset_key=side,
-                metadata={**realism,
+                metadata={**realism, **repo_meta,
                     "dagster/uri": url,
                     "dagster/row_count": summary[side],
                     "manifest_digest": digest,
@@ -69,6 +75,29 @@ def task_sets(context: dg.AssetExecutionContext, config: TaskParams, artifacts: 
                 },
             )
     catalog.get().insert_records("tasks", rows)
+
+
+def repositories_metadata(repos: dict) -> dict:
+    """The mined source in the UI: a row per repository (outcome, tests, licence, tasks), the
+    counts per refusal reason and per licence, and one task's problem statement."""
+    if not repos:
+        return {}
+    rows = ["| repository | environment | tests kept / total | licence | tasks | candidates rejected | seconds |",
+            "|---|---|---:|---|---:|---|---:|"]
+    reasons: dict[str, int] = {}
+    licences: dict[str, int] = {}
+    for name, r in sorted(repos.items()):
+        licences[r.get("licence") or "unknown"] = licences.get(r.get("licence") or "unknown", 0) + 1
+        if not r["ok"]:
+            reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+        rows.append(f"| {name} | {'ok' if r['ok'] else 'refused: ' + str(r['reason'])} | {r.get('tests_passing') or 0} / "
+                    f"{r.get('tests_total') or 0} | {r.get('licence') or ''} | {r.get('tasks', 0)} | "
+                    f"{json.dumps(r.get('rejected') or {})} | {round((r.get('seconds') or 0) + (r.get('mine_seconds') or 0), 1)} |")
+    sample = next((r["sample"] for r in repos.values() if r.get("sample")), None)
+    return {"repositories": dg.MetadataValue.md("\n".join(rows)),
+            "repositories_refused_by_reason": dg.MetadataValue.json(reasons),
+            "repositories_by_licence": dg.MetadataValue.json(licences),
+            **({"sample_mined_task": dg.MetadataValue.md(sample)} if sample else {})}
 
 
 def _task_files(storage, url: str) -> dict[str, list[str]]:

@@ -58,6 +58,8 @@ def dagster_config(model: type[StageConfig], base: type[BaseModel] = dg.Config,
         default = info.get_default(call_default_factory=True)
         if isinstance(default, StageConfig):
             default = hint(**_plain(default.model_dump()))
+        elif isinstance(default, list) and default and all(isinstance(d, StageConfig) for d in default):
+            default = [_plain(d.model_dump()) for d in default]  # Dagster's config takes plain values
         elif isinstance(default, tuple):
             default = list(default)
         fields[fname] = (hint, pydantic.Field(default=default, description=info.description))
@@ -82,7 +84,7 @@ def _plain(value: Any) -> Any:
 def engine_config(model: type[StageConfig], params: BaseModel | dict | None = None, **given: Any) -> StageConfig:
     """The engine's config from the run config ``params`` plus the fields the asset fills in;
     a bad value is a ``dg.Failure`` of one line that no retry repeats."""
-    data = params.model_dump() if isinstance(params, BaseModel) else dict(params or {})
+    data = params.model_dump(warnings=False) if isinstance(params, BaseModel) else dict(params or {})
     try:
         return model.load({**data, **given})
     except ConfigError as exc:

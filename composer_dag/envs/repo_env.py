@@ -94,6 +94,8 @@ class BootstrapConfig(StageConfig):
     exclude_licences: tuple[str, ...] = Field((), description="licences (as recorded, case-insensitive) refused")
     store: Optional[str] = Field(None, description="the wheel store and layers (default: $COMPOSER_HOME/wheel-store)")
     max_test_files: int = Field(400, description="test files run at most (the first, by path)")
+    test_files: Optional[tuple[str, ...]] = Field(None, description="only the test files matching these globs "
+                                                                    "(relative to the project root); None: every one")
 
 
 # ------------------------------------------------------------------------------------ the source
@@ -138,6 +140,8 @@ def fetch_source(src: str, dest: Path) -> tuple[Path, dict]:
     """The project's tree under ``dest`` and where it came from. Reads and copies only.
     ``src``: a directory, a git path or URL (``@REV``), an sdist file or URL, ``pypi:NAME==VERSION``."""
     dest.mkdir(parents=True, exist_ok=True)
+    if src.startswith("installed:"):
+        return _installed(src[len("installed:"):], dest)
     if src.startswith("pypi:"):
         name, _, version = src[5:].partition("==")
         if not version:
@@ -176,6 +180,40 @@ def fetch_source(src: str, dest: Path) -> tuple[Path, dict]:
         shutil.copytree(p, out, symlinks=True, ignore=shutil.ignore_patterns(*_SKIP_DIRS - {"docs", "doc", "examples"}))
         return out, {"kind": "directory", "path": str(p.resolve())}
     raise BootstrapError("fetch_failed", f"not a directory, git repository or sdist archive: {src}")
+
+
+def _installed(name: str, dest: Path) -> tuple[Path, dict]:
+    """A distribution installed in this Python (a wheel, already built): its files copied into a
+    project tree with a ``pyproject.toml`` from its metadata. Copies only; nothing is imported."""
+    import importlib.metadata as md
+
+    try:
+        dist = md.distribution(name)
+    except md.PackageNotFoundError:
+        raise BootstrapError("fetch_failed", f"{name} is not installed in this Python") from None
+    root = dest / "src" / _norm(dist.metadata["Name"])
+    n = 0
+    for f in dist.files or []:
+        rel = Path(str(f))
+        if rel.parts[0].endswith((".dist-info", ".data")) or rel.parts[0] in ("..", "bin") or "__pycache__" in rel.parts \
+                or rel.suffix in (".pyc", ".so", ".pyd"):
+            continue
+        src = Path(dist.locate_file(f))
+        if src.is_file():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, root / rel)
+            n += 1
+    if not n:
+        raise BootstrapError("fetch_failed", f"{name}: no files recorded for the installed distribution")
+    meta = dist.metadata
+    lic = (meta.get("License-Expression") or meta.get("License") or "").strip()
+    if not lic or len(lic) > 60:
+        lic = next((c.rsplit(" :: ", 1)[1] for c in meta.get_all("Classifier") or []
+                    if c.startswith("License :: OSI Approved :: ")), "unknown")
+    (root / "pyproject.toml").write_text(
+        f'[project]\nname = "{meta["Name"]}"\nversion = "{meta["Version"]}"\nlicense = {{text = "{lic}"}}\n'
+        "dependencies = []\n")
+    return root, {"kind": "installed", "distribution": meta["Name"], "version": meta["Version"]}
 
 
 def _unpack(archive: Path, dest: Path) -> Path:
@@ -682,6 +720,61 @@ def tree_digest(root: Path) -> str:
     return h.hexdigest()
 
 
+def reliable_tests(project: Path, tests: Path, layer: Path, persona: Persona, layout: Layout, cfg: BootstrapConfig,
+                   work: Path, log) -> tuple[list[str], dict[str, str], float]:
+    """(kept, left out by reason, the suite's longest run): three runs (the third with the clock
+    shifted, another hash seed and random seed), then the hack probe on what passed every time."""
+    paths = layout.test_paths[:cfg.max_test_files]
+    runs, suite_seconds = [], 0.0
+    for i, shifted in enumerate((None, None, cfg.shifted_time)):
+        res, det = run_tests(project, tests, layer, persona, paths, cfg.test_timeout,
+                             hash_seed=cfg.hash_seeds[bool(shifted)], random_seed=cfg.random_seeds[bool(shifted)],
+                             shifted_time=shifted)
+        log(f"run {i + 1}/3{' (clock shifted)' if shifted else ''}: {sum(v == 'passed' for v in res.values())} "
+            f"of {len(res)} passed in {det['seconds']} s")
+        if det["timed_out"]:
+            raise BootstrapError("timeout", f"the suite ran over {cfg.test_timeout:.0f} s")
+        if not res:
+            text = det["output_tail"]
+            if re.search(_NETWORK, text):
+                raise BootstrapError("needs_network", f"the suite needs the network: {text[-300:]}")
+            if det["exit_code"] in (1, 2, 3, 4) and re.search(r"Error|error:", text):
+                # pytest stopped before any test: a conftest or a setting this pytest refuses
+                raise BootstrapError("suite_does_not_start", f"pytest stopped before any test: {text[-400:]}")
+            raise BootstrapError("no_tests_found", f"pytest reported no test: {text[-300:]}")
+        runs.append(res)
+        suite_seconds = max(suite_seconds, det["seconds"])
+        if i == 0:
+            first_messages = det["messages"]
+    kept, left = _classify(runs)
+    if not kept and any(re.search(_NETWORK, m) for m in first_messages.values()):
+        raise BootstrapError("needs_network", "the tests that fail at the base revision fail on the network: "
+                                              + next(m for m in first_messages.values() if re.search(_NETWORK, m))[-300:])
+    if not kept and left and set(left.values()) == {"collection_error"}:
+        why = next(iter(first_messages.values()), "")
+        raise BootstrapError("suite_does_not_start", f"no test module imports in the sandbox: {why[-400:]}")
+    if not kept:
+        raise BootstrapError("tests_fail_at_base", f"no test passes reliably at the base revision "
+                                                   f"({len(left)} left out: {_counts(left.values())})")
+    # hack probe: the code under test replaced by NotImplementedError
+    stubbed = work / "stubbed" / project.name
+    shutil.copytree(project, stubbed, symlinks=True, ignore=shutil.ignore_patterns(".git"))
+    for rel in package_files(stubbed, layout):
+        s = stub_functions((stubbed / rel).read_text(errors="replace"))
+        if s is not None:
+            (stubbed / rel).write_text(s)
+    res, _ = run_tests(stubbed, tests, layer, persona, paths, cfg.test_timeout)
+    for t in kept:
+        if res.get(t) == "passed":
+            left[t] = "vacuous"
+    kept = [t for t in kept if left.get(t) != "vacuous"]
+    if not kept:
+        raise BootstrapError("tests_fail_at_base", "every passing test still passes with the code replaced by "
+                                                   "NotImplementedError (vacuous)")
+    shutil.rmtree(work / "stubbed")
+    return kept, left, suite_seconds
+
+
 def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log=lambda m: None) -> dict:
     """Make the environment at ``out`` (see the module's docstring); the summary, also written
     as ``out/env.json``. On failure nothing is left at ``out`` and the summary says why."""
@@ -697,6 +790,13 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
         summary.update(name=layout.name, version=layout.version, licence=layout.licence, origin=origin)
         if layout.licence.lower() in {l.lower() for l in cfg.exclude_licences}:
             raise BootstrapError("licence_excluded", f"licence {layout.licence} is excluded by the policy")
+        if cfg.test_files:
+            import fnmatch
+
+            layout.test_paths = [t for t in layout.test_paths if any(fnmatch.fnmatch(t, g) for g in cfg.test_files)]
+            keep_dirs = {str(Path(t).parent) for t in layout.test_paths}
+            layout.support = [f for f in layout.support if str(Path(f).parent) in keep_dirs or Path(f).name == "conftest.py"
+                              and any(d.startswith(str(Path(f).parent)) for d in keep_dirs)]
         if not layout.test_paths:
             raise BootstrapError("no_tests_found", "no test files (test_*.py, *_test.py) in tests/, test/, the "
                                                    "package or the root")
@@ -704,9 +804,12 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
         store = _mkdir(store_root(cfg))
         log(f"{layout.name} {layout.version}: {len(layout.packages)} package(s), {len(layout.test_paths)} test files")
         key = f"{_norm(layout.name)}-{layout.version}-{(origin.get('sha256') or tree_digest(root))[:16]}"
-        wheel, wheel_hit = build_wheel(root, layout, store, persona, cfg, key)
-        log(f"wheel {wheel.name} ({'store hit' if wheel_hit else 'built'})")
-        deps = fetch_wheels(layout.requires + _wheel_requires(wheel), store / "fetched", cfg.install_timeout)
+        if origin["kind"] == "installed":  # installed from its wheel already: nothing to build or fetch
+            wheel, wheel_hit, deps = None, None, []
+        else:
+            wheel, wheel_hit = build_wheel(root, layout, store, persona, cfg, key)
+            log(f"wheel {wheel.name} ({'store hit' if wheel_hit else 'built'})")
+            deps = fetch_wheels(layout.requires + _wheel_requires(wheel), store / "fetched", cfg.install_timeout)
         layer_digest, layer, layer_hit = make_layer(deps, layout, store, persona, cfg)
         log(f"layer {layer_digest}: {len(deps)} wheel(s) ({'hit' if layer_hit else 'installed'})")
 
@@ -718,54 +821,7 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
             shutil.copy2(root / rel, tests / rel)
         (tests / "pytest.ini").write_text(layout.pytest_ini)
         project = env / "repo"
-        paths = layout.test_paths[:cfg.max_test_files]
-        runs, suite_seconds = [], 0.0
-        for i, shifted in enumerate((None, None, cfg.shifted_time)):
-            res, det = run_tests(project, tests, layer, persona, paths, cfg.test_timeout,
-                                 hash_seed=cfg.hash_seeds[bool(shifted)], random_seed=cfg.random_seeds[bool(shifted)],
-                                 shifted_time=shifted)
-            log(f"run {i + 1}/3{' (clock shifted)' if shifted else ''}: {sum(v == 'passed' for v in res.values())} "
-                f"of {len(res)} passed in {det['seconds']} s")
-            if det["timed_out"]:
-                raise BootstrapError("timeout", f"the suite ran over {cfg.test_timeout:.0f} s")
-            if not res:
-                text = det["output_tail"]
-                if re.search(_NETWORK, text):
-                    raise BootstrapError("needs_network", f"the suite needs the network: {text[-300:]}")
-                if det["exit_code"] in (1, 2, 3, 4) and re.search(r"Error|error:", text):
-                    # pytest stopped before any test: a conftest or a setting this pytest refuses
-                    raise BootstrapError("suite_does_not_start", f"pytest stopped before any test: {text[-400:]}")
-                raise BootstrapError("no_tests_found", f"pytest reported no test: {text[-300:]}")
-            runs.append(res)
-            suite_seconds = max(suite_seconds, det["seconds"])
-            if i == 0:
-                first_messages = det["messages"]
-        kept, left = _classify(runs)
-        if not kept and any(re.search(_NETWORK, m) for m in first_messages.values()):
-            raise BootstrapError("needs_network", "the tests that fail at the base revision fail on the network: "
-                                                  + next(m for m in first_messages.values() if re.search(_NETWORK, m))[-300:])
-        if not kept and left and set(left.values()) == {"collection_error"}:
-            why = next(iter(first_messages.values()), "")
-            raise BootstrapError("suite_does_not_start", f"no test module imports in the sandbox: {why[-400:]}")
-        if not kept:
-            raise BootstrapError("tests_fail_at_base", f"no test passes reliably at the base revision "
-                                                       f"({len(left)} left out: {_counts(left.values())})")
-        # hack probe: the code under test replaced by NotImplementedError
-        stubbed = work / "stubbed" / project.name
-        shutil.copytree(project, stubbed, symlinks=True, ignore=shutil.ignore_patterns(".git"))
-        for rel in package_files(stubbed, layout):
-            s = stub_functions((stubbed / rel).read_text(errors="replace"))
-            if s is not None:
-                (stubbed / rel).write_text(s)
-        res, _ = run_tests(stubbed, tests, layer, persona, paths, cfg.test_timeout)
-        for t in kept:
-            if res.get(t) == "passed":
-                left[t] = "vacuous"
-        kept = [t for t in kept if left.get(t) != "vacuous"]
-        if not kept:
-            raise BootstrapError("tests_fail_at_base", "every passing test still passes with the code replaced by "
-                                                       "NotImplementedError (vacuous)")
-        shutil.rmtree(work / "stubbed")
+        kept, left, suite_seconds = reliable_tests(project, tests, layer, persona, layout, cfg, work, log)
         seconds = round(time.monotonic() - t0, 2)
         env_digest = hashlib.sha256(json.dumps([tree_digest(project), tree_digest(tests), layer_digest, kept],
                                                sort_keys=True).encode()).hexdigest()[:32]
@@ -773,7 +829,7 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
                        tests_total=len(kept) + len(left), seconds=seconds, env_digest=env_digest)
         record = {**summary, "layout": asdict(layout), "kept": kept, "left_out": dict(sorted(left.items())),
                   "left_out_counts": _counts(left.values()), "layer": layer_digest,
-                  "store": {"wheel": wheel.name, "wheel_hit": wheel_hit, "layer_hit": layer_hit,
+                  "store": {"wheel": wheel.name if wheel else None, "wheel_hit": wheel_hit, "layer_hit": layer_hit,
                             "dependencies": [w.name for w in deps]},
                   "persona_seed": _norm(layout.name), "suite_seconds": suite_seconds}
         shutil.copytree(layer, env / "layer", symlinks=True)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from .repo_env import BootstrapConfig, bootstrap, detect_layout, load_env, run_tests
 from .rootfs import persona_for
+from .repo_task import add_repo_canaries, write_pytest_task
 from .task_dir import load_task
 
 IMPORT_REASONS = ("bad_record", "no_mirror", "no_base_commit", "patch_does_not_apply", "bootstrap_failed",
@@ -154,8 +155,6 @@ def _apply(tree: Path, patch: str) -> list[str]:
 
 def import_instance(inst: dict, repos: str, out_dir: Path, cfg: BootstrapConfig, canaries: bool = True) -> Path:
     """One instance as a task directory under ``out_dir`` (see the module's docstring)."""
-    from .tasks_repo import add_repo_canaries, write_pytest_task
-
     missing = [f for f in FIELDS if f not in inst]
     if missing:
         raise Refused("bad_record", f"missing {', '.join(missing)}")

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 from pydantic import Field
 
@@ -41,6 +42,21 @@ class TaskLimits(StageConfig):
     observation_chars: int = Field(12_000, description="characters of a tool's output shown to the policy")
 
 
+class RepoSpec(StageConfig):
+    """A repository made into an environment (``repo_env.bootstrap``) and mined for tasks."""
+
+    name: str = Field("", min_length=1, description="a short name: the tasks' source files are <name>:<path>")
+    src: str = Field("", min_length=1,
+                     description="a directory, git PATH[@REV], sdist file or URL, pypi:NAME==VERSION, installed:NAME")
+    test_files: Optional[tuple[str, ...]] = Field(None, description="globs of the test files to keep (None: all)")
+    tasks: int = Field(8, description="synthetic-bug tasks mined at most (plus its history's, if it has one)")
+
+
+# networkx is installed with its tests (torch requires it): mined offline from a few algorithm modules
+NETWORKX = RepoSpec(name="networkx", src="installed:networkx", tasks=8, test_files=tuple(
+    f"networkx/algorithms/tests/test_{m}.py" for m in ("cycles", "dag", "simple_paths", "cluster")))
+
+
 class TaskBuildConfig(StageConfig):
     """What ``build_tasks`` builds: how many tasks of each kind, from what, and the split."""
 
@@ -53,6 +69,8 @@ class TaskBuildConfig(StageConfig):
     attempts_per_module: int = Field(8, description="mutants run against a module's tests before giving up on it")
     eval_fraction: float = Field(0.2, description="share of source files whose tasks go to eval_tasks")
     workers: int = Field(2, description="modules probed in parallel")
+    repositories: list[RepoSpec] = Field([NETWORKX], description="repositories mined for tasks (source repo-mined)")
+    exclude_licences: tuple[str, ...] = Field((), description="repositories under these licences are refused")
     limits: TaskLimits = TaskLimits()
 
 

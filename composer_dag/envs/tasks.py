@@ -65,7 +65,9 @@ def build_tasks(out_dir, config=None) -> dict:
     ln = build_learnable_tasks(staging, cfg.learnable_count, cfg.seed, words, workers=cfg.workers) \
         if cfg.learnable_count else []
     t_ln = time.monotonic() - t0 - t_he - t_bf
-    tasks = [json.loads((d / "task.json").read_text()) for d in he + bf + ln]
+    mined, repos = build_repo_tasks(staging, cfg)
+    t_repo = time.monotonic() - t0 - t_he - t_bf - t_ln
+    tasks = [json.loads((d / "task.json").read_text()) for d in he + bf + ln + mined]
     split = split_tasks(tasks, cfg.eval_fraction, salt=str(cfg.seed))
     for side, ids in split.items():
         shutil.rmtree(out / side, ignore_errors=True)
@@ -78,12 +80,39 @@ def build_tasks(out_dir, config=None) -> dict:
         "rl_tasks": len(split["rl_tasks"]), "eval_tasks": len(split["eval_tasks"]), "split": split,
         "by_source": {s: sum(t["source"] == s for t in tasks) for s in sorted({t["source"] for t in tasks})},
         "bugfix_modules": {s["module"]: {k: v for k, v in s.items() if k != "module"} for s in bf_stats},
+        "repositories": repos,
         "seconds": {"humaneval": round(t_he, 2), "bugfix": round(t_bf, 2), "learnable": round(t_ln, 2),
-                    "total": round(time.monotonic() - t0, 2)},
+                    "repositories": round(t_repo, 2), "total": round(time.monotonic() - t0, 2)},
         "split_check": check_split(out),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary
+
+
+def build_repo_tasks(staging: Path, cfg: TaskBuildConfig) -> tuple[list[Path], dict]:
+    """Each of ``cfg.repositories`` bootstrapped (``repo_env``) and mined (``tasks_repo``) into
+    ``staging``; per repository: its outcome, reason, licence, tests, tasks and a sample task."""
+    from .repo_env import BootstrapConfig, bootstrap
+    from .tasks_repo import mine
+
+    built, report = [], {}
+    for spec in cfg.repositories:
+        env_dir = staging / ".envs" / spec.name
+        b = bootstrap(spec.src, env_dir, BootstrapConfig(test_files=spec.test_files,
+                                                         exclude_licences=cfg.exclude_licences))
+        row = {k: b.get(k) for k in ("ok", "reason", "tests_passing", "tests_total", "licence", "version", "seconds",
+                                     "env_digest")}
+        if b.get("error"):
+            row["error"] = b["error"][:300]
+        if b["ok"] and spec.tasks > 0:
+            m = mine(env_dir, staging, max_tasks=spec.tasks, seed=cfg.seed, workers=cfg.workers)
+            dirs = [staging / t for t in m["tasks"]]
+            built += dirs
+            row.update(tasks=len(dirs), mine_seconds=m["seconds"], rejected=m["rejected"],
+                       sample=json.loads((dirs[0] / "task.json").read_text())["instructions"][:600] if dirs else None)
+        report[spec.name] = row
+    shutil.rmtree(staging / ".envs", ignore_errors=True)
+    return built, report
 
 
 def check_split(out_dir) -> dict:

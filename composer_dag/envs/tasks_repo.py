@@ -26,19 +26,17 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import os
 import random
 import re
 import shutil
-import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .repo_env import _norm, load_env, package_files, run_tests
 from .rootfs import persona_for
-from .task_dir import TASK_FORMAT, check_name
-from .task_format import TaskLimits
+from .repo_task import add_repo_canaries, write_pytest_task
 from .tasks_bugfix import _parse, apply_mutation, mutation_sites
 
 KINDS = ("comparison", "operator", "boolean", "off_by_one", "constant", "negation", "removed_branch",
@@ -109,8 +107,42 @@ def statement(kind: str, package: str, module: str, function: str, message: str,
             f"Please find the cause and fix it without changing the public API.")
 
 
+def mine_sites(project: Path, layout: dict, paths: list[str], seed: str) -> tuple[dict[str, list[str]], list]:
+    """(targeted, sites): the package modules that have a test module of their own
+    (``test_<name>.py``; each is mined against that test module alone, so a large suite stays
+    cheap and its tasks are graded by it; when none has, every module against every test), and
+    the candidate changes (file, kind, node), shuffled by ``seed`` with the kinds interleaved."""
+
+    class L:  # the layout as package_files wants it
+        src_dir, packages = layout["src_dir"], layout["packages"]
+
+    files = package_files(project, L)
+    by_stem: dict[str, list[str]] = {}
+    for p in paths:
+        m = re.match(r"test_(\w+)\.py$", Path(p).name)
+        if m:
+            by_stem.setdefault(m.group(1), []).append(p)
+    targeted = {rel: by_stem[Path(rel).stem] for rel in files if Path(rel).stem in by_stem}
+    if targeted:
+        files = sorted(targeted)
+    sites = []
+    for rel in files:
+        try:
+            src = (project / rel).read_text()
+            sites += [(rel, k, n) for k, n in candidates(src)]
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+    random.Random(seed).shuffle(sites)
+    by_kind: dict[str, list] = {}  # the n-th candidate of each kind before the (n+1)-th of any
+    for s in sites:
+        by_kind.setdefault(s[1], []).append(s)
+    order = [k for k in KINDS if k in by_kind]
+    return targeted, [by_kind[k][i] for i in range(max(map(len, by_kind.values()), default=0))
+                      for k in order if i < len(by_kind[k])]
+
+
 def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_attempts: int | None = None,
-         canaries: bool = True, history: bool = True, log=lambda m: None) -> dict:
+         canaries: bool = True, history: bool = True, workers: int = 2, log=lambda m: None) -> dict:
     """Tasks from the environment at ``env_dir`` into ``out_dir/<task id>``: up to ``max_tasks``
     synthetic bugs, and (``history``) the tasks of its git history (``swebench.history_instances``,
     none for a repository of one commit); the JSON summary."""
@@ -125,104 +157,122 @@ def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_a
     paths = sorted({t.split("::", 1)[0] for t in kept})
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    class L:  # the layout as package_files wants it
-        src_dir, packages = layout["src_dir"], layout["packages"]
-
-    files = package_files(project, L)
-    sites = []
-    for rel in files:
-        try:
-            src = (project / rel).read_text()
-            sites += [(rel, k, n) for k, n in candidates(src)]
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-    rng = random.Random(f"{seed}:{env['env_digest']}")
-    rng.shuffle(sites)
-    # spread the kinds: the n-th candidate of each kind before the (n+1)-th of any
-    by_kind: dict[str, list] = {}
-    for s in sites:
-        by_kind.setdefault(s[1], []).append(s)
-    order = [k for k in KINDS if k in by_kind]
-    sites = [by_kind[k][i] for i in range(max(map(len, by_kind.values()), default=0)) for k in order if i < len(by_kind[k])]
+    targeted, sites = mine_sites(project, layout, paths, f"{seed}:{env['env_digest']}")
     max_attempts = max_attempts or 4 * max_tasks
     # tried = accepted + rejected (by reason); runs: the candidates run against the tests
-    stats = {"candidates": len(sites), "tried": 0, "runs": 0, "accepted": 0, "rejected": {}}
-    built, seen = [], set()
+    stats = {"candidates": len(sites), "tried": 0, "runs": 0, "accepted": 0, "rejected": {},
+             "targeted_modules": len(targeted)}
+    seen: set = set()
 
     def reject(why):
         stats["rejected"][why] = stats["rejected"].get(why, 0) + 1
 
-    for rel, kind, node in sites:
-        if len(built) >= max_tasks or stats["runs"] >= max_attempts:
-            break
-        stats["tried"] += 1
-        original = (project / rel).read_text()
-        try:
-            mutant = apply_candidate(original, kind, node)
-            if ast.dump(_parse(mutant)) == ast.dump(_parse(original)) or mutant in seen:
-                reject("no_change")
-                continue
-        except SyntaxError:
-            reject("syntax")
-            continue
-        seen.add(mutant)
-        stats["runs"] += 1
+    def evaluate(rel, kind, node, mutant):
+        """(f2p, p2p, messages) of one candidate, or the reason it is not a task."""
+        run_paths = targeted.get(rel) or paths
+        scope = [t for t in kept if t.split("::", 1)[0] in run_paths]
         with tempfile.TemporaryDirectory(prefix="cdag-mine-") as tmp:
             ws = Path(tmp) / project.name
             shutil.copytree(project, ws, symlinks=True, ignore=shutil.ignore_patterns(".git"))
             (ws / rel).write_text(mutant)
             # a change can make the suite loop: five times its time at bootstrap, at least 30 s
             timeout = max(30.0, 5 * float(env.get("suite_seconds") or 12.0))
-            res, det = run_tests(ws, tests_tree, layer, persona, paths, timeout)
+            res, det = run_tests(ws, tests_tree, layer, persona, run_paths, timeout)
         if det["timed_out"]:
-            reject("timeout")
-            continue
-        f2p = sorted(t for t in kept if res.get(t) in ("failed", "error") or t not in res)
-        p2p = sorted(t for t in kept if res.get(t) == "passed")
-        if not f2p:
-            reject("survived")
-            continue
-        if not p2p:
-            reject("everything_fails")
-            continue
-        tree = _parse(original)
-        function = node.name if kind == "implement" else _enclosing(tree, node) or "?"
-        msg = next((det["messages"].get(t) for t in f2p if det["messages"].get(t)), "")
-        hidden_files_ = sorted({t.split("::", 1)[0] for t in f2p})
-        names = [Path(h).stem for h in hidden_files_] + [t.split("::")[-1].split("[")[0] for t in f2p]
-        digest = hashlib.sha256(f"{rel}\0{mutant}".encode()).hexdigest()[:8]
-        tid = f"mined-{_norm(env['name'])}-{digest}"
-        d = write_repo_task(out_dir / tid, env, env_dir, rel, original, mutant, kind, function, f2p, p2p,
-                            statement(kind, env["name"], rel, function, msg, names))
-        if canaries:
-            add_repo_canaries(d)
-        built.append(d)
-        stats["accepted"] += 1
-        log(f"{tid}: {kind} in {rel}:{function}, {len(f2p)} FAIL_TO_PASS, {len(p2p)} PASS_TO_PASS")
-    if history:
-        from .repo_env import BootstrapConfig
-        from .swebench import history_instances, import_instances
+            return "timeout"
+        f2p = sorted(t for t in scope if res.get(t) in ("failed", "error") or t not in res)
+        p2p = sorted(t for t in scope if res.get(t) == "passed")
+        return "survived" if not f2p else "everything_fails" if not p2p else (f2p, p2p, det["messages"])
 
-        hist = history_instances(env_dir)
-        stats["history"] = {"commits": hist["commits"], "skipped": hist["skipped"], "instances": len(hist["instances"])}
-        if hist["instances"]:
-            with tempfile.TemporaryDirectory(prefix="cdag-hist-") as tmp:
-                jsonl = Path(tmp) / "history.jsonl"
-                jsonl.write_text("".join(json.dumps(i) + "\n" for i in hist["instances"]))
-                (Path(tmp) / "mirrors").mkdir()
-                (Path(tmp) / "mirrors" / env["name"]).symlink_to(project.resolve())
-                got = import_instances(jsonl, str(Path(tmp) / "mirrors"), out_dir, BootstrapConfig(), log=log,
-                                       canaries=canaries)
-            stats["history"].update(imported=got["imported"], refused=got["refused"])
-            built += [out_dir / t for t in got["tasks"]]
+    def candidates_to_run():
+        for rel, kind, node in sites:
+            stats["tried"] += 1
+            original = (project / rel).read_text()
+            try:
+                mutant = apply_candidate(original, kind, node)
+                if ast.dump(_parse(mutant)) == ast.dump(_parse(original)) or mutant in seen:
+                    reject("no_change")
+                    continue
+            except SyntaxError:
+                reject("syntax")
+                continue
+            seen.add(mutant)
+            yield rel, kind, node, mutant
+
+    # candidates run ``workers`` at a time (each a sandboxed pytest run) and are taken in their
+    # order, so the tasks do not depend on which run finished first
+    selected = []
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        pending: list = []
+        gen = candidates_to_run()
+        while len(selected) < max_tasks:
+            while len(pending) < max(1, workers) and stats["runs"] < max_attempts:
+                cand = next(gen, None)
+                if cand is None:
+                    break
+                stats["runs"] += 1
+                pending.append((cand, pool.submit(evaluate, *cand)))
+            if not pending:
+                break
+            cand, fut = pending.pop(0)
+            out = fut.result()
+            if isinstance(out, str):
+                reject(out)
+            else:
+                selected.append((cand, out))
+        for cand, fut in pending:  # run past the last task needed: not counted as tried
+            fut.cancel()
+            stats["tried"] -= 1
+            stats["runs"] -= 1
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        built = list(pool.map(lambda item: write_mined(item, env, env_dir, out_dir, canaries, log), selected))
+    stats["accepted"] = len(built)
+    if history:
+        stats["history"], from_history = mine_history(env_dir, out_dir, env, canaries, log)
+        built += from_history
     stats["seconds"] = round(time.monotonic() - t0, 2)
     return {"ok": bool(built), "tasks": [p.name for p in built], **stats, "env_digest": env["env_digest"],
             "out": str(out_dir)}
 
 
-def _git(repo: Path, *args, env=None):
-    return subprocess.run(["git", "-c", "safe.directory=*", *args], cwd=repo, capture_output=True, text=True,
-                          env=env, check=True)
+def write_mined(item, env: dict, env_dir: Path, out_dir: Path, canaries: bool, log) -> Path:
+    """One selected candidate (``mine``) written as a task, with its canary."""
+    (rel, kind, node, mutant), (f2p, p2p, messages) = item
+    project = env_dir / "repo"
+    original = (project / rel).read_text()
+    function = node.name if kind == "implement" else _enclosing(_parse(original), node) or "?"
+    msg = next((messages.get(t) for t in f2p if messages.get(t)), "")
+    names = [Path(h).stem for h in {t.split("::", 1)[0] for t in f2p}] + [t.split("::")[-1].split("[")[0] for t in f2p]
+    digest = hashlib.sha256(f"{rel}\0{mutant}".encode()).hexdigest()[:8]
+    tid = f"mined-{_norm(env['name'])}-{digest}"
+    d = write_repo_task(out_dir / tid, env, env_dir, rel, original, mutant, kind, function, f2p, p2p,
+                        statement(kind, env["name"], rel, function, msg, names))
+    if canaries:
+        add_repo_canaries(d)
+    log(f"{tid}: {kind} in {rel}:{function}, {len(f2p)} FAIL_TO_PASS, {len(p2p)} PASS_TO_PASS")
+    return d
+
+
+def mine_history(env_dir: Path, out_dir: Path, env: dict, canaries: bool, log) -> tuple[dict, list[Path]]:
+    """The tasks of the environment's git history (``swebench.history_instances``), imported with
+    the environment's repository as the mirror: (stats, task directories)."""
+    from .repo_env import BootstrapConfig
+    from .swebench import history_instances, import_instances
+
+    hist = history_instances(env_dir)
+    stats = {"commits": hist["commits"], "skipped": hist["skipped"], "instances": len(hist["instances"])}
+    if not hist["instances"]:
+        return stats, []
+    with tempfile.TemporaryDirectory(prefix="cdag-hist-") as tmp:
+        jsonl = Path(tmp) / "history.jsonl"
+        jsonl.write_text("".join(json.dumps(i) + "\n" for i in hist["instances"]))
+        (Path(tmp) / "mirrors").mkdir()
+        (Path(tmp) / "mirrors" / env["name"]).symlink_to((env_dir / "repo").resolve())
+        got = import_instances(jsonl, str(Path(tmp) / "mirrors"), out_dir, BootstrapConfig(), log=log,
+                               canaries=canaries)
+    stats.update(imported=got["imported"], refused=got["refused"])
+    return stats, [out_dir / t for t in got["tasks"]]
 
 
 def write_repo_task(task_dir: Path, env: dict, env_dir: Path, rel: str, original: str, mutant: str, kind: str,
@@ -237,104 +287,3 @@ def write_repo_task(task_dir: Path, env: dict, env_dir: Path, rel: str, original
         source_file=f"{_norm(env['name'])}:{rel}", reference_meta={"files": [rel], "kind": "bugfix", "mutation": kind,
                                                              "function": function},
         origin_extra={"change": kind, "file": rel, "function": function})
-
-
-def write_pytest_task(task_dir: Path, env: dict, env_dir: Path, *, changes: dict[str, str | None],
-                      reference: dict[str, bytes], hidden_tree: Path, f2p: list[str], p2p: list[str],
-                      instructions: str, source: str, source_file: str, reference_meta: dict,
-                      origin_extra: dict) -> Path:
-    """Write a task run by pytest (replacing any there), staged beside it and renamed into place:
-    ``repo/`` is the environment's repository with ``changes`` ({path: text, or None to delete})
-    folded into its last commit, nothing of the earlier state left in the object store;
-    ``hidden_tests/`` is ``hidden_tree``; ``reference/files`` is ``reference``."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{task_dir.name}.tmp-", dir=task_dir.parent))
-    try:
-        repo = staging / "repo"
-        shutil.copytree(env_dir / "repo", repo, symlinks=True)
-        for rel, text in changes.items():
-            if text is None:
-                if (repo / rel).exists():
-                    (repo / rel).unlink()
-            else:
-                (repo / rel).write_text(text)
-        if changes:
-            head = _git(repo, "log", "-1", "--format=%an%x00%ae%x00%ad%x00%cd%x00%B", "--date=raw").stdout.split("\0")
-            genv = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(repo), "GIT_CONFIG_NOSYSTEM": "1",
-                    "GIT_AUTHOR_NAME": head[0], "GIT_AUTHOR_EMAIL": head[1], "GIT_AUTHOR_DATE": head[2],
-                    "GIT_COMMITTER_NAME": head[0], "GIT_COMMITTER_EMAIL": head[1], "GIT_COMMITTER_DATE": head[3]}
-            _git(repo, "add", "-A", env=genv)
-            _git(repo, "commit", "-q", "--amend", "--no-edit", "--allow-empty", env=genv)
-            for obj in ("reflog", "gc"):  # the pre-amend commit must not be reachable or lying around
-                args = ["expire", "--expire=now", "--all"] if obj == "reflog" else ["--prune=now", "-q"]
-                _git(repo, obj, *args, env=genv)
-        shutil.copytree(hidden_tree, staging / "hidden_tests")
-        shutil.copytree(env_dir / "layer", staging / "layer", symlinks=True)
-        for rel, data in reference.items():
-            (staging / "reference" / "files" / rel).parent.mkdir(parents=True, exist_ok=True)
-            (staging / "reference" / "files" / rel).write_bytes(data)
-        task = {"format": TASK_FORMAT, "id": task_dir.name, "source": source, "source_file": source_file,
-                "project": project_dir_name(env), "instructions": instructions, "limits": TaskLimits().to_dict(),
-                "framework": "pytest", "tests": {"FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p},
-                "reference": {"files": sorted(reference), **reference_meta},
-                "origin": {"repository": env["name"], "version": env.get("version"), "source": env.get("origin") or {},
-                           "commit": _git(env_dir / "repo", "rev-parse", "HEAD").stdout.strip(),
-                           "env_digest": env["env_digest"], "licence": env.get("licence"), **origin_extra},
-                "sandbox": {"venv": True},
-                "checks": {"expected": sorted(f2p + p2p)}}
-        (staging / "task.json").write_text(json.dumps(task, indent=2, sort_keys=True))
-        if task_dir.exists():
-            shutil.rmtree(task_dir)
-        staging.rename(task_dir)
-        return task_dir
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def project_dir_name(env: dict) -> str:
-    """The checkout's directory name on the laptop: the distribution's name, as cloned."""
-    return _norm(env["name"])
-
-
-def add_repo_canaries(task_dir: Path, candidates_per_file: int = 2, keep: int = 1) -> dict:
-    """Canaries of a mined task: copies of a FAIL_TO_PASS file with expected values changed (the
-    sites not in any file the policy can read), each run alone against the reference; those the
-    reference fails are kept (``checks.canaries``: the file it replaces, the tests it fails)."""
-    from .canaries import _visible_text, make_canaries
-    from .checks import outcomes, run_checks
-    from .task_dir import apply_reference
-
-    task_dir = Path(task_dir)
-    task = json.loads((task_dir / "task.json").read_text())
-    f2p = task["tests"]["FAIL_TO_PASS"]
-    files = sorted({t.split("::", 1)[0] for t in f2p})
-    visible = _visible_text(task_dir / "repo")
-    kept: dict = {}
-    (task_dir / "canaries").mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="cdag-k-") as tmp:
-        ref_ws = apply_reference(task_dir, Path(tmp) / "ws")
-        for rel in files:
-            text = (task_dir / "hidden_tests" / rel).read_text()
-            for src in make_canaries(text, seed=f"{task['id']}:{rel}", visible=visible, n=candidates_per_file):
-                if len(kept) >= keep:
-                    break
-                name = check_name(src.encode()) + ".py"
-                path = task_dir / "canaries" / name
-                path.write_text(src)
-                task.setdefault("checks", {}).setdefault("canaries", {})[name] = {"replaces": rel, "failing": []}
-                (task_dir / "task.json").write_text(json.dumps(task, indent=2, sort_keys=True))
-                res, det = run_checks(task_dir, ref_ws, [path])
-                failing = sorted(k for k, v in outcomes(res).items() if v in ("failed", "error"))
-                if det["valid"] and not det["tamper"] and failing:
-                    task["checks"]["canaries"][name]["failing"] = failing
-                    kept[name] = task["checks"]["canaries"][name]
-                else:
-                    del task["checks"]["canaries"][name]
-                    path.unlink()
-    if kept:
-        task["checks"]["canaries"] = kept
-    else:
-        task.get("checks", {}).pop("canaries", None)
-        shutil.rmtree(task_dir / "canaries", ignore_errors=True)
-    (task_dir / "task.json").write_text(json.dumps(task, indent=2, sort_keys=True))
-    return kept

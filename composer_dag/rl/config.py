@@ -28,6 +28,8 @@ class RLConfig(StageConfig):
     task_sources: Optional[list[str]] = Field(
         ["learnable"], description="train on tasks of these sources only (None: every task); the default fits the "
                                    "tiny CPU model, which solves no HumanEval or bug-fix task yet")
+    source_weights: Optional[dict[str, float]] = Field(
+        None, description="each step's tasks drawn source by source with these weights (None: uniformly over tasks)")
     steps: int = Field(8, description="policy updates")
     tasks_per_step: int = 4
     group_size: int = Field(8, description="samples per task (a GRPO group); 8, not 4: RL's held-out gain over SFT "

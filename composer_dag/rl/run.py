@@ -18,7 +18,6 @@ Writes under ``out_dir``::
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import threading
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from ..pipes import Reporter, entry_point
 from .config import LEARNABLE_RUN, RLConfig  # noqa: F401  (RLConfig, LEARNABLE_RUN: this module's public names too)
-from .step import (append_metrics, find_tasks, finish, fit_context, read_metrics, stats, step_record, summary,
+from .step import (append_metrics, choose_tasks, find_tasks, finish, fit_context, read_metrics, stats, step_record, summary,
                    train_step)
 
 
@@ -79,9 +78,7 @@ class _Generation:
         from .loop import Batch
 
         cfg, t0 = self.cfg, time.perf_counter()
-        rng = random.Random(cfg.seed * 1_000_003 + index)
-        chosen = rng.sample(self.tasks, cfg.tasks_per_step) if cfg.tasks_per_step <= len(self.tasks) else \
-            [rng.choice(self.tasks) for _ in range(cfg.tasks_per_step)]
+        chosen = choose_tasks(self.tasks, cfg, index)
         jobs = [(str(t), f"b{index:05d}-{k}-{t.name}", j) for k, t in enumerate(chosen) for j in range(cfg.group_size)]
         g0, n0 = self.engine.stats.seconds, self.engine.stats.generated_tokens
         rollouts = self.agent.run(jobs, version, seed=cfg.seed * 7_919 + index * 131)

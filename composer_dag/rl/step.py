@@ -31,6 +31,32 @@ def find_tasks(tasks_dir: str, sources: Optional[list[str]] = None) -> list[Path
     return dirs
 
 
+def choose_tasks(tasks: list, cfg, index: int) -> list:
+    """Step ``index``'s tasks: ``tasks_per_step`` drawn without replacement (with, when there are
+    fewer), seeded by the run's seed and the step. With ``cfg.source_weights`` each draw first
+    picks a source by its weight (a source without a weight is not drawn), then a task of it."""
+    import random
+
+    rng = random.Random(cfg.seed * 1_000_003 + index)
+    n = cfg.tasks_per_step
+    weights = getattr(cfg, "source_weights", None)
+    if not weights:
+        return rng.sample(tasks, n) if n <= len(tasks) else [rng.choice(tasks) for _ in range(n)]
+    by_src: dict[str, list] = {}
+    for t in tasks:
+        by_src.setdefault(json.loads((Path(t) / "task.json").read_text()).get("source"), []).append(t)
+    srcs = [s for s in sorted(by_src, key=str) if weights.get(s, 0) > 0]
+    if not srcs:
+        raise ValueError(f"source_weights {weights} name none of the task sources {sorted(map(str, by_src))}")
+    pools = {s: list(by_src[s]) for s in srcs}
+    out = []
+    for _ in range(n):
+        s = rng.choices(srcs, weights=[weights[x] for x in srcs])[0]
+        pool = pools[s] = pools[s] or list(by_src[s])
+        out.append(pool.pop(rng.randrange(len(pool))))
+    return out
+
+
 def fit_context(orchestrator, max_model_len: int):
     """The agent settings with the episode's context cut to what the engine's model covers (its
     position embeddings)."""

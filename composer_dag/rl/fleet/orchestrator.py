@@ -26,7 +26,6 @@ Faults:
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import tempfile
 import threading
@@ -36,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ...pipes import Reporter
+from ..step import choose_tasks
 from .server import ServerDown, ServerEngine
 from .sync import Fleet
 
@@ -78,9 +78,7 @@ class Orchestrator:
 
     def jobs(self, index: int) -> list[tuple[str, str, int]]:
         cfg = self.cfg
-        rng = random.Random(cfg.seed * 1_000_003 + index)
-        chosen = rng.sample(self.tasks, cfg.tasks_per_step) if cfg.tasks_per_step <= len(self.tasks) else \
-            [rng.choice(self.tasks) for _ in range(cfg.tasks_per_step)]
+        chosen = choose_tasks(self.tasks, cfg, index)
         return [(str(t), f"b{index:05d}-{k}-{Path(t).name}", j) for k, t in enumerate(chosen)
                 for j in range(cfg.group_size)]
 
