@@ -40,7 +40,11 @@ TINY_RUN_CONFIG = {
             # the distributed mode: two vLLM rollout servers started as Slurm service jobs, each
             # taking sft_checkpoint from S3 and following the weights the RL job publishes there;
             # a step's 16 episodes at once, so that each server batches its requests
+            # RL on a mix: the learnable family and the tasks mined from a repository (parse),
+            # drawn source by source with equal weights
             "rl_run": {"config": {"steps": 2, "tasks_per_step": 4, "group_size": 4,
+                                  "task_sources": ["learnable", "repo-mined"],
+                                  "source_weights": {"learnable": 1.0, "repo-mined": 1.0},
                                   "fleet": {"servers": 2, "max_sandboxes": 16}}},
             # transformers' generate for the tiny model: the RL stage above runs vLLM (and reloads
             # its weights); evaluation on vLLM is what `make run` does, at 25 s of engine start per job
@@ -54,8 +58,19 @@ GPU_STAGES = {"midtrained_checkpoint": "midtrain", "sft_checkpoint": "sft", "rl_
               "evaluated_model": "eval"}
 
 
+def run_config(repo_sdists) -> dict:
+    """``TINY_RUN_CONFIG`` with the repository mined for tasks: parse's sdist (the session's
+    download), four tasks."""
+    import copy
+
+    cfg = copy.deepcopy(TINY_RUN_CONFIG)
+    cfg["build_tasks"]["ops"]["task_sets"]["config"]["repositories"] = [
+        {"name": "parse", "src": str(repo_sdists["parse"]), "tasks": 4}]
+    return cfg
+
+
 @pytest.fixture(scope="module")
-def graph(tmp_path_factory, slurm_cluster, s3_server):
+def graph(tmp_path_factory, slurm_cluster, s3_server, repo_sdists):
     """The whole graph materialized once on the tiny configuration (every job of ``make run``),
     with every artifact on S3 (the moto server) and the GPU stages (mid-training, SFT, RL,
     evaluation) run as jobs on the one-node Slurm cluster, each under bubblewrap: a job sees its
@@ -99,7 +114,7 @@ def graph(tmp_path_factory, slurm_cluster, s3_server):
         with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
             defs = build_defs(resources)
             printed = []
-            results = materialize_all(instance=instance, definitions=defs, run_config=TINY_RUN_CONFIG,
+            results = materialize_all(instance=instance, definitions=defs, run_config=run_config(repo_sdists),
                                       log=lambda line: (print(line), printed.append(line)))
             print_step_times(instance, results)
             st = open_storage(root)
@@ -153,7 +168,16 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     assert meta("token_shards")["tokens_train"] > 0
     assert meta("deduped_shards")["decontamination_set"] == "HumanEval + eval_tasks"
     sides = dict(cat.query("SELECT side, count(*) FROM tasks GROUP BY 1"))
-    assert sum(sides.values()) == 8 + 24
+    assert sum(sides.values()) == 8 + 24 + 4
+    # the mined source: parse bootstrapped and mined in task_sets, shown in the UI, and trained on
+    tasks_meta = meta("rl_tasks")
+    assert "| parse | ok |" in tasks_meta["repositories"] and tasks_meta["repositories_refused_by_reason"] == {}
+    assert "parse" in tasks_meta["sample_mined_task"] and tasks_meta["repositories_by_licence"] == {"MIT License": 1}
+    mined = dict(cat.query("SELECT side, count(*) FROM tasks WHERE source = 'repo-mined' GROUP BY 1"))
+    assert mined.get("rl_tasks") and sum(mined.values()) == 4, mined
+    trained = cat.query("SELECT count(*) FROM rollouts r JOIN tasks t ON r.task_id = t.task_id "
+                        "WHERE t.source = 'repo-mined' AND t.side = 'rl_tasks'")[0][0]
+    assert trained > 0, "RL drew no mined task"
     rollouts = meta("rl_rollouts")
     assert rollouts["dagster/row_count"] == 2 * 4 * 4  # steps x tasks per step x group size
     assert cat.query("SELECT count(*) FROM rollouts WHERE reward IS NOT NULL")[0][0] == rollouts["dagster/row_count"]

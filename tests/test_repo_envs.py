@@ -179,8 +179,12 @@ def test_mined_tasks_are_sound_and_graded_under_pytest(mined_tasks, repo_envs):
         sp.mkdir(parents=True)
         (sp / "zz_cheat.pth").write_text("import os; os.environ['CDAG_CHEAT'] = '1'\n")
         (ws / "conftest_plugin.py").write_text(hook)
+        # a startup hook where the editable finder puts the project on sys.path: never run at
+        # grading (the runner starts without site and adds the site directories once keyed)
+        (ws / "sitecustomize.py").write_text("import sys\nprint('STARTUP-HOOK-RAN', file=sys.stderr)\n")
         r = grade(d, ws)
         assert r.reward == 0.0 and r.failed >= 1, (r.reward, r.per_test)
+        assert "STARTUP-HOOK-RAN" not in r.details["output_tail"] and "site_hook:sitecustomize.py" in r.flags
 
 
 def test_episode_runs_in_the_projects_virtual_environment(mined_tasks):

@@ -49,11 +49,18 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
 
     root, report_dir, files = sys.argv[1], sys.argv[2], sys.argv[3:]
     pytest_mode = files[:1] == ["--pytest"]
-    if pytest_mode:  # --pytest INI CHECKS_ROOT PATH...: the recorded tree, run by pytest in this process
-        ini, checks_root, files = files[1], files[2], files[3:]
+    if pytest_mode:  # --pytest INI CHECKS_ROOT SITE_DIRS PATH...: the recorded tree, run by pytest here
+        ini, checks_root, sites, files = files[1], files[2], files[3], files[4:]
         for k in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
             os.environ.pop(k, None)
         os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+        # started with -S: no site ran at startup, so no sitecustomize or .pth of the workspace's
+        # could run before the key was read; the environment's site directories are added now
+        import site
+
+        for d in sites.split(":"):
+            if d:
+                site.addsitedir(d)
     _exit, _open, _write, _close = os._exit, os.open, os.write, os.close
     _dumps, _hmac_new, _sha256 = json.dumps, hmac.new, hashlib.sha256
     _gettrace, _getprofile = sys.gettrace, sys.getprofile

@@ -56,7 +56,7 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from ..runtime.config import StageConfig
-from .rootfs import task_persona
+from .rootfs import PYVER, task_persona
 from .sandbox import Bind, Limits, Sandbox
 from .task_dir import check_name, hidden_files, load_task, project_name
 
@@ -129,7 +129,8 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
             from .repo_env import venv_binds
 
             binds = venv_binds(ws, task_dir / "layer", f"{task_persona(task).home}/{ws.name}")
-            inside = ["--pytest", f"{CHECKS_DIR}/pytest.ini", CHECKS_DIR, *[f"{CHECKS_DIR}/{r}" for r in inside]]
+            sites = f"{binds[0].path}:/usr/local/lib/python{PYVER}/site-packages"  # the layer's, the system's
+            inside = ["--pytest", f"{CHECKS_DIR}/pytest.ini", CHECKS_DIR, sites, *[f"{CHECKS_DIR}/{r}" for r in inside]]
         else:
             checks.mkdir(mode=0o755)
         for f in ([] if pytest_task else files):
@@ -143,8 +144,10 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
         binds += [Bind(RUNNER, RUNNER_PATH), Bind(checks, CHECKS_DIR), Bind(report, REPORT_DIR, writable=True)]
         with grading_sandbox(task, ws, limits, binds) as sb:
             shutil.chown(report, sb.persona.uid, sb.persona.gid)
-            python = f"{sb.root}/.venv/bin/python" if pytest_task else "python3"
-            argv = [python, "-I", "-B", RUNNER_PATH, sb.root, REPORT_DIR, *inside]
+            # a repository task: the project's venv python, without site at startup (-S: the runner
+            # adds the site directories itself once it holds its key)
+            argv = [f"{sb.root}/.venv/bin/python", "-I", "-S", "-B"] if pytest_task else ["python3", "-I", "-B"]
+            argv += [RUNNER_PATH, sb.root, REPORT_DIR, *inside]
             r = sb.run(argv, timeout=timeout, stdin=key + "\n", env={"PYTHONDONTWRITEBYTECODE": "1"})
         payload, extra, problem = _read_results(report, key)
     per_test: dict[str, str] = {}

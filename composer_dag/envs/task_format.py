@@ -138,10 +138,23 @@ def task_dirs(out_dir, side: str) -> list[Path]:
 
 
 def task_texts(task_dir) -> list[str]:
-    """Every text of a task (instructions, repo files, hidden tests, reference), for decontamination."""
+    """Every text of a task (instructions, repo files, hidden tests, reference), for decontamination.
+    A repository task (``framework: pytest``) gives what is its own: the instructions, the files
+    its reference changes (as they are in the repository and solved) and its FAIL_TO_PASS test
+    files, not the rest of the public repository it was cut from."""
     d = Path(task_dir)
     task = json.loads((d / "task.json").read_text())
     texts = [task["instructions"]]
+    if task.get("framework") == "pytest":
+        own = [d / "repo" / r for r in task["reference"]["files"]] + \
+            [d / "hidden_tests" / f for f in sorted({t.split("::", 1)[0] for t in task["tests"]["FAIL_TO_PASS"]})] + \
+            sorted(p for p in (d / "reference").rglob("*") if p.is_file())
+        for p in own:
+            try:
+                texts.append(p.read_text())
+            except (OSError, UnicodeDecodeError):
+                continue
+        return texts
     for base in ("repo", "hidden_tests", "reference"):
         for p in sorted((d / base).rglob("*")):
             if p.is_file() and ".git" not in p.relative_to(d / base).parts:

@@ -21,9 +21,16 @@ from ..dedup.text import ngram_hashes
 def task_parts(task_dir) -> dict[str, str]:
     """``{part: text}``: ``instructions``, ``hidden_tests/<path>``, ``reference/<path>``."""
     d = Path(task_dir)
-    parts = {"instructions": json.loads((d / "task.json").read_text()).get("instructions", "")}
+    task = json.loads((d / "task.json").read_text())
+    parts = {"instructions": task.get("instructions", "")}
+    # a repository task's own tests are its FAIL_TO_PASS files (the rest of its tree is the public
+    # repository's suite, as ``task_format.task_texts`` has it for the decontamination set)
+    own = {f for t in (task.get("tests") or {}).get("FAIL_TO_PASS", []) for f in [t.split("::", 1)[0]]} \
+        if task.get("framework") == "pytest" else None
     for base in ("hidden_tests", "reference/files"):
         for p in sorted((d / base).rglob("*")) if (d / base).is_dir() else []:
+            if base == "hidden_tests" and own is not None and p.relative_to(d / base).as_posix() not in own:
+                continue
             if p.is_file():
                 try:
                     parts[f"{base.split('/')[0]}/{p.relative_to(d / base).as_posix()}"] = p.read_text()
