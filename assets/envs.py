@@ -82,8 +82,8 @@ def repositories_metadata(repos: dict) -> dict:
     counts per refusal reason and per licence, and one task's problem statement."""
     if not repos:
         return {}
-    rows = ["| repository | environment | tests kept / total | licence | tasks | candidates rejected | seconds |",
-            "|---|---|---:|---|---:|---|---:|"]
+    rows = ["| repository | environment | tests kept / total | tests left out | licence | tasks | candidates rejected "
+            "| seconds |", "|---|---|---:|---|---|---:|---|---:|"]
     reasons: dict[str, int] = {}
     licences: dict[str, int] = {}
     for name, r in sorted(repos.items()):
@@ -91,7 +91,8 @@ def repositories_metadata(repos: dict) -> dict:
         if not r["ok"]:
             reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
         rows.append(f"| {name} | {'ok' if r['ok'] else 'refused: ' + str(r['reason'])} | {r.get('tests_passing') or 0} / "
-                    f"{r.get('tests_total') or 0} | {r.get('licence') or ''} | {r.get('tasks', 0)} | "
+                    f"{r.get('tests_total') or 0} | {json.dumps(r.get('left_out') or {})} | {r.get('licence') or ''} | "
+                    f"{r.get('tasks', 0)} | "
                     f"{json.dumps(r.get('rejected') or {})} | {round((r.get('seconds') or 0) + (r.get('mine_seconds') or 0), 1)} |")
     sample = next((r["sample"] for r in repos.values() if r.get("sample")), None)
     return {"repositories": dg.MetadataValue.md("\n".join(rows)),

@@ -104,6 +104,8 @@ def build_repo_tasks(staging: Path, cfg: TaskBuildConfig) -> tuple[list[Path], d
                                      "env_digest")}
         if b.get("error"):
             row["error"] = b["error"][:300]
+        if b["ok"]:
+            row["left_out"] = json.loads((env_dir / "env.json").read_text())["left_out_counts"]
         if b["ok"] and spec.tasks > 0:
             m = mine(env_dir, staging, max_tasks=spec.tasks, seed=cfg.seed, workers=cfg.workers)
             dirs = [staging / t for t in m["tasks"]]

@@ -26,8 +26,9 @@ class RLConfig(StageConfig):
     out_dir: str
     environment: Literal["tasks", "learnable"] = Field("tasks", description="learnable: see LEARNABLE_RUN")
     task_sources: Optional[list[str]] = Field(
-        ["learnable"], description="train on tasks of these sources only (None: every task); the default fits the "
-                                   "tiny CPU model, which solves no HumanEval or bug-fix task yet")
+        ["learnable", "repo-mined"], description="train on tasks of these sources only (None: every task); the "
+                                                 "default fits the tiny CPU model, which solves no HumanEval or bug-fix "
+                                                 "task yet, with the tasks mined from repositories in the mix")
     source_weights: Optional[dict[str, float]] = Field(
         None, description="each step's tasks drawn source by source with these weights (None: uniformly over tasks)")
     steps: int = Field(8, description="policy updates")
