@@ -58,6 +58,9 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
         # could run before the key was read; the environment's site directories are added now
         import site
 
+        venv = os.path.dirname(os.path.dirname(sys.executable))  # what site.venv() would have set
+        if os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
+            sys.prefix = sys.exec_prefix = venv
         for d in sites.split(":"):
             if d:
                 site.addsitedir(d)

@@ -96,8 +96,16 @@ def check_task(task_dir: Path) -> dict:
                       for p in canaries]
     ref_o, broken_o = outcomes(ref), outcomes(broken)
     passed, failed = score(ref, checks.get("expected"))
-    ok_ref = bool(ref_o) and passed > 0 and failed == 0 and all(v in ("passed", "skipped", "xfailed") for v in ref_o.values())
-    ok_broken = any(v in ("failed", "error") for v in broken_o.values()) or not broken_o
+    if task.get("framework") == "pytest":
+        # a repository's test files also hold the tests its bootstrap left out (failing at the
+        # base, nondeterministic, ...): the task is its FAIL_TO_PASS and PASS_TO_PASS tests
+        expected = checks.get("expected") or []
+        ok_ref = bool(expected) and passed == len(expected) and failed == 0
+        ok_broken = any(broken_o.get(t) != "passed" for t in (task.get("tests") or {}).get("FAIL_TO_PASS", []))
+    else:
+        ok_ref = bool(ref_o) and passed > 0 and failed == 0 and \
+            all(v in ("passed", "skipped", "xfailed") for v in ref_o.values())
+        ok_broken = any(v in ("failed", "error") for v in broken_o.values()) or not broken_o
     info = checks.get("canaries") or {}
     canary_ok = all(bool(d.get("valid")) and not canary_passes(t, d, (info.get(p.name) or {}).get("failing"))
                     for p, t, d in c_runs)
