@@ -62,7 +62,8 @@ class EvalConfig(StageConfig):
     task_ids: Optional[list[str]] = Field(None, description="a subset of tasks_dir (default: every task)")
     max_tasks: Optional[int] = Field(3, description="the first N tasks (by id) after task_ids, of the sources "
                                                     "not in every_task_of")
-    every_task_of: list[str] = Field(["learnable"], description="task sources evaluated in full, whatever max_tasks")
+    every_task_of: list[str] = Field(["learnable", "repo-mined"],
+                                     description="task sources evaluated in full, whatever max_tasks")
     batch_tasks: Optional[int] = Field(64, description="tasks per agent-loop batch (all their samples together; a "
                                                        "finished batch is what an interrupted evaluation keeps). "
                                                        "Larger batches keep the engine busier: the default's 28 "
