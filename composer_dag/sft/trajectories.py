@@ -40,8 +40,10 @@ class TrajectoryConfig(StageConfig):
     """Which trajectories the SFT set holds."""
 
     max_per_source: dict[str, int] = Field(
-        {"humaneval": 4, "stdlib-bugfix": 4},
-        description="reference trajectories per task source, a seeded draw; sources not named: every task")
+        {"humaneval": 4, "stdlib-bugfix": 4, "repo-mined": 0},
+        description="reference trajectories per task source, a seeded draw; sources not named: every task. "
+                    "repo-mined 0: a mined task's transcript reads a module of a real package, longer than the "
+                    "tiny model's sequence (make run's 7 were all dropped at tokenization, after 80 s of replay)")
     from_rollouts: bool = Field(True, description="add the successful, unflagged rollouts of the last RL run")
     max_rollouts: int = Field(200, description="rollout trajectories at most")
     val_fraction: float = Field(0.1, description="share of tasks (by a hash of the id) whose trajectories validate")
