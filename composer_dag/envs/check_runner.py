@@ -211,6 +211,8 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
     sys.path.insert(0, root)
     check("start")
     if pytest_mode:
+        # the same mapping as pytest_report.outcome_of: this file is bound alone into the
+        # sandbox and imports nothing of the project, so it keeps its own copy
         def outcome_of(report):
             if report.skipped:
                 return "xfailed" if hasattr(report, "wasxfail") else "skipped"

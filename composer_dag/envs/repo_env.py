@@ -467,6 +467,15 @@ def _sandbox(workspace: Path, persona: Persona, binds: list[Bind], timeout: floa
                    project=workspace.name, binds=binds, persona=persona)
 
 
+def _pip(workspace: Path, persona: Persona, wheelhouse: Path, out: Path, args: list[str], cfg: BootstrapConfig):
+    """``python3 -m pip ARGS`` in a sandbox with no network: ``wheelhouse`` read-only at
+    /var/tmp/wheelhouse, ``out`` writable at /var/tmp/out, the workspace as the working directory."""
+    with _sandbox(workspace, persona, [Bind(wheelhouse, "/var/tmp/wheelhouse"), Bind(out, "/var/tmp/out", writable=True)],
+                  cfg.install_timeout) as sb:
+        shutil.chown(out, sb.persona.uid, sb.persona.gid)
+        return sb.run(["python3", "-m", "pip", *args], cwd=sb.root)
+
+
 def build_wheel(root: Path, layout: Layout, store: Path, persona: Persona, cfg: BootstrapConfig,
                 key: str) -> tuple[Path, bool]:
     """The project's wheel, built once per distribution version (``key``) in the sandbox with no
@@ -481,11 +490,8 @@ def build_wheel(root: Path, layout: Layout, store: Path, persona: Persona, cfg: 
         shutil.copytree(root, ws, symlinks=True, ignore=shutil.ignore_patterns(".git"))
         out = Path(tmp) / "out"
         out.mkdir()
-        with _sandbox(ws, persona, [Bind(backend, "/var/tmp/wheelhouse"), Bind(out, "/var/tmp/out", writable=True)],
-                      cfg.install_timeout) as sb:
-            shutil.chown(out, sb.persona.uid, sb.persona.gid)
-            r = sb.run(["python3", "-m", "pip", "wheel", "-q", "--no-deps", "--no-index", "--find-links",
-                        "/var/tmp/wheelhouse", "--wheel-dir", "/var/tmp/out", "."], cwd=sb.root)
+        r = _pip(ws, persona, backend, out, ["wheel", "-q", "--no-deps", "--no-index", "--find-links",
+                                              "/var/tmp/wheelhouse", "--wheel-dir", "/var/tmp/out", "."], cfg)
         wheels = list(out.glob("*.whl"))
         if r.timed_out:
             raise BootstrapError("timeout", f"building the wheel took over {cfg.install_timeout:.0f} s")
@@ -535,11 +541,8 @@ def make_layer(wheels: list[Path], layout: Layout, store: Path, persona: Persona
                     shutil.copy2(w, whl / w.name)
                 ws = Path(tmp) / "layer"
                 ws.mkdir()
-                with _sandbox(ws, persona, [Bind(whl, "/var/tmp/wheelhouse"), Bind(sp, "/var/tmp/sp", writable=True)],
-                              cfg.install_timeout) as sb:
-                    shutil.chown(sp, sb.persona.uid, sb.persona.gid)
-                    r = sb.run(["python3", "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                                "--target", "/var/tmp/sp", *[f"/var/tmp/wheelhouse/{w.name}" for w in wheels]])
+                r = _pip(ws, persona, whl, sp, ["install", "-q", "--no-index", "--no-deps", "--no-compile", "--target",
+                                                "/var/tmp/out", *[f"/var/tmp/wheelhouse/{w.name}" for w in wheels]], cfg)
                 if r.exit_code:
                     raise BootstrapError("install_failed", f"the dependencies did not install: "
                                                            f"{(r.stderr + r.stdout).strip()[-400:]}")
