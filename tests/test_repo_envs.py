@@ -123,6 +123,14 @@ def test_bootstrap_keeps_only_reliable_tests_and_fails_cleanly(repo_envs, tmp_pa
         got = bootstrap(str(src), out, c)
         assert (got["ok"], got["reason"]) == (False, reason), (reason, got)
         assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(f".out-{reason}")]
+    # a dependency: fetched as a wheel outside, installed inside the sandbox into the layer, which
+    # is the only place the tests can import it from
+    r = bootstrap(str(_project(tmp_path / "p9", "import six\nfrom tinylib import add\n\n\ndef test_six():\n"
+                                                    "    assert six.PY3 and add(1, 2) == 3\n",
+                               deps='"six==1.17.0"')), tmp_path / "env9", cfg)
+    assert r["ok"] and r["tests_passing"] == 1, r
+    assert load_env(tmp_path / "env9")["store"]["dependencies"] == ["six-1.17.0-py2.py3-none-any.whl"]
+    assert (tmp_path / "env9" / "layer" / "site-packages" / "six.py").is_file()
 
 
 def test_mined_tasks_are_sound_and_graded_under_pytest(mined_tasks, repo_envs):
