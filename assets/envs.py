@@ -1,4 +1,6 @@
-"""rl_tasks and eval_tasks: repositories a user would have, with hidden tests, for RL and evaluation."""
+"""repo_environments: one partition per declared repository, made into an environment and mined
+for tasks; rl_tasks and eval_tasks: repositories a user would have, with hidden tests, for RL and
+evaluation (built here, plus every repository environment's mined tasks)."""
 
 
 import json
@@ -7,34 +9,118 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets._common import RETRY, counts_table, latest_uri, local_copy, record_provenance
+from assets._common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, record_provenance
 from composer_dag.envs import tasks as engine
 from composer_dag.envs.probes import differences_table, open_tells, sandbox_realism
-from composer_dag.envs.task_format import TaskBuildConfig, task_dirs
-from resources import ArtifactStorage, CatalogResource
+from composer_dag.envs.task_format import RepoEnvConfig, RepoSpec, TaskBuildConfig, task_dirs
+from resources import ArtifactStorage, CatalogResource, SourceRegistry
 from resources.dagster_config import dagster_config, engine_config
+from resources.source_registry import SourceError
 
 TaskParams = dagster_config(TaskBuildConfig, module=__name__)
 TaskCheckParams = dagster_config(engine.TaskCheckConfig, module=__name__)
+RepoEnvParams = dagster_config(RepoEnvConfig, module=__name__)
+
+repositories_partitions = dg.DynamicPartitionsDefinition(name="repositories")
+
+
+@dg.asset(
+    partitions_def=repositories_partitions,
+    group_name="envs",
+    kinds={"python", "git"},
+    retry_policy=RETRY,
+    check_specs=[dg.AssetCheckSpec("bootstrapped", asset="repo_environments",
+                                   description="the repository's own tests run in the sandbox, offline, and some "
+                                   "pass reliably (else: the reason, such as install_failed or no_tests_found)")],
+    description="One declared repository (sources.yaml: environments, or a source with environments: true) made "
+    "into an environment (its tests run in the sandbox, offline; vacuous and flaky tests left out) and mined for "
+    "tasks: env.json (the environment's report), environment.json (the outcome) and tasks/<id>/.",
+)
+def repo_environments(context: dg.AssetExecutionContext, config: RepoEnvParams, artifacts: ArtifactStorage,
+                      sources: SourceRegistry):
+    record_provenance(context)
+    name = context.partition_key
+    try:
+        spec = sources.repository(name)
+    except SourceError as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    cfg = engine_config(RepoEnvConfig, config)
+    if cfg.max_tasks is not None:
+        spec = RepoSpec.load({**spec.to_dict(), "tasks": cfg.max_tasks})
+    storage = artifacts.get()
+    with tempfile.TemporaryDirectory(prefix="composer-repo-env-") as tmp:
+        context.log.info(f"repository {name}: bootstrapping {spec.src} and mining up to {spec.tasks} tasks")
+        row = engine.repo_environment(spec, Path(tmp), seed=cfg.seed, workers=cfg.workers,
+                                      exclude_licences=cfg.exclude_licences)
+        if row["ok"]:
+            context.log.info(f"repository {name}: {row['tests_passing']} of {row['tests_total']} tests kept "
+                             f"({row['seconds']} s), {row['tasks']} tasks mined ({row.get('mine_seconds')} s)")
+        else:
+            context.log.warning(f"repository {name}: refused: {row['reason']}: {row.get('error', '')}")
+        url = storage.url("repo_environments", name, context.run.run_id)
+        digest = storage.publish_dir(tmp, url)
+    return dg.MaterializeResult(
+        metadata={
+            "dagster/uri": url, "manifest_digest": digest, "ok": bool(row["ok"]), "reason": row["reason"] or "",
+            "source": spec.src, "licence": row.get("licence") or "", "version": row.get("version") or "",
+            "tests_kept": row.get("tests_passing") or 0, "tests_total": row.get("tests_total") or 0,
+            "tests_left_out": dg.MetadataValue.json(row.get("left_out") or {}),
+            "test_command": row.get("test_command") or "", "env_digest": row.get("env_digest") or "",
+            "tasks": row["tasks"], "candidates_rejected": dg.MetadataValue.json(row.get("rejected") or {}),
+            "seconds": dg.MetadataValue.json({"bootstrap": row.get("seconds"), "mine": row.get("mine_seconds")}),
+            **({"sample_mined_task": dg.MetadataValue.md(row["sample"])} if row.get("sample") else {}),
+        },
+        check_results=[dg.AssetCheckResult(
+            check_name="bootstrapped", passed=bool(row["ok"]), severity=dg.AssetCheckSeverity.WARN,
+            metadata={"reason": row["reason"] or "", **({"error": row["error"]} if row.get("error") else {})})],
+    )
+
+
+def environments_in(context, storage, sources: SourceRegistry, into: Path) -> dict[str, Path]:
+    """Every declared repository's latest ``repo_environments`` materialization, downloaded
+    (verified) under ``into/<name>``; one not materialized yet is a row with reason
+    ``not_materialized``, so that it shows among the refused."""
+    out = {}
+    try:
+        declared = sources.repositories()
+    except SourceError as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    for spec in declared:
+        local = into / spec.name
+        meta = latest_metadata(context.instance, "repo_environments", spec.name)
+        if not meta or "dagster/uri" not in meta:
+            context.log.warning(f"repository {spec.name}: no repo_environments materialization yet; materialize "
+                                "that partition to mine it")
+            local.mkdir(parents=True)
+            (local / "environment.json").write_text(json.dumps(
+                {"ok": False, "reason": "not_materialized", "name": spec.name, "src": spec.src, "tasks": 0}))
+        else:
+            storage.fetch_dir(str(meta["dagster/uri"]), str(local))
+        out[spec.name] = local
+    return out
 
 
 @dg.multi_asset(
     specs=[
-        dg.AssetSpec("rl_tasks", group_name="envs", kinds={"python", "git"},
+        dg.AssetSpec("rl_tasks", group_name="envs", kinds={"python", "git"}, deps=[repo_environments],
                      description="Training tasks: task.json, repo/ (a git repository with history up to the task), hidden_tests/."),
-        dg.AssetSpec("eval_tasks", group_name="envs", kinds={"python", "git"},
+        dg.AssetSpec("eval_tasks", group_name="envs", kinds={"python", "git"}, deps=[repo_environments],
                      description="Held-out tasks; no task or source file shared with rl_tasks. Added to the decontamination set."),
     ],
     retry_policy=RETRY,
 )
-def task_sets(context: dg.AssetExecutionContext, config: TaskParams, artifacts: ArtifactStorage, catalog: CatalogResource):
+def task_sets(context: dg.AssetExecutionContext, config: TaskParams, artifacts: ArtifactStorage, catalog: CatalogResource,
+              sources: SourceRegistry):
     record_provenance(context)
     storage = artifacts.get()
     cfg = engine_config(TaskBuildConfig, config)
-    with tempfile.TemporaryDirectory(prefix="composer-tasks-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="composer-tasks-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="composer-envs-") as envs_tmp:
+        environments = environments_in(context, storage, sources, Path(envs_tmp))
         context.log.info(f"building tasks: HumanEval ({cfg.humaneval_limit or 'all'}) + {cfg.bugfix_count} bug fixes + "
-                         f"{cfg.learnable_count} learnable + mined from {len(cfg.repositories)} repositories")
-        summary = engine.build_tasks(tmp, cfg)
+                         f"{cfg.learnable_count} learnable + mined from {len(environments)} "
+                         "repositories")
+        summary = engine.build_tasks(tmp, cfg, environments=environments)
         context.log.info(f"built {summary['tasks']} tasks in {summary['seconds']['total']} s")
         repo_meta = repositories_metadata(summary.get("repositories") or {})
         for name, r in (summary.get("repositories") or {}).items():

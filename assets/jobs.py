@@ -7,6 +7,8 @@
   off until an operator turns it on (it holds the GPU pool for hours on a real cluster).
 - ``everything``: the whole graph after the corpus: tasks, shards, training, RL, evaluation.
 - ``midtrain``, ``sft``, ``rl``, ``evaluate``, ``build_tasks``: one stage each, to rerun a part.
+- ``bootstrap_repository``: one declared repository (a partition) made into an environment and mined;
+  ``new_repository_sensor`` runs it for every repository newly declared in ``sources.yaml``.
 
 A new source between two nightly runs does not wait for the night: ``new_source_sensor`` ingests
 it at once and ``deduped_shards`` (automation condition ``eager``, evaluated by the
@@ -26,6 +28,11 @@ TRAIN_ASSETS = dg.AssetSelection.assets(
     evals.promoted_model,
 )
 
+repo_environments_job = dg.define_asset_job(
+    "bootstrap_repository",
+    selection=dg.AssetSelection.assets("repo_environments"),
+    description="Make one declared repository (a repo_environments partition) into an environment and mine its tasks.",
+)
 tasks_job = dg.define_asset_job(
     "build_tasks",
     selection=dg.AssetSelection.assets("rl_tasks", "eval_tasks"),
@@ -65,11 +72,12 @@ eval_job = dg.define_asset_job(
 )
 everything_job = dg.define_asset_job(
     "everything",
-    selection=dg.AssetSelection.all() - dg.AssetSelection.assets(corpus.code_corpus),
-    description="The whole graph after ingestion: tasks, shards, training, RL, evaluation, promotion.",
+    selection=dg.AssetSelection.all() - dg.AssetSelection.assets(corpus.code_corpus, "repo_environments"),
+    description="The whole graph after ingestion (and after the repository environments): tasks, shards, training, "
+    "RL, evaluation, promotion.",
 )
 
-JOBS = [tasks_job, data_job, train_job, midtrain_job, sft_job, rl_job, eval_job, everything_job]
+JOBS = [repo_environments_job, tasks_job, data_job, train_job, midtrain_job, sft_job, rl_job, eval_job, everything_job]
 
 
 def all_sources_tags(instance: dg.DagsterInstance) -> dict[str, str] | None:

@@ -1,5 +1,6 @@
 """Sensors: a new declared source (or a new prefix under the watched S3 prefix) becomes a
-``code_corpus`` partition and a run that ingests it; every failed run is recorded in the catalog."""
+``code_corpus`` partition and a run that ingests it; a newly declared repository becomes a
+``repo_environments`` partition and a run; every failed run is recorded in the catalog."""
 
 
 import datetime
@@ -7,6 +8,8 @@ import datetime
 import dagster as dg
 
 from assets.corpus import code_corpus, sources_partitions
+from assets.envs import repositories_partitions
+from assets.jobs import repo_environments_job
 from resources import CatalogResource, SourceRegistry
 
 ingest_source_job = dg.define_asset_job(
@@ -34,6 +37,27 @@ def new_source_sensor(context: dg.SensorEvaluationContext, sources: SourceRegist
     return dg.SensorResult(
         run_requests=[dg.RunRequest(partition_key=n, run_key=f"new-source:{n}") for n in new],
         dynamic_partitions_requests=[sources_partitions.build_add_request(new)],
+    )
+
+
+@dg.sensor(
+    job=repo_environments_job,
+    minimum_interval_seconds=60,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Adds a repo_environments partition and requests a run for every newly declared repository.",
+)
+def new_repository_sensor(context: dg.SensorEvaluationContext, sources: SourceRegistry):
+    try:
+        names = [r.name for r in sources.repositories()]
+    except Exception as exc:  # a broken sources file must not crash the daemon
+        return dg.SkipReason(f"cannot read the declared repositories: {exc}")
+    existing = set(context.instance.get_dynamic_partitions(repositories_partitions.name))
+    new = [n for n in names if n not in existing]
+    if not new:
+        return dg.SkipReason(f"no new repository ({len(names)} declared)")
+    return dg.SensorResult(
+        run_requests=[dg.RunRequest(partition_key=n, run_key=f"new-repository:{n}") for n in new],
+        dynamic_partitions_requests=[repositories_partitions.build_add_request(new)],
     )
 
 

@@ -34,7 +34,7 @@ def build(out: Path, cfg: dict) -> list[Path]:
     from composer_dag.envs.tasks import build_tasks
 
     if not (out / "summary.json").exists():
-        build_tasks(out, {"repositories": [], **cfg})
+        build_tasks(out, cfg)
     return task_dirs(out, "rl_tasks") + task_dirs(out, "eval_tasks")
 
 

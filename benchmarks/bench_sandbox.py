@@ -66,7 +66,7 @@ def main(n: int = 200) -> None:
                  f"({pct(with_init, .5) / pct(without, .5):.2f}x)"))
 
     out = tmp / "tasks"
-    build_tasks(out, {"humaneval_limit": 1, "bugfix_count": 0, "eval_fraction": 0.0, "repositories": []})
+    build_tasks(out, {"humaneval_limit": 1, "bugfix_count": 0, "eval_fraction": 0.0})
     # the HumanEval task (the learnable family's allow a turn or two), with room for every action
     task = next(t for t in task_dirs(out, "rl_tasks") if t.name.startswith("humaneval"))
     cfg = EpisodeConfig(max_turns=1000)

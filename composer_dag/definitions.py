@@ -78,9 +78,10 @@ def versioned(*groups) -> list[dg.AssetsDefinition]:
     return out
 
 
-DOWNSTREAM_JOBS = ["build_tasks", "data_refresh", "train"]
-"""Jobs ``materialize_all`` runs in order: tasks, then every source and the shards in one run, then
-mid-training through evaluation."""
+DOWNSTREAM_JOBS = ["bootstrap_repository", "build_tasks", "data_refresh", "train"]
+"""Jobs ``materialize_all`` runs in order: every declared repository's environment (a run per
+partition), the tasks, then every source and the shards in one run, then mid-training through
+evaluation."""
 
 
 def build_defs(resources: dict | None = None) -> dg.Definitions:
@@ -89,7 +90,7 @@ def build_defs(resources: dict | None = None) -> dg.Definitions:
         assets=versioned(
             (corpus, corpus.code_corpus),
             (dedup, dedup.deduped_shards),
-            (envs, envs.task_sets),
+            (envs, envs.repo_environments, envs.task_sets),
             (train, train.tokenizer, train.token_shards, train.base_model, train.midtrained_checkpoint),
             (sft, sft.sft_trajectories, sft.sft_checkpoint),
             (rl, rl.rl_run),
@@ -106,7 +107,8 @@ def build_defs(resources: dict | None = None) -> dg.Definitions:
         ],
         jobs=[sensors.ingest_source_job, *jobs_module.JOBS],
         schedules=jobs_module.SCHEDULES,
-        sensors=[sensors.new_source_sensor, sensors.record_run_failures, jobs_module.shards_automation],
+        sensors=[sensors.new_source_sensor, sensors.new_repository_sensor, sensors.record_run_failures,
+                 jobs_module.shards_automation],
         resources={**make_resources(), **(resources or {})},
     )
 
@@ -121,12 +123,13 @@ def materialize_all(
     jobs: list[str] | None = None,
     run_config: dict[str, dict] | None = None,
 ) -> list[dg.ExecuteInProcessResult]:
-    """Add every declared source as a partition, then run ``jobs`` in order (default
-    ``DOWNSTREAM_JOBS``): the tasks, every source and the shards in one ``data_refresh`` run (the
-    corpus's single-run backfill policy), then mid-training through evaluation.
+    """Add every declared source and repository as a partition, then run ``jobs`` in order
+    (default ``DOWNSTREAM_JOBS``): a ``bootstrap_repository`` run per repository, the tasks, every
+    source and the shards in one ``data_refresh`` run (the corpus's single-run backfill policy),
+    then mid-training through evaluation.
 
     ``run_config`` (job name -> run config) tunes the runs. Returns the run results in order;
-    stops at the first failure.
+    stops after the first job with a failed run (each repository's run is tried first).
     """
     instance = instance or dg.DagsterInstance.get()
     definitions = definitions or defs
@@ -136,11 +139,24 @@ def materialize_all(
     new = [n for n in names if n not in existing]
     if new:
         instance.add_dynamic_partitions(corpus.sources_partitions.name, new)
+    repositories = [r.name for r in registry.repositories()]
+    existing = set(instance.get_dynamic_partitions(envs.repositories_partitions.name))
+    if [n for n in repositories if n not in existing]:
+        instance.add_dynamic_partitions(envs.repositories_partitions.name, [n for n in repositories if n not in existing])
     quiet = {"loggers": {"console": {"config": {"log_level": os.environ.get("COMPOSER_LOG_LEVEL", "INFO")}}}}
 
     results = []
     for job in DOWNSTREAM_JOBS if jobs is None else jobs:
         job_def = definitions.resolve_job_def(job)
+        if job_def.partitions_def == envs.repositories_partitions:  # one run per repository
+            for name in repositories:
+                log(f"job {job} (repository {name})")
+                results.append(job_def.execute_in_process(
+                    instance=instance, raise_on_error=False, partition_key=name,
+                    run_config={**quiet, **(run_config or {}).get(job, {})}))
+            if not all(r.success for r in results):
+                break
+            continue
         tags = jobs_module.all_sources_tags(instance) if job_def.partitions_def is not None else None
         log(f"job {job}" + (f" (sources {tags[jobs_module.RANGE_START]} ... {tags[jobs_module.RANGE_END]})" if tags else ""))
         result = job_def.execute_in_process(

@@ -1,4 +1,5 @@
-"""The declared corpus sources, one ``code_corpus`` partition each.
+"""The declared corpus sources, one ``code_corpus`` partition each, and the declared
+repositories, one ``repo_environments`` partition each.
 
 The list is ``sources.yaml`` (or ``$COMPOSER_SOURCES``), read by the engine's
 ``composer_dag.corpus.sources.load_sources`` (the CLI reads the same file), plus, optionally,
@@ -11,6 +12,7 @@ from typing import Optional
 
 from composer_dag.corpus import CorpusConfig, SourceSpec
 from composer_dag.corpus.sources import SourceEntry, load_sources, sources_file
+from composer_dag.envs.task_format import RepoSpec, load_repositories
 from composer_dag.storage import Storage
 from resources.artifacts import ArtifactStorage
 from resources.base import ClearConfigResource
@@ -63,3 +65,17 @@ class SourceRegistry(ClearConfigResource):
             if e.name == name:
                 return e.spec(dict(self.storage.storage_options())), e.corpus_config()
         raise SourceError(f"no source named {name!r} in {self.resolved_file()} or the watched S3 prefix")
+
+    def repositories(self) -> list[RepoSpec]:
+        """The repositories made into environments (the file's ``environments`` and its sources
+        with ``environments: true``)."""
+        try:
+            return load_repositories(self.resolved_file())
+        except ValueError as exc:
+            raise SourceError(str(exc)) from None
+
+    def repository(self, name: str) -> RepoSpec:
+        for r in self.repositories():
+            if r.name == name:
+                return r
+        raise SourceError(f"no repository named {name!r} among the environments of {self.resolved_file()}")

@@ -97,7 +97,7 @@ def humaneval_tasks(tmp_path_factory):
     from composer_dag.envs.tasks import build_tasks
 
     out = tmp_path_factory.mktemp("humaneval-tasks")
-    return out, build_tasks(out, {"humaneval_limit": 3, "bugfix_count": 0, "learnable_count": 0, "repositories": []})
+    return out, build_tasks(out, {"humaneval_limit": 3, "bugfix_count": 0, "learnable_count": 0})
 
 
 @pytest.fixture(scope="session")
@@ -144,7 +144,7 @@ def bugfix_tasks(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("bugfix-tasks")
     return out, build_tasks(out, {"humaneval_limit": 0, "bugfix_count": 2, "bugfix_modules": ["colorsys", "fnmatch"],
-                                  "max_per_module": 1, "learnable_count": 0, "repositories": []})
+                                  "max_per_module": 1, "learnable_count": 0})
 
 
 # three pure-Python projects whose sdists carry their test suites: a flat module with tests/

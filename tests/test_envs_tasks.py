@@ -14,7 +14,7 @@ from composer_dag.envs.tasks_bugfix import apply_mutation, mutation_sites
 from composer_dag.envs.tools import Episode
 
 CFG = {"seed": 0, "humaneval_limit": 4, "bugfix_count": 2, "bugfix_modules": ["colorsys", "fnmatch"],
-       "max_per_module": 1, "attempts_per_module": 4, "learnable_count": 4, "repositories": []}
+       "max_per_module": 1, "attempts_per_module": 4, "learnable_count": 4}
 
 
 @pytest.fixture(scope="module")

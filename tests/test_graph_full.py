@@ -58,17 +58,6 @@ GPU_STAGES = {"midtrained_checkpoint": "midtrain", "sft_checkpoint": "sft", "rl_
               "evaluated_model": "eval"}
 
 
-def run_config(repo_sdists) -> dict:
-    """``TINY_RUN_CONFIG`` with the repository mined for tasks: parse's sdist (the session's
-    download), four tasks."""
-    import copy
-
-    cfg = copy.deepcopy(TINY_RUN_CONFIG)
-    cfg["build_tasks"]["ops"]["task_sets"]["config"]["repositories"] = [
-        {"name": "parse", "src": str(repo_sdists["parse"]), "tasks": 4}]
-    return cfg
-
-
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory, slurm_cluster, s3_server, repo_sdists):
     """The whole graph materialized once on the tiny configuration (every job of ``make run``),
@@ -97,6 +86,9 @@ def graph(tmp_path_factory, slurm_cluster, s3_server, repo_sdists):
         sources.write_text(
             f"sources:\n  - name: local\n    kind: local\n    uri: {tmp_path / 'src'}\n"
             "  - name: python\n    kind: python\n    max_total_mb: 2\n"
+            # the repository made into an environment and mined: parse's sdist (the session's
+            # download), four tasks
+            f"environments:\n  - name: parse\n    src: {repo_sdists['parse']}\n    tasks: 4\n"
         )
         storage = ArtifactStorage(root=root, endpoint_url=s3_server, aws_access_key_id=FAKE_KEY,
                                   aws_secret_access_key=FAKE_SECRET)
@@ -114,7 +106,7 @@ def graph(tmp_path_factory, slurm_cluster, s3_server, repo_sdists):
         with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
             defs = build_defs(resources)
             printed = []
-            results = materialize_all(instance=instance, definitions=defs, run_config=run_config(repo_sdists),
+            results = materialize_all(instance=instance, definitions=defs, run_config=TINY_RUN_CONFIG,
                                       log=lambda line: (print(line), printed.append(line)))
             print_step_times(instance, results)
             st = open_storage(root)
@@ -132,6 +124,12 @@ def print_step_times(instance, results) -> None:
                 print(f"step time {r.job_def.name:>14} {st.step_key:<44} {st.end_time - st.start_time:7.1f} s")
 
 
+def _meta_partition(instance, key, partition):
+    from assets._common import latest_metadata
+
+    return dict(latest_metadata(instance, key, partition))
+
+
 def _meta(instance, key):
     ev = instance.get_latest_materialization_event(dg.AssetKey(key))
     return {k: v.value for k, v in ev.asset_materialization.metadata.items()}
@@ -146,7 +144,7 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     checks = check_outcomes(results)
     assert checks and all(checks.values()), {k: v for k, v in checks.items() if not v}
     expected = {
-        "code_corpus:files_accounted", "deduped_shards:no_contamination", "rl_tasks:rl_tasks_sound",
+        "repo_environments:bootstrapped", "code_corpus:files_accounted", "deduped_shards:no_contamination", "rl_tasks:rl_tasks_sound",
         "eval_tasks:eval_tasks_sound", "eval_tasks:split_disjoint", "midtrained_checkpoint:loss_finite_and_lower",
         "midtrained_checkpoint:val_ppl_below_base", "midtrained_checkpoint:loads_and_generates",
         "sft_trajectories:trajectories_accounted", "sft_checkpoint:loss_finite_and_lower",
@@ -169,7 +167,12 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     assert meta("deduped_shards")["decontamination_set"] == "HumanEval + eval_tasks"
     sides = dict(cat.query("SELECT side, count(*) FROM tasks GROUP BY 1"))
     assert sum(sides.values()) == 8 + 24 + 4
-    # the mined source: parse bootstrapped and mined in task_sets, shown in the UI, and trained on
+    # the mined source: parse bootstrapped and mined as its repo_environments partition, taken in
+    # by task_sets, shown in the UI, and trained on
+    env = _meta_partition(instance, "repo_environments", "parse")
+    assert env["ok"] and env["tasks"] == 4 and env["tests_kept"] > 0 and env["licence"] == "MIT License", env
+    assert env["test_command"] and "parse" in env["sample_mined_task"]
+    assert st.verify_manifest(env["dagster/uri"]) and "env.json" in st.read_manifest(env["dagster/uri"])["files"]
     tasks_meta = meta("rl_tasks")
     assert "| parse | ok |" in tasks_meta["repositories"] and tasks_meta["repositories_refused_by_reason"] == {}
     assert "parse" in tasks_meta["sample_mined_task"] and tasks_meta["repositories_by_licence"] == {"MIT License": 1}

@@ -336,3 +336,53 @@ def test_history_tasks_follow_swebench_recipe(parse_history, tmp_path):
                          text=True).stdout.split("\n")
     assert "Release 1.20.2" not in log and "Release 1.20.1" in log, log
     assert check_task(tmp_path / "t" / hist[0])["ok"]
+
+
+def test_declared_repositories_are_partitions_that_refuse_cleanly(tmp_path):
+    """``sources.yaml`` declares repositories two ways (its ``environments`` list, a local source
+    with ``environments: true``); the sensor adds a ``repo_environments`` partition and a run for
+    each; a repository that cannot bootstrap is materialized with its reason and a failed warning
+    check, never a failed run; a bad declaration is one clear line."""
+    import dagster as dg
+
+    from composer_dag.definitions import build_defs, materialize_all
+    from composer_dag.envs.task_format import load_repositories
+    from tests.test_graph_data import resources_for
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.py").write_text("def f():\n    return 1\n")
+    sources = tmp_path / "sources.yaml"
+    sources.write_text(f"sources:\n  - name: notes\n    kind: local\n    uri: {notes}\n    environments: {{tasks: 2}}\n"
+                       f"environments:\n  - name: gone\n    src: {tmp_path / 'missing'}\n")
+    assert [(r.name, r.src, r.tasks) for r in load_repositories(str(sources))] == \
+        [("gone", str(tmp_path / "missing"), 8), ("notes", str(notes), 2)]
+    for bad, why in [("sources:\n  - name: p\n    kind: python\n    environments: true\n", "cannot be an environment"),
+                     ("sources: []\nenvironments:\n  - name: a\n    src: x\n  - name: a\n    src: y\n", "declared twice"),
+                     ("sources: []\nenvironments:\n  - name: a\n", "needs at least 'name' and 'src'"),
+                     ("sources: []\nenvironments:\n  - name: a b\n    src: x\n", "must match")]:
+        (tmp_path / "bad.yaml").write_text(bad)
+        with pytest.raises(ValueError, match=why):
+            load_repositories(str(tmp_path / "bad.yaml"))
+
+    resources = resources_for(str(tmp_path / "artifacts"), tmp_path, sources)
+    (tmp_path / "dagster_home").mkdir()
+    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
+        defs = build_defs(resources)
+        sensor = defs.resolve_sensor_def("new_repository_sensor")
+        with dg.build_sensor_context(instance=instance, resources=resources) as ctx:
+            res = sensor(ctx)
+        assert [r.partition_key for r in res.run_requests] == ["gone", "notes"]
+        results = materialize_all(instance=instance, definitions=defs, log=lambda m: None, jobs=["bootstrap_repository"])
+        assert [r.success for r in results] == [True, True]
+        reasons = {}
+        for r in results:
+            (ev,) = r.get_asset_check_evaluations()
+            assert not ev.passed and ev.severity == dg.AssetCheckSeverity.WARN
+            mat = r.get_asset_materialization_events()[0].materialization
+            meta = {k: v.value for k, v in mat.metadata.items()}
+            assert meta["ok"] is False and meta["tasks"] == 0
+            reasons[mat.partition] = meta["reason"]
+        assert reasons == {"gone": "fetch_failed", "notes": "unsupported_layout"}
+        with dg.build_sensor_context(instance=instance, resources=resources) as ctx:
+            assert isinstance(sensor(ctx), dg.SkipReason)  # both are partitions now

@@ -28,7 +28,7 @@ import subprocess
 import sysconfig
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -118,6 +118,9 @@ class SourceEntry(StageConfig):
     max_total_mb: Optional[float] = Field(None, description="stop after this much kept text; None: the whole source")
     max_files: Optional[int] = None
     languages: Optional[list[str]] = Field(None, description="allow-list; others are counted as language_excluded")
+    environments: Union[bool, dict[str, Any]] = Field(
+        False, description="local or git: also an RL environment (a repo_environments partition); a mapping "
+        "gives its RepoSpec fields (tasks, test_files)")
 
     @field_validator("kind")
     @classmethod
@@ -128,6 +131,8 @@ class SourceEntry(StageConfig):
     def _needs_uri(self) -> "SourceEntry":
         if self.kind != "python" and not self.uri:
             raise ValueError(f"source {self.name!r} of kind {self.kind} needs a 'uri'")
+        if self.environments and self.kind not in ("local", "git"):
+            raise ValueError(f"source {self.name!r} of kind {self.kind} cannot be an environment (local or git only)")
         return self
 
     def spec(self, storage_options: dict[str, Any] | None = None) -> SourceSpec:
@@ -149,19 +154,24 @@ def sources_file(path: str | None = None) -> str:
     return path or os.environ.get(SOURCES_FILE_ENV) or "sources.yaml"
 
 
+def read_sources_doc(path: str) -> Any:
+    """The parsed YAML of a sources file; a bad file is one ``ValueError`` line."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(" ".join(f"{path} is not valid YAML: {exc}".split())) from None
+
+
 def load_sources(path: str | None = None) -> list[SourceEntry]:
     """The sources declared in ``path`` (default ``$COMPOSER_SOURCES`` or ``sources.yaml``);
     ``DEFAULT_SOURCES`` when the file does not exist. A bad file is one ``ValueError`` line."""
-    import yaml
-
     path = sources_file(path)
     if not os.path.exists(path):
         return list(DEFAULT_SOURCES)
-    try:
-        with open(path) as f:
-            doc = yaml.safe_load(f) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(" ".join(f"{path} is not valid YAML: {exc}".split())) from None
+    doc = read_sources_doc(path)
     entries = doc.get("sources") if isinstance(doc, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"{path} must hold a mapping with a 'sources' list")

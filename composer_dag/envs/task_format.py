@@ -23,7 +23,7 @@ from typing import Optional
 
 from pydantic import Field
 
-from ..runtime.config import StageConfig
+from ..runtime.config import ConfigError, StageConfig
 from .rootfs import Persona, task_persona
 from .task_dir import TASK_FORMAT
 
@@ -57,6 +57,57 @@ NETWORKX = RepoSpec(name="networkx", src="installed:networkx", tasks=8, test_fil
     f"networkx/algorithms/tests/test_{m}.py" for m in ("cycles", "dag", "simple_paths", "cluster")))
 
 
+def load_repositories(path: str | None = None) -> list[RepoSpec]:
+    """The repositories made into environments (``repo_environments``, one partition each),
+    declared in the sources file (default ``$COMPOSER_SOURCES`` or ``sources.yaml``): its
+    ``environments`` list of ``RepoSpec`` entries, then every source of kind local or git with
+    ``environments: true`` (or a mapping of RepoSpec fields). ``[NETWORKX]`` when the file does
+    not exist. A bad entry is one ``ValueError`` line."""
+    from ..corpus.sources import _NAME_RE, load_sources, read_sources_doc, sources_file
+
+    path = sources_file(path)
+    if not os.path.exists(path):
+        return [NETWORKX]
+    doc = read_sources_doc(path)
+    declared = doc.get("environments") if isinstance(doc, dict) else None
+    if declared is not None and not isinstance(declared, list):
+        raise ValueError(f"{path}: 'environments' must be a list of repositories (name, src, tasks, test_files)")
+    out: list[RepoSpec] = []
+    for i, e in enumerate(declared or []):
+        if not isinstance(e, dict) or "name" not in e or "src" not in e:
+            raise ValueError(f"{path}: environment #{i + 1} needs at least 'name' and 'src'")
+        try:
+            out.append(RepoSpec.load(e))
+        except ConfigError as exc:
+            raise ValueError(f"{path}: environment #{i + 1}: {exc}") from None
+    for s in load_sources(path) if isinstance(doc, dict) and "sources" in doc else []:
+        if s.environments:
+            src = s.uri + (f"@{s.rev}" if s.kind == "git" and s.rev else "")
+            extra = s.environments if isinstance(s.environments, dict) else {}
+            try:
+                out.append(RepoSpec.load({**extra, "name": s.name, "src": src}))
+            except ConfigError as exc:
+                raise ValueError(f"{path}: source {s.name!r} as an environment: {exc}") from None
+    seen: set[str] = set()
+    for r in out:
+        if not _NAME_RE.match(r.name):
+            raise ValueError(f"{path}: environment name {r.name!r} must match {_NAME_RE.pattern}")
+        if r.name in seen:
+            raise ValueError(f"{path}: environment name {r.name!r} is declared twice")
+        seen.add(r.name)
+    return out
+
+
+class RepoEnvConfig(StageConfig):
+    """How the ``repo_environments`` asset makes one declared repository (``RepoSpec``) into an
+    environment and mines it."""
+
+    seed: int = Field(0, description="picks the mutations")
+    workers: int = Field(2, description="candidate tasks evaluated in parallel")
+    max_tasks: Optional[int] = Field(None, description="tasks mined at most (None: the repository's own 'tasks')")
+    exclude_licences: tuple[str, ...] = Field((), description="repositories under these licences are refused")
+
+
 class TaskBuildConfig(StageConfig):
     """What ``build_tasks`` builds: how many tasks of each kind, from what, and the split."""
 
@@ -69,8 +120,6 @@ class TaskBuildConfig(StageConfig):
     attempts_per_module: int = Field(8, description="mutants run against a module's tests before giving up on it")
     eval_fraction: float = Field(0.2, description="share of source files whose tasks go to eval_tasks")
     workers: int = Field(2, description="modules probed in parallel")
-    repositories: list[RepoSpec] = Field([NETWORKX], description="repositories mined for tasks (source repo-mined)")
-    exclude_licences: tuple[str, ...] = Field((), description="repositories under these licences are refused")
     limits: TaskLimits = TaskLimits()
 
 

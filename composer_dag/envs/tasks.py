@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..runtime.config import StageConfig
 from .grade import check_task
-from .task_format import TaskBuildConfig, task_dirs, task_texts
+from .task_format import RepoSpec, TaskBuildConfig, task_dirs, task_texts
 from .tasks_bugfix import build_bugfixes
 from .tasks_humaneval import build_humaneval
 from .tasks_learnable import WORD_POOL, build_learnable_tasks
@@ -49,8 +49,11 @@ def split_tasks(tasks: list[dict], eval_fraction: float = 0.2, salt: str = "0") 
     return {k: sorted(v) for k, v in split.items()}
 
 
-def build_tasks(out_dir, config=None) -> dict:
-    """Build every task under ``out_dir/{rl_tasks,eval_tasks}/<id>/``; return (and write) a summary."""
+def build_tasks(out_dir, config=None, environments: dict[str, Path] | None = None) -> dict:
+    """Build every task under ``out_dir/{rl_tasks,eval_tasks}/<id>/``; return (and write) a summary.
+
+    ``environments``: repository name -> a directory ``repo_environment`` wrote (the
+    ``repo_environments`` asset's partitions); their tasks are the source ``repo-mined``."""
     cfg = TaskBuildConfig.load(config)
     out = Path(out_dir)
     staging = out / ".staging"
@@ -65,7 +68,12 @@ def build_tasks(out_dir, config=None) -> dict:
     ln = build_learnable_tasks(staging, cfg.learnable_count, cfg.seed, words, workers=cfg.workers) \
         if cfg.learnable_count else []
     t_ln = time.monotonic() - t0 - t_he - t_bf
-    mined, repos = build_repo_tasks(staging, cfg)
+    mined, repos = [], {}
+    for name, env_out in sorted((environments or {}).items()):
+        repos[name] = json.loads(Path(env_out, "environment.json").read_text())
+        for d in repo_environment_tasks(env_out):
+            shutil.move(str(d), str(staging / d.name))
+            mined.append(staging / d.name)
     t_repo = time.monotonic() - t0 - t_he - t_bf - t_ln
     tasks = [json.loads((d / "task.json").read_text()) for d in he + bf + ln + mined]
     split = split_tasks(tasks, cfg.eval_fraction, salt=str(cfg.seed))
@@ -89,32 +97,42 @@ def build_tasks(out_dir, config=None) -> dict:
     return summary
 
 
-def build_repo_tasks(staging: Path, cfg: TaskBuildConfig) -> tuple[list[Path], dict]:
-    """Each of ``cfg.repositories`` bootstrapped (``repo_env``) and mined (``tasks_repo``) into
-    ``staging``; per repository: its outcome, reason, licence, tests, tasks and a sample task."""
+def repo_environment(spec: RepoSpec, out: Path, seed: int = 0, workers: int = 2,
+                     exclude_licences: tuple[str, ...] = ()) -> dict:
+    """``spec`` bootstrapped (``repo_env``) and mined (``tasks_repo``): the tasks under
+    ``out/tasks/<id>/``, the environment's report (its ``env.json``: kept tests, tests left out by
+    reason, test command, digest) as ``out/env.json`` and the row returned as ``out/environment.json``:
+    outcome, reason, licence, tests, tasks, the candidates rejected by reason and a sample task."""
     from .repo_env import BootstrapConfig, bootstrap
     from .tasks_repo import mine
 
-    built, report = [], {}
-    for spec in cfg.repositories:
-        env_dir = staging / ".envs" / spec.name
-        b = bootstrap(spec.src, env_dir, BootstrapConfig(test_files=spec.test_files,
-                                                         exclude_licences=cfg.exclude_licences))
-        row = {k: b.get(k) for k in ("ok", "reason", "tests_passing", "tests_total", "licence", "version", "seconds",
-                                     "env_digest")}
-        if b.get("error"):
-            row["error"] = b["error"][:300]
-        if b["ok"]:
-            row["left_out"] = json.loads((env_dir / "env.json").read_text())["left_out_counts"]
-        if b["ok"] and spec.tasks > 0:
-            m = mine(env_dir, staging, max_tasks=spec.tasks, seed=cfg.seed, workers=cfg.workers)
-            dirs = [staging / t for t in m["tasks"]]
-            built += dirs
+    out = Path(out)
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "tasks").mkdir(parents=True)
+    env_dir = out / ".env"
+    b = bootstrap(spec.src, env_dir, BootstrapConfig(test_files=spec.test_files, exclude_licences=exclude_licences))
+    row = {k: b.get(k) for k in ("ok", "reason", "tests_passing", "tests_total", "licence", "version", "seconds",
+                                 "env_digest", "test_command")}
+    row.update(name=spec.name, src=spec.src, tasks=0)
+    if b.get("error"):
+        row["error"] = b["error"][:300]
+    if b["ok"]:
+        shutil.copy(env_dir / "env.json", out / "env.json")
+        row["left_out"] = json.loads((env_dir / "env.json").read_text())["left_out_counts"]
+        if spec.tasks > 0:
+            m = mine(env_dir, out / "tasks", max_tasks=spec.tasks, seed=seed, workers=workers)
+            dirs = [out / "tasks" / t for t in m["tasks"]]
             row.update(tasks=len(dirs), mine_seconds=m["seconds"], rejected=m["rejected"],
                        sample=json.loads((dirs[0] / "task.json").read_text())["instructions"][:600] if dirs else None)
-        report[spec.name] = row
-    shutil.rmtree(staging / ".envs", ignore_errors=True)
-    return built, report
+    shutil.rmtree(env_dir, ignore_errors=True)
+    (out / "environment.json").write_text(json.dumps(row, indent=2, sort_keys=True))
+    return row
+
+
+def repo_environment_tasks(out) -> list[Path]:
+    """The task directories ``repo_environment`` wrote under ``out``."""
+    return sorted(d for d in Path(out, "tasks").iterdir() if (d / "task.json").is_file()) \
+        if Path(out, "tasks").is_dir() else []
 
 
 def check_split(out_dir) -> dict:
