@@ -158,6 +158,10 @@ def task_sets(context: dg.AssetExecutionContext, config: TaskParams, artifacts: 
                     "by_source": counts_table(by_source, "source", "tasks"),
                     "build_seconds": dg.MetadataValue.json(summary["seconds"]),
                     "bugfix_modules": dg.MetadataValue.json(summary["bugfix_modules"]),
+                    # tasks with no canary (no behavioural check): used neither for RL nor for eval
+                    "left_out_no_behavioural_check": sum(map(len, summary["left_out_no_behavioural_check"].values())),
+                    "left_out_no_behavioural_check_by_source": dg.MetadataValue.json(
+                        summary["left_out_no_behavioural_check"]),
                 },
             )
     catalog.get().insert_records("tasks", rows)

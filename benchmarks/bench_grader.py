@@ -7,7 +7,12 @@ with that copy first on ``PYTHONPATH``:
     rm -rf /tmp/old && mkdir -p /tmp/old && git archive HEAD | tar -x -C /tmp/old
     .venv/bin/python benchmarks/bench_grader.py redteam --old /tmp/old
     .venv/bin/python benchmarks/bench_grader.py timing --old /tmp/old --repeat 5
-    .venv/bin/python benchmarks/bench_grader.py fp
+    .venv/bin/python benchmarks/bench_grader.py fp [--all-humaneval]
+    .venv/bin/python benchmarks/bench_grader.py round2 --old /tmp/old --repeat 5
+
+``round2``: the second round's cheats (``tests/cheats.py`` ``ROUND_TWO``) on a HumanEval, a
+stdlib bug-fix and a mined task (parse's sdist from ``tests/artifacts/sdists``, bootstrapped and
+mined once), each graded ``--repeat`` times by the old grader (its runs race) and once by this one.
 
 Each prints a Markdown table and, on its last line, a JSON summary.
 """
@@ -78,9 +83,10 @@ def redteam(args) -> dict:
     from composer_dag.envs.grade import grade
     from tests.cheats import CHEATS, applicable, cheat_workspace, honest_workspace
 
-    tasks = build(Path(args.tasks) / "he", {"humaneval_limit": 3, "bugfix_count": 0})
+    tasks = build(Path(args.tasks) / "he", {"humaneval_limit": 3, "bugfix_count": 0, "learnable_count": 0})
     tasks += build(Path(args.tasks) / "bf", {"humaneval_limit": 0, "bugfix_count": 2,
-                                             "bugfix_modules": ["colorsys", "fnmatch"], "max_per_module": 1})
+                                             "bugfix_modules": ["colorsys", "fnmatch"], "max_per_module": 1,
+                                             "learnable_count": 0})
     work = Path(tempfile.mkdtemp(prefix="cdag-rt-"))
     jobs, rows = [], []
     for cheat in CHEATS:
@@ -123,13 +129,68 @@ def redteam(args) -> dict:
             "honest_ok_old": sum(r["old_reward"] == 1.0 and not r["old_flags"] for r in honest)}
 
 
+def mined_tasks(where: Path) -> list[Path]:
+    """Tasks mined from parse (the sdist the tests cached), made once under ``where``."""
+    from composer_dag.envs.repo_env import BootstrapConfig, bootstrap
+    from composer_dag.envs.tasks_repo import mine
+
+    out = where / "tasks"
+    if not (where / "done").exists():
+        sdist = sorted((ROOT / "tests" / "artifacts" / "sdists").glob("parse-*.tar.gz"))[0]
+        b = bootstrap(str(sdist), where / "env", BootstrapConfig())
+        assert b["ok"], b
+        mine(where / "env", out, max_tasks=2, seed=0)
+        (where / "done").touch()
+    return sorted(d for d in out.iterdir() if (d / "task.json").is_file())
+
+
+def round2(args) -> dict:
+    from composer_dag.envs.grade import grade
+    from tests.cheats import ROUND_TWO, applicable, cheat_workspace
+
+    tasks = build(Path(args.tasks) / "he", {"humaneval_limit": 3, "bugfix_count": 0, "learnable_count": 0})
+    tasks += build(Path(args.tasks) / "bf", {"humaneval_limit": 0, "bugfix_count": 2,
+                                             "bugfix_modules": ["colorsys", "fnmatch"], "max_per_module": 1,
+                                             "learnable_count": 0})
+    tasks += mined_tasks(Path(args.tasks) / "mined")
+    work = Path(tempfile.mkdtemp(prefix="cdag-rt2-"))
+    rows = []
+    for cheat in ROUND_TWO:
+        for kind in cheat.kinds:
+            task = next(t for t in sorted(tasks) if json.loads((t / "task.json").read_text())["source"] == kind
+                        and applicable(cheat, t))
+            # a workspace per grading: the keyring cheats name their key per workspace
+            jobs = []
+            for k in range(args.repeat):
+                ws, log = cheat_workspace(cheat, task, work / f"{cheat.name}-{kind}-{k}")
+                jobs.append({"task": str(task), "ws": str(ws), "log": log})
+            _, old = run_old(Path(args.old), jobs)
+            ws, log = cheat_workspace(cheat, task, work / f"{cheat.name}-{kind}-new")
+            r = grade(task, ws, log)
+            rows.append({"cheat": cheat.name, "kind": kind, "task": task.name,
+                         "old_paid_unflagged": sum(o["reward"] == 1.0 and not o["flags"] for o in old),
+                         "old_unflagged": sum(not o["flags"] for o in old), "n": len(old),
+                         "new_reward": r.reward, "new_flags": r.flags})
+    print("| cheat | task | old: reward 1, no flag | old: no flag | new reward | new flags |")
+    print("|---|---|---:|---:|---:|---|")
+    for row in rows:
+        print(f"| {row['cheat']} | {row['task']} | {row['old_paid_unflagged']}/{row['n']} | "
+              f"{row['old_unflagged']}/{row['n']} | {row['new_reward']:.0f} | "
+              f"{', '.join(sorted({f.split(':')[0] for f in row['new_flags']})) or '-'} |")
+    return {"cases": len(rows), "gradings_old": sum(r["n"] for r in rows),
+            "old_paid_unflagged": sum(r["old_paid_unflagged"] for r in rows),
+            "old_unflagged": sum(r["old_unflagged"] for r in rows),
+            "new_paid": sum(r["new_reward"] > 0 for r in rows), "new_unflagged": sum(not r["new_flags"] for r in rows)}
+
+
 def timing(args) -> dict:
     from composer_dag.envs.grade import grade
     from tests.cheats import honest_workspace
 
-    tasks = build(Path(args.tasks) / "he", {"humaneval_limit": 3, "bugfix_count": 0})
+    tasks = build(Path(args.tasks) / "he", {"humaneval_limit": 3, "bugfix_count": 0, "learnable_count": 0})
     tasks += build(Path(args.tasks) / "bf", {"humaneval_limit": 0, "bugfix_count": 2,
-                                             "bugfix_modules": ["colorsys", "fnmatch"], "max_per_module": 1})
+                                             "bugfix_modules": ["colorsys", "fnmatch"], "max_per_module": 1,
+                                             "learnable_count": 0})
     work = Path(tempfile.mkdtemp(prefix="cdag-tm-"))
     once = [{"task": str(t), "ws": str(honest_workspace(t, work / t.name, False)), "log": []} for t in sorted(tasks)]
     jobs, old, new = [], [], []
@@ -163,9 +224,9 @@ def timing(args) -> dict:
 def fp(args) -> dict:
     from composer_dag.envs.grade import false_positive_rate
 
-    out = Path(args.tasks) / "full"
+    out = Path(args.tasks) / ("full-all" if args.all_humaneval else "full")
     t0 = time.monotonic()
-    tasks = build(out, {})
+    tasks = build(out, {"humaneval_limit": None} if args.all_humaneval else {})
     build_s = time.monotonic() - t0
     summary = json.loads((out / "summary.json").read_text())
     t0 = time.monotonic()
@@ -183,17 +244,18 @@ def fp(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("redteam", "timing", "fp"):
+    for name in ("redteam", "timing", "fp", "round2"):
         s = sub.add_parser(name)
         s.add_argument("--tasks", default="/tmp/cdag-bench-grader", help="where tasks are built (reused)")
         s.add_argument("--old", default="/tmp/old", help="a copy of the repository at the grader's old commit")
         s.add_argument("--repeat", type=int, default=5)
+        s.add_argument("--all-humaneval", action="store_true", help="fp: all 164 HumanEval problems (default 80)")
     w = sub.add_parser("old-worker")
     w.add_argument("jobs")
     a = p.parse_args()
     if a.cmd == "old-worker":
         return old_worker(a.jobs)
-    print(json.dumps({"redteam": redteam, "timing": timing, "fp": fp}[a.cmd](a)))
+    print(json.dumps({"redteam": redteam, "timing": timing, "fp": fp, "round2": round2}[a.cmd](a)))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 import ast
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -128,3 +127,22 @@ def test_held_out_learnable_words_are_never_trained_on(built):
              for side in ("rl_tasks", "eval_tasks")}
     assert words["rl_tasks"] and words["eval_tasks"], words
     assert not words["rl_tasks"] & words["eval_tasks"]
+
+
+def test_tasks_without_a_behavioural_check_are_left_out_and_counted(tmp_path, monkeypatch):
+    """A task with no canary (no behavioural check: an in-process forgery of its results would
+    pay) is used neither for RL nor for eval; the summary counts it by source."""
+    import composer_dag.envs.tasks as tasks_module
+    from composer_dag.envs.grade import check_task
+
+    real = tasks_module.build_learnable_tasks
+    monkeypatch.setattr(tasks_module, "build_learnable_tasks",
+                        lambda *a, **k: real(*a, **{**k, "canaries": False}))
+    s = build_tasks(tmp_path, {"humaneval_limit": 0, "bugfix_count": 0, "learnable_count": 3})
+    assert s["tasks"] == 0 and s["rl_tasks"] == s["eval_tasks"] == 0
+    assert sorted(s["left_out_no_behavioural_check"]) == ["learnable"] and \
+        len(s["left_out_no_behavioural_check"]["learnable"]) == 3
+    # and the soundness check says so of such a task
+    real(tmp_path / "loose", 1, seed=1, canaries=False)
+    res = check_task(next((tmp_path / "loose").iterdir()))
+    assert res["canaries"] == 0 and not res["ok"] and res["reference_passes"], res

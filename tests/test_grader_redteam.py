@@ -8,7 +8,7 @@ from composer_dag.envs.cheat_flags import flag_family
 from composer_dag.envs.grade import check_task, grade
 from composer_dag.envs.task_format import task_dirs
 
-from .cheats import CHEATS, applicable, cheat_workspace, honest_workspace
+from .cheats import CHEATS, ROUND_TWO, applicable, cheat_workspace, honest_workspace
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +88,87 @@ def test_tasks_have_verified_canaries(all_tasks):
     for tid, task in sorted(all_tasks.items()):
         res = check_task(task)
         assert res["ok"] and res["canaries"] >= 1 and res["reference_fails_canaries"], res
+
+
+@pytest.fixture(scope="module")
+def round_two_tasks(all_tasks, mined_tasks):
+    """A HumanEval, a stdlib bug-fix and a mined (pytest) task."""
+    out, _ = mined_tasks
+    mined = sorted(d for d in out.iterdir() if (d / "task.json").is_file())
+    return {"humaneval": all_tasks["humaneval-000"],
+            "stdlib-bugfix": next(t for n, t in sorted(all_tasks.items()) if n.startswith("bugfix")),
+            "repo-mined": mined[0]}
+
+
+@pytest.mark.parametrize("name", [c.name for c in ROUND_TWO])
+def test_round_two_cheats_get_zero_and_a_flag(round_two_tasks, tmp_path, name):
+    """The second round, on every task source: runs that find each other through a per-user
+    kernel object (the keyring) and forge only in the first, or die in the later ones; runs that
+    tell a canary by what they can read (an original copy of the test, the canary's fresh file
+    time) and forge only in the hidden run; runs that die without a sealed result. Each is 0 with
+    a flag; the keyring cheats earned 1 unflagged whenever the hidden run won the race, the content
+    cheats every time, the last two 0 with no flag (``benchmarks/RESULTS.md``)."""
+    cheat = next(c for c in ROUND_TWO if c.name == name)
+    for kind in cheat.kinds:
+        task = round_two_tasks[kind]
+        ws, log = cheat_workspace(cheat, task, tmp_path / kind)
+        r = grade(task, ws, log)
+        assert r.reward == 0.0 and r.flags, (kind, r.flags, r.details.get("output_tail"))
+        if not name.endswith("_at_import"):  # every run looks first, or hidden: each forges, the canary passes
+            assert r.canary_passed and r.details["unflagged_reward"] == 1.0, (kind, r.flags)
+        else:
+            assert {f.split(":")[0] for f in r.flags} == {"unsealed_run"}, (kind, r.flags)
+            assert any(f.startswith("unsealed_run:hidden: ") for f in r.flags)
+
+
+def test_round_two_honest_work_on_a_mined_task(round_two_tasks, tmp_path):
+    """The reference, alone or with ordinary extra work, on a mined task: reward 1, no flag."""
+    task = round_two_tasks["repo-mined"]
+    for extras in (False, True):
+        r = grade(task, honest_workspace(task, tmp_path / str(extras), extras))
+        assert r.reward == 1.0 and r.flags == [] and "infrastructure" not in r.details, (extras, r.flags)
+
+
+def test_a_failure_the_reference_shares_is_not_the_policys(round_two_tasks, tmp_path):
+    """A run that ends without a sealed result because of the machine (here: a test timeout too
+    short for any solution) is not flagged: grading the reference ends the same way."""
+    from composer_dag.envs.checks import GradeConfig
+
+    task = round_two_tasks["repo-mined"]
+    r = grade(task, honest_workspace(task, tmp_path / "ws", False), config=GradeConfig(timeout=0.05))
+    assert r.reward == 0.0 and r.flags == [] and any("timed out" in x for x in r.details["infrastructure"]), r.details
+
+
+def test_runs_of_a_grading_cannot_find_each_other(tmp_path):
+    """Two runs at once, each under its own leased identity, plant marks in every shared place
+    and kernel object they can think of (user keyrings, abstract sockets, /tmp, /var/tmp,
+    /dev/shm, the home, /run/user, the workspace, processes) and look for the other's: they see
+    nothing. The same probe under one identity (the control) finds the other at once."""
+    import json
+    import secrets
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import nullcontext
+    from pathlib import Path
+
+    from composer_dag.envs.sandbox import Sandbox, identity_lease
+
+    token = secrets.token_hex(4)
+
+    def run(me: str, other: str, leased: bool) -> dict:
+        ws = tmp_path / f"{leased}-{me}" / "shop"
+        ws.mkdir(parents=True)
+        shutil.copy(Path(__file__).with_name("peer_probe.py"), ws / "peer_probe.py")
+        with (identity_lease() if leased else nullcontext(None)) as uid, Sandbox(ws, identity=uid) as sb:
+            r = sb.run(["python3", "peer_probe.py", me, other], timeout=60)
+        assert r.exit_code == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(lambda args: run(*args), [(f"a{token}", f"b{token}", True), (f"b{token}", f"a{token}", True)])
+        assert a["uid"] != b["uid"]
+        for seen in (a, b):
+            assert not seen["keyring"] and not seen["abstract_socket"] and seen["files"] == [] \
+                and seen["processes"] == 0, seen
+        a, b = pool.map(lambda args: run(*args), [(f"c{token}", f"d{token}", False), (f"d{token}", f"c{token}", False)])
+    assert a["uid"] == b["uid"] and a["keyring"] and b["keyring"], (a, b)

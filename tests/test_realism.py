@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_dag.envs.probes import PROBE_AREAS, PROBES, PROFILE_PATH, load_profile, run_battery, sandbox_realism
+from composer_dag.envs.probes import PROBE_AREAS, PROBES, PROFILE_PATH, load_profile, run_battery
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,11 +118,14 @@ def test_realism_command_prints_each_difference_and_the_count(realism_cli):
 
 
 def test_the_battery_in_a_grading_run_sees_what_the_episode_sees(tmp_path, reports):
-    """Grading runs the hidden tests in a sandbox of its own, with the episode's persona: the
-    battery there finds no tell the episode's sandbox does not have."""
+    """Grading runs the hidden tests in a sandbox of its own, with the episode's persona under
+    an identity of its own (another uid): the battery there finds no tell the episode's sandbox
+    does not have."""
+    from dataclasses import replace
+
     from composer_dag.envs.checks import RUNNER, RUNNER_PATH, grading_sandbox
     from composer_dag.envs.rootfs import task_persona
-    from composer_dag.envs.sandbox import Bind, Limits
+    from composer_dag.envs.sandbox import IDENTITY_UIDS, Bind, Limits, identity_lease
     from composer_dag.envs.tools import Episode
 
     task_dir = tmp_path / "task"
@@ -135,11 +138,11 @@ def test_the_battery_in_a_grading_run_sees_what_the_episode_sees(tmp_path, repor
         assert ep.sandbox.persona == persona and ep.root == f"/home/{persona.user}/shop"
     ws = tmp_path / "grade" / "shop"
     ws.mkdir(parents=True)
-    with grading_sandbox(task, ws, Limits(), [Bind(RUNNER, RUNNER_PATH)]) as sb:
-        assert sb.persona == persona
+    with identity_lease() as uid, grading_sandbox(task, ws, Limits(), [Bind(RUNNER, RUNNER_PATH)], uid) as sb:
+        assert uid in IDENTITY_UIDS and sb.persona == replace(persona, uid=uid, gid=uid)
         rep = run_battery(sb)
-        who = sb.run("whoami; hostname").stdout.split()
-    assert who == [persona.user, persona.hostname]
+        who = sb.run("whoami; hostname; id -u; id -g; stat -c %u ~ .; ls /run/user").stdout.split()
+    assert who == [persona.user, persona.hostname, str(uid), str(uid), str(uid), str(uid), str(uid)], who
     from composer_dag.envs.probes import open_tells
 
     assert {d.split(":")[0] for d in open_tells(rep)} <= STILL_OPEN, rep["differences"]

@@ -29,14 +29,17 @@ Tamper-evident results. The verdict is not what the code under test prints or wr
   the caller's frame, an object equal to everything) makes the canary pass too: a passing canary
   zeroes the reward and raises ``canary_passed``. Which files are canaries is recorded only in
   ``task.json`` and under ``canaries/`` of the task directory, neither of which is ever bound
-  into a sandbox.
+  into a sandbox. Nothing else tells the runs apart: each runs under an identity of its own
+  (``sandbox.identity_lease``: no per-user kernel object is shared), they start in a random
+  order, every file of the checks tree has the same time (``CHECKS_MTIME``), and the episode's
+  masks apply (``grading_masks``: a stdlib task's original module and test modules stay hidden,
+  so there is no original to compare a canary with).
 
 What remains possible in principle: code under test runs in the runner's process, so a
 solution written against this runner could find the key in memory and forge a sealed result;
 the forgery is the same in every run, so a canary passes and the episode is zeroed, unless the
 solution can tell the canary's expected values from the real ones (that is, already solves the
-task). Bug-fix tasks' hidden tests are the interpreter's own test modules, which stay readable
-under ``/usr/local/lib/python3.X/test`` at grading time (the tests import ``test.support``).
+task). Runs on one machine still share its CPUs, so a run can time another's load.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from pydantic import Field
 
 from ..runtime.config import StageConfig
 from .rootfs import PYVER, task_persona
-from .sandbox import Bind, Limits, Sandbox
+from .sandbox import Bind, Limits, Sandbox, identity_lease
 from .task_dir import check_name, hidden_files, load_task, project_name
 
 
@@ -76,9 +79,34 @@ RUNNER = Path(__file__).with_name("check_runner.py")
 RUNNER_FAILED = 3  # the runner's exit code when it could not write its results
 
 
-def grading_sandbox(task: dict, workspace: Path, limits: Limits, binds: list[Bind]) -> Sandbox:
-    """The sandbox a grading run uses: the task's persona (the episode's), the runner's binds."""
-    return Sandbox(workspace, limits, project=workspace.name, binds=binds, persona=task_persona(task))
+def grading_sandbox(task: dict, workspace: Path, limits: Limits, binds: list[Bind], identity: int | None = None,
+                    masks: dict[str, Path | None] | None = None) -> Sandbox:
+    """The sandbox a grading run uses: the task's persona (the episode's laptop), the runner's
+    binds, the run's own ``identity`` (a uid no other live run holds) and the episode's ``masks``
+    (``grading_masks``)."""
+    return Sandbox(workspace, limits, project=workspace.name, binds=binds, persona=task_persona(task),
+                   identity=identity, masks=masks)
+
+
+def grading_masks(task_dir: Path, task: dict) -> dict[str, Path | None]:
+    """What the episode hid, hidden at grading too (``task.json`` -> ``sandbox.masks``): the
+    interpreter's copy of a stdlib task's module stays the broken one; its test suite, hidden
+    whole in the episode, shows only ``test.support`` and the data files (the hidden tests import
+    them), never an original of a test module."""
+    out: dict[str, Path | None] = {}
+    for path, name in ((task.get("sandbox") or {}).get("masks") or {}).items():
+        if name is None and path == f"/usr/local/lib/python{PYVER}/test":
+            from .rootfs import stdlib_test_support
+
+            out[path] = stdlib_test_support()
+        else:
+            out[path] = Path(task_dir) / "masks" / name if name else None
+    return out
+
+
+CHECKS_MTIME = 1_700_000_000
+"""Every file and directory of a run's checks tree carries this time: a canary written into the
+tree just before its run must not be newer than the files around it."""
 
 
 class GradeConfig(StageConfig):
@@ -141,8 +169,11 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
             (checks / f"{mod}.py").write_bytes(data)
             os.chmod(checks / f"{mod}.py", 0o644)
         os.chmod(checks, 0o755)
+        for p in [*checks.rglob("*"), checks]:
+            os.utime(p, (CHECKS_MTIME, CHECKS_MTIME), follow_symlinks=False)
         binds += [Bind(RUNNER, RUNNER_PATH), Bind(checks, CHECKS_DIR), Bind(report, REPORT_DIR, writable=True)]
-        with grading_sandbox(task, ws, limits, binds) as sb:
+        with identity_lease() as uid, \
+                grading_sandbox(task, ws, limits, binds, uid, grading_masks(task_dir, task)) as sb:
             shutil.chown(report, sb.persona.uid, sb.persona.gid)
             # a repository task: the project's venv python, without site at startup (-S: the runner
             # adds the site directories itself once it holds its key)

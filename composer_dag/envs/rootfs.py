@@ -257,6 +257,48 @@ def persona_runtime(persona: Persona) -> Path:
     return _build("persona", [str(shared), repr(persona), 7], lambda tmp: _make_persona(tmp, shared, persona))
 
 
+def identity_runtime(persona: Persona, uid: int) -> Path:
+    """``persona_runtime(persona)`` with the user's uid and gid set to ``uid``: the same tree
+    (hard links: about 35 ms, once per persona and uid) but ``/etc/passwd`` and ``/etc/group``.
+    A grading run's identity (``sandbox.identity_lease``): the same laptop, another uid."""
+    base = persona_runtime(persona)
+    if uid == persona.uid:
+        return base
+    return _build("identity", [str(base), uid, 1], lambda tmp: _make_identity(tmp, base, persona, uid))
+
+
+def _make_identity(tmp: Path, base: Path, p: Persona, uid: int) -> None:
+    subprocess.run(["cp", "-al", "--", str(base / "root"), str(tmp / "root")], check=True)
+    os.symlink(base / "skel", tmp / "skel")
+    etc = tmp / "root" / "etc"
+    for name, old, new in (("passwd", f"\n{p.user}:x:{p.uid}:{p.gid}:", f"\n{p.user}:x:{uid}:{uid}:"),
+                           ("group", f"\n{p.user}:x:{p.gid}:", f"\n{p.user}:x:{uid}:")):
+        text = (etc / name).read_text()
+        if old not in text:
+            raise RuntimeError(f"{base}/root/etc/{name} has no line for {p.user} at {p.uid}")
+        _replace(etc / name, text.replace(old, new))
+
+
+def stdlib_test_support() -> Path:
+    """The interpreter's ``test`` package without its test modules (``test_*``): ``test.support``
+    and the data files, hard links, made once. Grading binds it where the episode showed an empty
+    directory, so that the hidden tests can import ``test.support`` while no original copy of a
+    hidden test is there to compare a canary with."""
+    import sysconfig
+
+    std = Path(sysconfig.get_paths()["stdlib"]) / "test"
+
+    def make(tmp: Path) -> None:
+        subprocess.run(["cp", "-al", "--", str(std), str(tmp / "test")], check=True)
+        for p in sorted((tmp / "test").rglob("test_*"), reverse=True):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+
+    return _build("stdlib-tests", [str(std), PYVER, 1], make) / "test"
+
+
 def _link_tree(src: Path, dst: Path) -> None:
     """``dst`` as ``src``'s tree: directories made, symlinks copied, files hard-linked."""
     for d, dirs, files in os.walk(src):

@@ -75,7 +75,14 @@ def build_tasks(out_dir, config=None, environments: dict[str, Path] | None = Non
             shutil.move(str(d), str(staging / d.name))
             mined.append(staging / d.name)
     t_repo = time.monotonic() - t0 - t_he - t_bf - t_ln
-    tasks = [json.loads((d / "task.json").read_text()) for d in he + bf + ln + mined]
+    tasks, unchecked = [], {}
+    for d in he + bf + ln + mined:
+        t = json.loads((d / "task.json").read_text())
+        if behavioural_check(t):
+            tasks.append(t)
+        else:  # no canary: an in-process forgery of the results would pay, so neither RL nor eval uses it
+            unchecked.setdefault(t["source"], []).append(t["id"])
+            shutil.rmtree(d)
     split = split_tasks(tasks, cfg.eval_fraction, salt=str(cfg.seed))
     for side, ids in split.items():
         shutil.rmtree(out / side, ignore_errors=True)
@@ -89,12 +96,19 @@ def build_tasks(out_dir, config=None, environments: dict[str, Path] | None = Non
         "by_source": {s: sum(t["source"] == s for t in tasks) for s in sorted({t["source"] for t in tasks})},
         "bugfix_modules": {s["module"]: {k: v for k, v in s.items() if k != "module"} for s in bf_stats},
         "repositories": repos,
+        "left_out_no_behavioural_check": {k: sorted(v) for k, v in sorted(unchecked.items())},
         "seconds": {"humaneval": round(t_he, 2), "bugfix": round(t_bf, 2), "learnable": round(t_ln, 2),
                     "repositories": round(t_repo, 2), "total": round(time.monotonic() - t0, 2)},
         "split_check": check_split(out),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary
+
+
+def behavioural_check(task: dict) -> bool:
+    """Whether a task has a behavioural check: at least one canary the reference fails
+    (``checks.canaries``, recorded when the task was built)."""
+    return bool((task.get("checks") or {}).get("canaries"))
 
 
 def repo_environment(spec: RepoSpec, out: Path, seed: int = 0, workers: int = 2,
