@@ -172,3 +172,42 @@ def test_runs_of_a_grading_cannot_find_each_other(tmp_path):
                 and seen["processes"] == 0, seen
         a, b = pool.map(lambda args: run(*args), [(f"c{token}", f"d{token}", False), (f"d{token}", f"c{token}", False)])
     assert a["uid"] == b["uid"] and a["keyring"] and b["keyring"], (a, b)
+
+
+def test_the_grader_survives_shapes_built_to_stall_it(all_tasks, tmp_path):
+    """The shape rules run in the grader's own process, on the solution's text: a constant
+    ``9 ** 9 ** 9`` in an ``__eq__`` (the rules fold such bodies; unbounded folding took minutes and
+    gigabytes) and an attribute chain nested deeper than the rules walk (a RecursionError out of
+    ``grade`` before) both grade in seconds; the chain, which the interpreter still imports, is
+    flagged ``shape_unreadable``."""
+    import time
+
+    task = all_tasks["humaneval-000"]
+    bomb = "\n\nclass Answer:\n    __eq__ = lambda self, other: 9 ** 9 ** 9 > 0\n"
+    chain = "\n\ndef unused():\n    return math" + ".pi" * 1500 + "\n"
+    for name, extra in (("bomb", bomb), ("chain", chain)):
+        sol = task_info_sol(task)
+        ws, _ = cheat_workspace(_Append(sol, extra), task, tmp_path / name)
+        t0 = time.monotonic()
+        r = grade(task, ws)
+        assert time.monotonic() - t0 < 60 and r.reward == 0.0, (name, r.flags)
+        assert ("shape_unreadable:" + sol in r.flags) == (name == "chain"), (name, r.flags)
+
+
+def task_info_sol(task):
+    from .cheats import task_info
+
+    return task_info(task)["sol"]
+
+
+class _Append:
+    """A cheat-like edit: ``extra`` appended to the task's solution file."""
+
+    base = "stub"
+    log: list = []
+
+    def __init__(self, sol, extra):
+        self.sol, self.extra = sol, extra
+
+    def files(self, task):
+        return {self.sol: (task / "repo" / self.sol).read_text() + self.extra}
