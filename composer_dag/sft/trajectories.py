@@ -22,7 +22,6 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
-import random
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -143,6 +142,10 @@ def _row(task_id: str, source: str, origin: str, messages: list[dict], cfg: Traj
             "num_turns": sum(m["role"] == "assistant" for m in messages), "chars": len(body)}
 
 
+def _draw(seed: int, task_id: str) -> str:
+    return hashlib.sha256(f"{seed}:{task_id}".encode()).hexdigest()
+
+
 def from_references(tasks_dir, cfg: TrajectoryConfig, log=lambda msg: None) -> tuple[list[dict], Counter, int]:
     """Reference trajectories of the tasks under ``tasks_dir``: (rows, skipped by reason, tasks read)."""
     tasks = [(p.parent, json.loads(p.read_text())) for p in sorted(Path(tasks_dir).glob("*/task.json"))]
@@ -151,11 +154,12 @@ def from_references(tasks_dir, cfg: TrajectoryConfig, log=lambda msg: None) -> t
     for d, t in tasks:
         by_source.setdefault(t.get("source", "?"), []).append((d, t))
     chosen = []
-    rng = random.Random(cfg.seed)
     for source, items in sorted(by_source.items()):
         cap = cfg.max_per_source.get(source)
         if cap is not None and len(items) > cap:
-            keep = set(map(id, rng.sample(items, cap)))
+            # the cap's tasks by a per-task draw (seed and id), so that tasks joining or leaving the
+            # set do not change which of the others are kept
+            keep = set(map(id, sorted(items, key=lambda x: _draw(cfg.seed, x[1]["id"]))[:cap]))
             skipped["over_source_cap"] += len(items) - cap
             items = [x for x in items if id(x) in keep]
         chosen += items
