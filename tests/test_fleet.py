@@ -101,13 +101,15 @@ def test_fleet_distributed_run_learns(learnable_warm, servers, s3_bucket, tmp_pa
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "run" / "result.json").read_text())
-    # Learned: the last four steps' mean reward exceeds the first four's by twice the standard error
-    # of that difference (rewards are 0 or 1 here; 128 episodes a window), as in test_reward_rises.
-    # A step's mean over 32 episodes moves by about 0.08, so no single step is compared.
+    # Learned: the last four steps' mean reward exceeds the starting policy's (step 0, the only step
+    # sampled before any update) by twice the standard error of that difference (rewards are 0 or 1;
+    # 32 episodes against 128). The curve jumps at the first update and then plateaus with steps that
+    # swing by 0.1-0.3 with the fleet's timing, so a window of the first four steps already holds
+    # learned steps and made the test pass or fail on those swings (benchmarks/RESULTS.md).
     per = cfg.tasks_per_step * cfg.group_size
     curve = [v for _, v in res["reward_curve"]]
-    first, last, n = sum(curve[:4]) / 4, sum(curve[-4:]) / 4, 4 * per
-    se = math.sqrt(first * (1 - first) / n + last * (1 - last) / n)
+    first, last = curve[0], sum(curve[-4:]) / 4
+    se = math.sqrt(first * (1 - first) / per + last * (1 - last) / (4 * per))
     print(f"fleet reward curve {[round(v, 3) for v in curve]}, first {first:.3f} last {last:.3f} 2se {2 * se:.3f}, "
           f"slope {reward_slope(curve):+.4f} per step")
     assert len(curve) == steps and last - first >= max(2 * se, 0.1), (curve, 2 * se)
