@@ -26,18 +26,7 @@ ingest_source_job = dg.define_asset_job(
     description="Adds a code_corpus partition and requests a run for every new source.",
 )
 def new_source_sensor(context: dg.SensorEvaluationContext, sources: SourceRegistry):
-    try:
-        names = sources.names()
-    except Exception as exc:  # a broken sources file must not crash the daemon
-        return dg.SkipReason(f"cannot read sources: {exc}")
-    existing = set(context.instance.get_dynamic_partitions(sources_partitions.name))
-    new = [n for n in names if n not in existing]
-    if not new:
-        return dg.SkipReason(f"no new source ({len(names)} declared)")
-    return dg.SensorResult(
-        run_requests=[dg.RunRequest(partition_key=n, run_key=f"new-source:{n}") for n in new],
-        dynamic_partitions_requests=[sources_partitions.build_add_request(new)],
-    )
+    return _new_partitions(context, sources.names, sources_partitions, "source")
 
 
 @dg.sensor(
@@ -47,17 +36,23 @@ def new_source_sensor(context: dg.SensorEvaluationContext, sources: SourceRegist
     description="Adds a repo_environments partition and requests a run for every newly declared repository.",
 )
 def new_repository_sensor(context: dg.SensorEvaluationContext, sources: SourceRegistry):
+    return _new_partitions(context, lambda: [r.name for r in sources.repositories()], repositories_partitions,
+                           "repository")
+
+
+def _new_partitions(context, declared, partitions: dg.DynamicPartitionsDefinition, what: str):
+    """A partition of ``partitions`` and a run for each name of ``declared()`` not a partition yet."""
     try:
-        names = [r.name for r in sources.repositories()]
+        names = declared()
     except Exception as exc:  # a broken sources file must not crash the daemon
-        return dg.SkipReason(f"cannot read the declared repositories: {exc}")
-    existing = set(context.instance.get_dynamic_partitions(repositories_partitions.name))
+        return dg.SkipReason(f"cannot read the declared {what} list: {exc}")
+    existing = set(context.instance.get_dynamic_partitions(partitions.name))
     new = [n for n in names if n not in existing]
     if not new:
-        return dg.SkipReason(f"no new repository ({len(names)} declared)")
+        return dg.SkipReason(f"no new {what} ({len(names)} declared)")
     return dg.SensorResult(
-        run_requests=[dg.RunRequest(partition_key=n, run_key=f"new-repository:{n}") for n in new],
-        dynamic_partitions_requests=[repositories_partitions.build_add_request(new)],
+        run_requests=[dg.RunRequest(partition_key=n, run_key=f"new-{what}:{n}") for n in new],
+        dynamic_partitions_requests=[partitions.build_add_request(new)],
     )
 
 
