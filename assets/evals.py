@@ -6,6 +6,7 @@ The blocking check ``rl_not_worse_than_sft`` (RL against its parent) decides whe
 ``promoted_model`` may materialize.
 """
 
+import datetime
 import json
 import os
 
@@ -16,6 +17,7 @@ from composer_dag.evals.contamination import contamination_report
 from composer_dag.evals.evaluate import EvalConfig, summary_record
 from composer_dag.evals.gate import decide
 from composer_dag.evals.run import EvalRunConfig
+from composer_dag.traces.store import new_version
 from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
 from resources.dagster_config import dagster_config
@@ -130,23 +132,35 @@ def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artif
                               metadata={"leaks": len(leaks), "examples": dg.MetadataValue.json(leaks[:10])})
 
 
-@dg.asset(deps=[evaluated_model], group_name="eval", kinds={"json"})
-def promoted_model(context: dg.AssetExecutionContext, artifacts: ArtifactStorage):
-    """A small registry entry pointing at the RL checkpoint that passed the gate."""
+@dg.asset(deps=[evaluated_model], group_name="eval", kinds={"json"},
+          freshness_policy=dg.FreshnessPolicy.time_window(warn_window=datetime.timedelta(hours=10),
+                                                          fail_window=datetime.timedelta(hours=24)))
+def promoted_model(context: dg.AssetExecutionContext, artifacts: ArtifactStorage, catalog: CatalogResource):
+    """A small registry entry pointing at the RL checkpoint that passed the gate, with its version
+    (the name sessions served by it carry). The UI warns when none was promoted for two cycles
+    (10 hours at the default 5-hour cadence)."""
     record_provenance(context)
     storage = artifacts.get()
     meta = latest_metadata(context.instance, "evaluated_model") or {}
+    digest = (latest_metadata(context.instance, "rl_checkpoint") or {}).get("manifest_digest")
     entry = {
+        "version": new_version(str(digest or "")),
+        "promoted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "checkpoint_uri": meta.get("rl_checkpoint_uri"),
-        "checkpoint_digest": (latest_metadata(context.instance, "rl_checkpoint") or {}).get("manifest_digest"),
+        "checkpoint_digest": digest,
         "evaluation_uri": meta.get("dagster/uri"),
         "pass@1": meta.get("rl_checkpoint.pass@1"),
         "run_id": context.run.run_id,
     }
     storage.write_json(storage.url("registry", "promoted.json"), entry)
     storage.write_json(storage.url("registry", "history", f"{context.run.run_id}.json"), entry)
+    catalog.get().insert_records("checkpoint_inputs", [{
+        "checkpoint": "promoted_model", "run_id": context.run.run_id, "uri": storage.url("registry", "promoted.json"),
+        "input": "rl_checkpoint", "input_uri": str(entry["checkpoint_uri"])}],
+        where={"checkpoint": "promoted_model", "run_id": context.run.run_id})
     return dg.MaterializeResult(metadata={
         "dagster/uri": storage.url("registry", "promoted.json"),
+        "version": entry["version"],
         "checkpoint_uri": str(entry["checkpoint_uri"]),
         "pass@1": float(entry["pass@1"] or 0.0),
         "summary_json": meta.get("summary_json", ""),

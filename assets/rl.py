@@ -144,6 +144,9 @@ def rl_run(context: dg.AssetExecutionContext, config: RLParams, artifacts: Artif
     run_id = context.run.run_id
     rollouts_url, rollouts_digest = job["outputs"]["rl_rollouts"]["url"], job["outputs"]["rl_rollouts"]["digest"]
     ckpt_url, ckpt_digest = job["outputs"]["rl_checkpoint"]["url"], job["outputs"]["rl_checkpoint"]["digest"]
+    catalog.get().insert_records("checkpoint_inputs", [{  # lineage for deletion requests (traces.store)
+        "checkpoint": "rl_checkpoint", "run_id": run_id, "uri": ckpt_url, "input": "sft_checkpoint",
+        "input_uri": latest_uri(context.instance, "sft_checkpoint")}], where={"checkpoint": "rl_checkpoint", "run_id": run_id})
     urls = [u for u in storage.find(rollouts_url) if u.endswith(".parquet")]
     if urls:
         catalog.get().replace_rows(

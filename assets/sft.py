@@ -21,6 +21,7 @@ from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
 from resources.dagster_config import dagster_config, engine_config
 
+ORIGINS = ("reference", "rollout", "session")
 TrajectoryParams = dagster_config(engine.TrajectoryConfig, module=__name__)
 SFTParams = dagster_config(SFTConfig, module=__name__)
 
@@ -35,7 +36,20 @@ def _last_rollouts(context, storage) -> tuple[list, str]:
     return [storage.read_parquet(u) for u in urls], base
 
 
-@dg.asset(deps=["rl_tasks", "eval_tasks"], group_name="sft", kinds={"python", "parquet", "duckdb"},
+def _good_sessions(storage, cat) -> list[dict]:
+    """The good sessions of every ``production_traces`` partition taken in so far (the newest
+    artifact of each hour, as the catalog's ``traces`` table names it)."""
+    if "traces" not in cat.tables():
+        return []
+    found = cat.query("SELECT uri, list(session_id) FROM traces WHERE good GROUP BY uri ORDER BY uri")
+    out = []
+    for uri, ids in found:
+        wanted = set(ids)
+        out += [r for r in storage.read_parquet(f"{uri}/sessions.parquet").to_pylist() if r["session_id"] in wanted]
+    return out
+
+
+@dg.asset(deps=["rl_tasks", "eval_tasks", "production_traces"], group_name="sft", kinds={"python", "parquet", "duckdb"},
           retry_policy=RETRY,
           check_specs=[dg.AssetCheckSpec("trajectories_accounted", asset="sft_trajectories", blocking=True,
                                          description="Every task and rollout read is written or counted under a reason.")])
@@ -49,18 +63,19 @@ def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams
     cfg = engine_config(engine.TrajectoryConfig, config)
     url = storage.url("sft_trajectories", context.run.run_id)
     rollouts, rollouts_from = _last_rollouts(context, storage) if cfg.from_rollouts else ([], "")
+    sessions = _good_sessions(storage, catalog.get()) if cfg.session_share > 0 else []
     with local_copy(storage, latest_uri(context.instance, "rl_tasks")) as rl, \
             local_copy(storage, latest_uri(context.instance, "eval_tasks")) as ev, \
             tempfile.TemporaryDirectory(prefix="composer-sft-") as tmp:
         try:
-            summary = engine.build(rl, tmp, cfg, rollouts, ev, context.log.info)
+            summary = engine.build(rl, tmp, cfg, rollouts, ev, context.log.info, sessions=sessions)
         except ValueError as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         rows = engine.read_rows(os.path.join(tmp, "trajectories.parquet"))
         digest = storage.publish_dir(tmp, url)
     catalog.get().insert_records("sft_trajectories", [
         {k: v for k, v in r.items() if k != "messages"} | {"run_id": context.run.run_id} for r in rows])
-    skipped = {f"{origin}: {why}": n for origin in ("reference", "rollout")
+    skipped = {f"{origin}: {why}": n for origin in ORIGINS
                for why, n in summary[origin]["skipped"].items()}
     yield dg.MaterializeResult(metadata={
         "dagster/uri": url,
@@ -69,14 +84,15 @@ def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams
         "by_source": counts_table(summary["by_source"], "source", "trajectories"),
         "reference_trajectories": summary["reference"]["out"],
         "rollout_trajectories": summary["rollout"]["out"],
+        "session_trajectories": summary["session"]["out"],
         "rollouts_from": rollouts_from or "(no RL run yet)",
         "skipped": counts_table(skipped, "origin: reason", "items"),
         "by_split": dg.MetadataValue.json(summary["by_split"]),
         "example": dg.MetadataValue.md("```json\n" + json.dumps(json.loads(rows[0]["messages"]), indent=1)[:1500] + "\n```"),
     })
-    ok = all(summary[o]["in"] == summary[o]["out"] + sum(summary[o]["skipped"].values()) for o in ("reference", "rollout"))
+    ok = all(summary[o]["in"] == summary[o]["out"] + sum(summary[o]["skipped"].values()) for o in ORIGINS)
     yield dg.AssetCheckResult(check_name="trajectories_accounted", passed=ok, metadata={
-        o: dg.MetadataValue.json(summary[o]) for o in ("reference", "rollout")})
+        o: dg.MetadataValue.json(summary[o]) for o in ORIGINS})
 
 
 @dg.asset(
@@ -97,7 +113,7 @@ def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams
     ],
 )
 def sft_checkpoint(context: dg.AssetExecutionContext, config: SFTParams, artifacts: ArtifactStorage,
-                   cluster: ClusterResource):
+                   cluster: ClusterResource, catalog: CatalogResource):
     """The mid-trained checkpoint fine-tuned on the trajectories (loss on the assistant's tokens),
     with windows of the pre-training shards replayed in every micro-batch so that it keeps what
     mid-training taught, with the mid-training trainer on the cluster resource; resumes when
@@ -111,6 +127,10 @@ def sft_checkpoint(context: dg.AssetExecutionContext, config: SFTParams, artifac
         "composer_dag.sft.run", outputs={"sft_checkpoint": CHECKPOINT_FILES})
     result = job["summary"]
     out = job["outputs"]["sft_checkpoint"]
+    catalog.get().insert_records("checkpoint_inputs", [{  # lineage for deletion requests (traces.store)
+        "checkpoint": "sft_checkpoint", "run_id": context.run.run_id, "uri": out["url"], "input": "sft_trajectories",
+        "input_uri": latest_uri(context.instance, "sft_trajectories")}],
+        where={"checkpoint": "sft_checkpoint", "run_id": context.run.run_id})
     losses = [float(loss) for _, loss in result.get("loss_curve") or []]
     steps = [int(step) for step, _ in result.get("loss_curve") or []]
     evals = [e for e in result.get("evals") or [] if e.get("val_loss") is not None]

@@ -174,6 +174,42 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     return eval_cli(args.checkpoint, args.tasks, out_dir=args.out, baseline=args.baseline, config=cfg)
 
 
+def _home(*parts: str) -> str:
+    return os.path.join(os.path.abspath(os.environ.get("COMPOSER_HOME", ".composer")), *parts)
+
+
+def cmd_traces_validate(args):
+    """Read session files as intake would: every line valid or counted under its reason."""
+    from collections import Counter
+
+    from composer_dag.traces.format import read_sessions, schema_errors
+
+    out = {}
+    for path in args.files:
+        with open(path, "rb") as f:
+            data = f.read()
+        counts, first = Counter(), []
+        for line, record, why in read_sessions(data):
+            counts[why] += 1
+            if why == "schema_violation" and len(first) < 5:
+                first.append(f"line {line}: " + "; ".join(schema_errors(json.loads(data.split(b"\n")[line - 1]))[:3]))
+        out[path] = {"lines": sum(counts.values()), **dict(counts), **({"errors": first} if first else {})}
+    bad = any(k != "ok" for v in out.values() for k in v if k not in ("lines", "errors"))
+    return out, 1 if bad else 0
+
+
+def cmd_traces_delete(args):
+    """Delete a user's sessions everywhere and list the checkpoints trained on them."""
+    from composer_dag.catalog import Catalog
+    from composer_dag.traces.intake import TraceConfig, incoming_url
+    from composer_dag.traces.store import delete_user
+
+    storage = open_storage(args.storage or os.environ.get("COMPOSER_STORAGE_ROOT") or _home("artifacts"))
+    catalog = Catalog(args.catalog or os.environ.get("COMPOSER_CATALOG") or _home("catalog.duckdb"), storage)
+    incoming = incoming_url(storage, args.incoming or TraceConfig().incoming)
+    return delete_user(storage, catalog, args.user, incoming, log=lambda m: print(m, file=sys.stderr))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="composer-dag", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -238,6 +274,18 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True, help="the JSON-lines file to write")
     x.add_argument("--mirror-dir", default=None, help="also write a bare mirror per repository with every base commit")
     x.set_defaults(func=cmd_tasks_export)
+
+    tr = sub.add_parser("traces", help="production sessions").add_subparsers(dest="traces_command", required=True)
+    x = tr.add_parser("validate", help="check session files (composer-session/1, JSON lines) against the schema")
+    x.add_argument("files", nargs="+")
+    x.set_defaults(func=cmd_traces_validate)
+    x = tr.add_parser("delete", help="delete a user's sessions from every partition, the incoming files and the "
+                                     "SFT trajectories; list the checkpoints trained on them")
+    x.add_argument("--user", required=True, help="the user id as the sessions carry it")
+    x.add_argument("--storage", default=None, help="artifact root (default $COMPOSER_STORAGE_ROOT or $COMPOSER_HOME/artifacts)")
+    x.add_argument("--catalog", default=None, help="DuckDB catalog (default $COMPOSER_CATALOG or $COMPOSER_HOME/catalog.duckdb)")
+    x.add_argument("--incoming", default=None, help="the incoming prefix (default: traces/incoming under the root)")
+    x.set_defaults(func=cmd_traces_delete)
 
     s = sub.add_parser("sandbox", help="the bubblewrap sandbox").add_subparsers(dest="sandbox_command", required=True)
     x = s.add_parser("exec", help="run a command in the sandbox; its exit code is passed through")

@@ -12,7 +12,7 @@ import sys
 
 import dagster as dg
 
-from assets import corpus, dedup, envs, evals, rl, sensors, sft, train
+from assets import corpus, dedup, envs, evals, rl, sensors, sft, traces, train
 from assets import jobs as jobs_module
 from assets._common import code_version
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
@@ -95,6 +95,7 @@ def build_defs(resources: dict | None = None) -> dg.Definitions:
             (sft, sft.sft_trajectories, sft.sft_checkpoint),
             (rl, rl.rl_run),
             (evals, evals.evaluated_model, evals.promoted_model),
+            (traces, traces.production_traces),
         ),
         asset_checks=[
             dedup.kept_files_unique,
@@ -105,10 +106,10 @@ def build_defs(resources: dict | None = None) -> dg.Definitions:
             envs.eval_tasks_sound,
             envs.split_disjoint,
         ],
-        jobs=[sensors.ingest_source_job, *jobs_module.JOBS],
+        jobs=[sensors.ingest_source_job, traces.traces_job, *jobs_module.JOBS],
         schedules=jobs_module.SCHEDULES,
         sensors=[sensors.new_source_sensor, sensors.new_repository_sensor, sensors.record_run_failures,
-                 jobs_module.shards_automation],
+                 jobs_module.shards_automation, traces.production_traces_sensor],
         resources={**make_resources(), **(resources or {})},
     )
 

@@ -276,6 +276,11 @@ class Storage:
         with self._guard("check", url):
             return self.fs.exists(self._path(url))
 
+    def info(self, url: str) -> dict[str, Any]:
+        """What the store says of one file: ``size`` and, where it has them, ``mtime`` / ``ETag``."""
+        with self._guard("stat", url):
+            return dict(self.fs.info(self._path(url)))
+
     def read_bytes(self, url: str) -> bytes:
         try:
             with self._guard("read", url):

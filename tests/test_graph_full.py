@@ -233,6 +233,15 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     assert "gate: passed, RL promoted" in end and "/report.md" in end and "make dev" in end, end
     by_source = dict(cat.query("SELECT checkpoint, pass_at_1_learnable FROM eval_summaries"))
     assert set(by_source) == {"base_model", "midtrained_checkpoint", "sft_checkpoint", "rl_checkpoint"}
+    # the lineage a deletion request follows: the SFT set -> SFT -> RL -> the promoted entry,
+    # which names the version sessions served by it carry
+    from composer_dag.traces.store import known_models, trained_on
+
+    chain = trained_on(cat, {meta("sft_trajectories")["dagster/uri"]})
+    assert [c["checkpoint"] for c in chain] == ["sft_checkpoint", "rl_checkpoint", "promoted_model"], chain
+    assert chain[1]["uri"] == meta("rl_checkpoint")["dagster/uri"]
+    promoted = meta("promoted_model")
+    assert known_models(st)[promoted["version"]] == meta("rl_checkpoint")["manifest_digest"]
     assert scan_instance(instance, list(secrets.values())) == []
     assert scan_tree(tmp_path, list(secrets.values())) == []
 

@@ -14,7 +14,7 @@ FLOORS = {
     "composer_dag.corpus": 2, "composer_dag.cluster": 2, "composer_dag.envs": 2, "composer_dag.train": 2,
     "resources": 3, "composer_dag.dedup": 3, "composer_dag.inference": 3,
     "composer_dag.agent": 4,
-    "composer_dag.evals": 5, "composer_dag.rl": 5,
+    "composer_dag.evals": 5, "composer_dag.rl": 5, "composer_dag.traces": 5,
     "composer_dag.cli": 6, "composer_dag.sft": 6,
     "assets": 7,
     "composer_dag.definitions": 8,

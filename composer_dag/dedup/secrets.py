@@ -22,6 +22,7 @@ the lower-cased text (same length, same offsets) instead of using re.IGNORECASE.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 _WB = rb"[A-Za-z0-9_]"
@@ -158,3 +159,65 @@ def redact(data: bytes, only: frozenset[tuple[str, int]] | None = None) -> tuple
         last = e
     parts.append(data[last:])
     return b"".join(parts), counts
+
+
+# ---------------------------------------------------------------- identities (user sessions)
+#
+# A harness session carries who and where its user is: the user's login and the machine's name
+# (in prompts, paths, ``git`` output), home directories, and addresses. The corpus keeps these
+# as they are (an address or a path in source code is content: a test's ``10.0.0.1``, a
+# README's ``/home/user``), so these kinds are a second pass, run on sessions only.
+#
+# - ``home_path``: ``/home/NAME``, ``/Users/NAME``, ``C:\Users\NAME`` -> the same with ``<USER>``;
+# - ``user_name`` / ``host_name``: each name the session declares (its client's user and host)
+#   wherever it stands as a word, plus the ``NAME@HOST`` of a shell prompt;
+# - ``ip_address``: what parses as an IPv4 or IPv6 address (``ipaddress``), except loopback and
+#   the unspecified address.
+IDENTITY_PLACEHOLDERS = {"home_path": "<USER>", "user_name": "<USER>", "host_name": "<HOST>", "ip_address": "<IP>"}
+IDENTITY_KINDS: tuple[str, ...] = tuple(IDENTITY_PLACEHOLDERS)
+_HOME = re.compile(r"(?P<pre>/home/|/Users/|[A-Za-z]:\\\\?Users\\\\?)(?P<name>(?!<USER>)[A-Za-z0-9._-]{1,64})")
+_PROMPT = re.compile(r"\b(?P<user>(?!<)[a-z_][a-z0-9_-]{0,31})@(?P<host>(?!<)[A-Za-z0-9][A-Za-z0-9-]{0,62})(?=[:\s])")
+_IP = re.compile(r"(?<![\w.:])(?:\d{1,3}(?:\.\d{1,3}){3}|[0-9A-Fa-f]{0,4}(?::[0-9A-Fa-f]{0,4}){2,7})(?![\w.:])")
+
+
+def redact_identities(text: str, users: tuple[str, ...] = (), hosts: tuple[str, ...] = ()) -> tuple[str, dict[str, int]]:
+    """``text`` with home paths, the given user and host names, ``user@host`` prompts and IP
+    addresses replaced by placeholders, and the count per kind. Idempotent."""
+    counts: dict[str, int] = {}
+
+    def bump(kind: str, n: int = 1) -> None:
+        if n:
+            counts[kind] = counts.get(kind, 0) + n
+
+    def home(m: re.Match) -> str:
+        bump("home_path")
+        return m.group("pre") + "<USER>"
+
+    text = _HOME.sub(home, text)
+
+    def prompt(m: re.Match) -> str:
+        bump("user_name")
+        bump("host_name")
+        return "<USER>@<HOST>"
+
+    text = _PROMPT.sub(prompt, text)
+    for kind, names in (("user_name", users), ("host_name", hosts)):
+        for name in sorted({n for n in names if n and len(n) >= 2}, key=len, reverse=True):
+            text, n = re.subn(r"(?<![A-Za-z0-9_])" + re.escape(name) + r"(?![A-Za-z0-9_])",
+                              IDENTITY_PLACEHOLDERS[kind], text)
+            bump(kind, n)
+
+    def ip(m: re.Match) -> str:
+        if not any(c.isdigit() for c in m.group(0)):  # ``a::b``, ``dead::beef``: words, not addresses
+            return m.group(0)
+        try:  # the candidate must parse as an address: ``12:30:45`` and ``1.2.3.400`` do not
+            addr = ipaddress.ip_address(m.group(0))
+        except ValueError:
+            return m.group(0)
+        if addr.is_loopback or addr.is_unspecified:
+            return m.group(0)
+        bump("ip_address")
+        return "<IP>"
+
+    text = _IP.sub(ip, text)
+    return text, counts

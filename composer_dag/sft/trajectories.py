@@ -1,12 +1,14 @@
 """SFT trajectories: agent episodes in the harness's own format, each one known to succeed.
 
-Two origins:
+Three origins:
 
 - ``reference``: built from a training task's reference solution and played through a real
   episode (the tools answer every call, the grader must pass the result): read the lines that
   change, ``edit_file`` them, ``submit``; a task whose reference names a procedure (the learnable
   family's shell command) runs it and submits. A trajectory whose calls fail or whose grade does not pass is skipped and counted.
 - ``rollout``: successful, unflagged rollouts of earlier RL runs (rejection sampling).
+- ``session``: good production sessions (``production_traces``: accepted by their user,
+  unflagged, tests passing where tests ran), at most ``session_share`` of the set.
 
 Only training tasks are used, and a trajectory whose text shares an n-gram with an evaluation
 task (the rule the shards are decontaminated with) is dropped and counted. Every task and every
@@ -45,6 +47,9 @@ class TrajectoryConfig(StageConfig):
                     "tiny model's sequence (make run's 7 were all dropped at tokenization, after 80 s of replay)")
     from_rollouts: bool = Field(True, description="add the successful, unflagged rollouts of the last RL run")
     max_rollouts: int = Field(200, description="rollout trajectories at most")
+    session_share: float = Field(0.25, ge=0.0, le=1.0,
+                                 description="production sessions' largest share of the trajectories (good sessions "
+                                             "only: accepted, unflagged, tests passing where run); 0 takes none")
     val_fraction: float = Field(0.1, description="share of tasks (by a hash of the id) whose trajectories validate")
     context_lines: int = Field(3, description="lines shown around the change by the read_file call")
     workers: int = Field(2, description="episodes played at once")
@@ -218,6 +223,32 @@ def from_rollouts(tables: Iterable, train_tasks: dict[str, str], cfg: Trajectory
     return rows, skipped, n
 
 
+def from_sessions(sessions: Iterable[dict], others: int, cfg: TrajectoryConfig) -> tuple[list[dict], Counter, int]:
+    """Trajectories from production sessions (rows of ``production_traces``): the good ones, in
+    the harness's own messages, at most ``session_share`` of the whole set (``others`` is the
+    count of the rest), drawn per session by the seed."""
+    from ..traces.format import from_openai
+
+    sessions = list(sessions)
+    share = cfg.session_share
+    cap = len(sessions) if share >= 1.0 else int(share * others / (1.0 - share)) if share > 0 else 0
+    rows, skipped = [], Counter()
+    for r in sorted(sessions, key=lambda x: _draw(cfg.seed, x["session_id"])):
+        if not r.get("good"):
+            skipped["not_good"] += 1
+            continue
+        msgs = [m for m in from_openai(json.loads(r["record"])["messages"]) if m.get("role") != "system"]
+        if not msgs or msgs[0].get("role") != "user" or any(m.get("truncated") or m.get("error") for m in msgs):
+            skipped["error_or_cut_turn"] += 1
+            continue
+        if len(rows) >= cap:
+            skipped["over_session_share"] += 1
+            continue
+        clean = [{k: m[k] for k in ("role", "content", "tool_calls") if k in m} for m in msgs]
+        rows.append(_row(r["session_id"], "session", "session", clean, cfg))
+    return rows, skipped, len(sessions)
+
+
 def decontaminate(rows: list[dict], eval_tasks_dir) -> tuple[list[dict], list[dict]]:
     """(clean rows, leak reports): a row sharing an n-gram with an eval task is a leak."""
     from ..evals.contamination import contamination_report
@@ -228,9 +259,10 @@ def decontaminate(rows: list[dict], eval_tasks_dir) -> tuple[list[dict], list[di
 
 
 def build(tasks_dir, out_dir, cfg: TrajectoryConfig | dict | None = None, rollout_tables: Iterable = (),
-          eval_tasks_dir=None, log=lambda msg: None) -> dict:
+          eval_tasks_dir=None, log=lambda msg: None, sessions: Iterable[dict] = ()) -> dict:
     """Write ``out_dir/trajectories.parquet`` and ``out_dir/summary.json``; return the summary
-    (``{"reference": {in, out, skipped}, "rollout": {...}, "contaminated", "by_source", ...}``)."""
+    (``{"reference": {in, out, skipped}, "rollout": {...}, "session": {...}, "contaminated",
+    "by_source", ...}``). ``sessions``: rows of ``production_traces``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -241,14 +273,16 @@ def build(tasks_dir, out_dir, cfg: TrajectoryConfig | dict | None = None, rollou
     train = {t.get("id", p.parent.name): t.get("source", "?")
              for p, t in ((p, json.loads(p.read_text())) for p in Path(tasks_dir).glob("*/task.json"))}
     roll_rows, roll_skip, roll_in = from_rollouts(rollout_tables if cfg.from_rollouts else (), train, cfg)
-    rows = ref_rows + roll_rows
+    sess_rows, sess_skip, sess_in = from_sessions(sessions, len(ref_rows) + len(roll_rows), cfg)
+    rows = ref_rows + roll_rows + sess_rows
     leaks = []
     if eval_tasks_dir is not None and rows:
         rows, leaks = decontaminate(rows, eval_tasks_dir)
     bad = {x["shard_item"] for x in leaks}
-    for r in ref_rows + roll_rows:
+    skips = {"reference": ref_skip, "rollout": roll_skip, "session": sess_skip}
+    for r in ref_rows + roll_rows + sess_rows:
         if r["trajectory_id"] in bad:
-            (ref_skip if r["origin"] == "reference" else roll_skip)["contaminated"] += 1
+            skips[r["origin"]]["contaminated"] += 1
     if not rows:
         raise ValueError(f"no SFT trajectory could be built from {tasks_dir} "
                          f"(reference skips {dict(ref_skip)}, rollout skips {dict(roll_skip)})")
@@ -261,6 +295,7 @@ def build(tasks_dir, out_dir, cfg: TrajectoryConfig | dict | None = None, rollou
         "trajectories": len(rows),
         "reference": {"in": ref_in, "out": count("reference"), "skipped": dict(ref_skip)},
         "rollout": {"in": roll_in, "out": count("rollout"), "skipped": dict(roll_skip)},
+        "session": {"in": sess_in, "out": count("session"), "skipped": dict(sess_skip)},
         "by_source": dict(Counter(r["source"] for r in rows)),
         "by_split": dict(Counter(r["split"] for r in rows)),
         "contamination_examples": leaks[:10],

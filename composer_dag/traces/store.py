@@ -1,0 +1,171 @@
+"""Where sessions live, and deleting a user's.
+
+- incoming: ``<incoming>/<YYYY-MM-DDTHH>/*.jsonl``, written by the serving side;
+- taken in: ``<root>/production_traces/<YYYY-MM-DDTHH>/<run id>/`` (``sessions.parquet``,
+  ``summary.json``, manifest), one per hour partition, and one row per session in the catalog's
+  ``traces`` table (``uri`` names the artifact);
+- deletion requests: ``<root>/traces/deletions.jsonl``, the ``user_hash`` of each user, read by
+  every later intake (a deleted user's sessions still arriving are dropped as ``deleted_user``).
+
+``delete_user`` removes a user's sessions everywhere they were copied: each partition's Parquet
+(rewritten, its manifest with it), the incoming files, the catalog's ``traces`` rows, the SFT
+trajectories built from them (Parquet and catalog rows); and it lists every checkpoint trained
+on them, following the catalog's ``checkpoint_inputs`` lineage (SFT -> RL -> promoted).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import posixpath
+
+from .intake import partition_key, user_hash
+
+DELETIONS = ("traces", "deletions.jsonl")
+
+
+def list_incoming(storage, url: str) -> dict[str, list[str]]:
+    """Partition key -> the session files (``*.jsonl``) in that hour's folder, sorted; folders
+    that are not an hour are ignored."""
+    out: dict[str, list[str]] = {}
+    for f in storage.find(url):
+        rel = f[len(url.rstrip("/")) + 1:]
+        parts = rel.split("/")
+        if len(parts) != 2 or not parts[1].endswith(".jsonl") or parts[1].startswith("."):
+            continue
+        key = partition_key(parts[0])
+        if key is not None:
+            out.setdefault(key, []).append(f)
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def deleted_users(storage) -> set[str]:
+    url = storage.url(*DELETIONS)
+    if not storage.exists(url):
+        return set()
+    return {json.loads(line)["user_hash"] for line in storage.read_bytes(url).decode().splitlines() if line.strip()}
+
+
+def _table_exists(catalog, name: str) -> bool:
+    return name in catalog.tables()
+
+
+def trained_on(catalog, trajectory_uris: set[str]) -> list[dict]:
+    """Every checkpoint whose inputs lead back to one of ``trajectory_uris``: ``{checkpoint,
+    run_id, uri}``, nearest first."""
+    if not trajectory_uris or not _table_exists(catalog, "checkpoint_inputs"):
+        return []
+    rows = catalog.query("SELECT checkpoint, run_id, uri, input_uri FROM checkpoint_inputs")
+    found, frontier, seen = [], set(trajectory_uris), set()
+    while frontier:
+        nxt = set()
+        for checkpoint, run_id, uri, input_uri in rows:
+            if input_uri in frontier and (checkpoint, run_id) not in seen:
+                seen.add((checkpoint, run_id))
+                found.append({"checkpoint": checkpoint, "run_id": run_id, "uri": uri})
+                nxt.add(uri)
+        frontier = nxt
+    return found
+
+
+def delete_user(storage, catalog, user_id: str, incoming: str | None = None, log=lambda msg: None) -> dict:
+    """Delete ``user_id``'s sessions (see the module); return what was removed and the checkpoints
+    trained on them. Idempotent: a second request removes nothing and lists the same checkpoints."""
+    import pyarrow.compute as pc
+
+    h = user_hash(user_id)
+    ledger = storage.url(*DELETIONS)
+    have = storage.read_bytes(ledger) if storage.exists(ledger) else b""
+    if h not in deleted_users(storage):
+        line = json.dumps({"user_hash": h, "requested_at": dt.datetime.now(dt.timezone.utc).isoformat()})
+        storage.write_bytes(ledger, have + line.encode() + b"\n")
+    result = {"user_hash": h, "sessions": 0, "partitions": [], "incoming_files": 0, "trajectories": 0,
+              "trajectory_artifacts": [], "checkpoints": []}
+    ids: set[str] = set()
+    uris: list[str] = []
+    if _table_exists(catalog, "traces"):
+        found = catalog.query("SELECT session_id, hour, uri FROM traces WHERE user_hash = ?", [h])
+        ids = {r[0] for r in found}
+        uris = sorted({r[2] for r in found})
+        result["partitions"] = sorted({r[1] for r in found})
+    for uri in uris:
+        url = posixpath.join(uri, "sessions.parquet")
+        table = storage.read_parquet(url)
+        keep = table.filter(pc.invert(pc.equal(table["user_hash"], h)))
+        result["sessions"] += table.num_rows - keep.num_rows
+        storage.write_parquet(keep, url)
+        storage.write_manifest(uri)
+    if incoming:
+        for files in list_incoming(storage, incoming).values():
+            for f in files:
+                data = storage.read_bytes(f)
+                lines = data.split(b"\n")
+                kept = [ln for ln in lines if not _is_user(ln, user_id)]
+                if len(kept) != len(lines):
+                    storage.write_bytes(f, b"\n".join(kept))
+                    result["incoming_files"] += 1
+    if ids:
+        catalog.query("DELETE FROM traces WHERE user_hash = ?", [h])
+    traj_uris: set[str] = set()
+    if ids and _table_exists(catalog, "sft_trajectories"):
+        marks = ",".join("?" * len(ids))
+        runs = catalog.query(f"SELECT DISTINCT run_id FROM sft_trajectories WHERE origin = 'session' "
+                             f"AND task_id IN ({marks})", sorted(ids))
+        for (run_id,) in runs:
+            uri = storage.url("sft_trajectories", run_id)
+            traj_uris.add(uri)
+            url = posixpath.join(uri, "trajectories.parquet")
+            if storage.exists(url):
+                table = storage.read_parquet(url)
+                mine = pc.and_(pc.equal(table["origin"], "session"), pc.is_in(table["task_id"], value_set=_array(ids)))
+                keep = table.filter(pc.invert(mine))
+                result["trajectories"] += table.num_rows - keep.num_rows
+                storage.write_parquet(keep, url)
+                storage.write_manifest(uri)
+        catalog.query(f"DELETE FROM sft_trajectories WHERE origin = 'session' AND task_id IN ({marks})", sorted(ids))
+    result["trajectory_artifacts"] = sorted(traj_uris)
+    result["checkpoints"] = trained_on(catalog, traj_uris)
+    log(f"deleted user {h[:12]}: {result['sessions']} sessions in {len(result['partitions'])} partitions, "
+        f"{result['incoming_files']} incoming files rewritten, {result['trajectories']} trajectories; "
+        f"{len(result['checkpoints'])} checkpoints were trained on them")
+    return result
+
+
+def _array(values):
+    import pyarrow as pa
+
+    return pa.array(sorted(values), pa.string())
+
+
+def _is_user(line: bytes, user_id: str) -> bool:
+    """The line is a session of ``user_id``; a line that is not JSON (a record cut mid-write)
+    counts as the user's when it spells the user's id as its ``user_id`` field."""
+    try:
+        rec = json.loads(line)
+    except (ValueError, RecursionError):
+        quoted = json.dumps(user_id).encode()
+        return any(b'"user_id"' + sep + quoted in line for sep in (b":", b": "))
+    return isinstance(rec, dict) and rec.get("user_id") == user_id
+
+
+def model_version(entry: dict) -> str:
+    """A promoted entry's version: its own ``version``, else (entries written before versions
+    were) the run that promoted it."""
+    return str(entry.get("version") or entry.get("run_id") or "")
+
+
+def new_version(checkpoint_digest: str, when: dt.datetime | None = None) -> str:
+    """``YYYYMMDDTHHMMSSZ-<digest prefix>``: sorts by time, names the weights."""
+    when = when or dt.datetime.now(dt.timezone.utc)
+    return f"{when.strftime('%Y%m%dT%H%M%SZ')}-{(checkpoint_digest or 'unknown')[:8]}"
+
+
+def known_models(storage) -> dict[str, str]:
+    """Every version the registry ever promoted -> its checkpoint digest (``registry/history``)."""
+    out = {}
+    for url in storage.find(storage.url("registry", "history")):
+        if url.endswith(".json"):
+            entry = storage.read_json(url)
+            if entry.get("checkpoint_digest"):
+                out[model_version(entry)] = str(entry["checkpoint_digest"])
+    return out

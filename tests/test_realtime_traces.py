@@ -1,0 +1,236 @@
+"""Production sessions in: the session format, the production stand-in, the hourly
+``production_traces`` partitions fed by their sensor, scrubbing, deduplication, consent,
+deletion, and good sessions as an SFT source."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import pyarrow.parquet as pq
+import pytest
+
+from composer_dag.agent import AgentConfig, AgentLoop, tool_call_text
+from composer_dag.catalog import Catalog
+from composer_dag.inference.engine import Completion, Engine, EngineStats, HFEngine
+from composer_dag.sft.trajectories import TrajectoryConfig, from_sessions, reference_calls
+from composer_dag.storage import open_storage
+from composer_dag.traces import format as fmt
+from composer_dag.traces.intake import intake, user_hash
+from composer_dag.traces.standin import session_from_rollout, tokenizer_digest, write_hours
+
+HOURS = ["2026-11-30-09:00", "2026-11-30-10:00", "2026-11-30-11:00"]
+VERSION, DIGEST = "20261130T080000Z-abcdef12", "ab" * 32
+
+
+class _Reference(Engine):
+    """Writes a task's reference calls, one per turn (a served model that solves the task)."""
+
+    def __init__(self, tok, calls):
+        self.tok, self.texts, self.turn = tok, [tool_call_text(c["name"], c["arguments"]) + "<|im_end|>" for c in calls], 0
+        self.stats = EngineStats()
+
+    def generate(self, prompts, params):
+        text = self.texts[min(self.turn, len(self.texts) - 1)]
+        self.turn += 1
+        ids = self.tok(text, add_special_tokens=False).input_ids
+        return self._account([Completion(p, ids, [-0.25] * len(ids), text, "stop") for p in prompts], time.perf_counter())
+
+
+@pytest.fixture(scope="module")
+def sessions(learnable_base):
+    """Sessions from the harness: three tasks served by the policy (real sampled ids and logprobs),
+    three by a model that writes the reference (accepted by the simulated user)."""
+    from transformers import AutoTokenizer
+
+    from composer_dag.envs.rootfs import task_persona
+
+    tok = AutoTokenizer.from_pretrained(learnable_base["tokenizer_dir"])
+    tasks = sorted(Path(learnable_base["tasks_dir"]).glob("*/task.json"))
+    cfg = AgentConfig(max_turns=3, max_new_tokens=64, max_context=2048, workers=2)
+    policy = AgentLoop(HFEngine(learnable_base["policy_dir"]), tok, cfg)
+    rollouts = policy.run([(str(p.parent), f"g{k}", 0) for k, p in enumerate(tasks[:3])], version=0, seed=1)
+    policy.close()
+    for p in tasks[3:6]:
+        task = json.loads(p.read_text())
+        loop = AgentLoop(_Reference(tok, reference_calls(p.parent, task)), tok, cfg)
+        rollouts += loop.run([(str(p.parent), "ref", 0)], version=0)
+        loop.close()
+    tdig = tokenizer_digest(learnable_base["tokenizer_dir"])
+    out = []
+    for k, r in enumerate(rollouts):
+        task = json.loads((Path(r["task_dir"]) / "task.json").read_text())
+        out.append(session_from_rollout(
+            r, session_id=f"s{k}", user_id=f"user-{k % 2}", consent=True, ended_at=_dt("2026-11-30T09:30:00+00:00"),
+            model_version=VERSION, model_digest=DIGEST, tokenizer_digest=tdig, persona=task_persona(task)))
+    return out
+
+
+def _dt(s):
+    import datetime
+
+    return datetime.datetime.fromisoformat(s)
+
+
+def test_realtime_session_format_round_trips_and_validates(sessions):
+    # the schema is a valid 2020-12 schema (jsonschema's own meta-schema check) and every session
+    # the stand-in wrote from a harness rollout satisfies it
+    import jsonschema
+
+    jsonschema.Draft202012Validator.check_schema(fmt.schema())
+    for s in sessions:
+        assert fmt.schema_errors(s) == [], fmt.schema_errors(s)
+        back = fmt.from_openai(s["messages"])
+        assert fmt.to_openai(back) == s["messages"]
+        calls = [c for m in s["messages"] for c in m.get("tool_calls") or []]
+        answered = [m["tool_call_id"] for m in s["messages"] if m["role"] == "tool" and "tool_call_id" in m]
+        assert set(answered) <= {c["id"] for c in calls}
+    served = sessions[:3]
+    assert all(g["token_ids"] and len(g["logprobs"]) == len(g["token_ids"]) for s in served for g in s["generations"])
+    good = sessions[3:]
+    assert all(s["outcome"]["rating"] == 1 and all(e["accepted"] for e in s["outcome"]["edits"]) for s in good)
+    # what the schema refuses
+    bad = dict(sessions[0], consent={"training": "yes"})
+    assert any(e.startswith("consent/training") for e in fmt.schema_errors(bad))
+    bad = dict(sessions[0], generations=[{"message_index": 0, "token_ids": [1]}])
+    assert any("not an assistant message" in e for e in fmt.schema_errors(bad))
+
+
+def test_realtime_intake_scrubs_dedups_and_decontaminates(sessions, humaneval_tasks):
+    home = sessions[3]["client"]["home"]
+    leaky = json.loads(json.dumps(sessions[3]))
+    leaky["session_id"] = "leaky"
+    leaky["messages"][1]["content"] += (f"\nmy box: {sessions[3]['client']['user']}@{sessions[3]['client']['host']}:{home}/x, "
+                                        "db at 10.20.30.40, key AKIAABCDEFGHIJKLMNOP")
+    he_dir = Path(humaneval_tasks[0]) / "eval_tasks"
+    he = json.loads(next(he_dir.glob("*/task.json")).read_text())
+    prompt = next(he_dir.glob("*/repo/*.py")).read_text()
+    contaminated = json.loads(json.dumps(sessions[4])) | {"session_id": "contaminated"}
+    contaminated["messages"][1]["content"] = prompt
+    again = dict(sessions[5], session_id="same-conversation-new-id")
+    deleted = dict(sessions[0], session_id="deleted", user_id="gone")
+    lines = [json.dumps(x).encode() for x in (leaky, contaminated, again, deleted, sessions[5])]
+    rows, summary = intake([("f.jsonl", b"\n".join(lines) + b"\n")], HOURS[0], known_models={VERSION: DIGEST},
+                           deleted_users={user_hash("gone")}, eval_tasks_dir=he_dir)
+    assert he["source"] == "humaneval"
+    assert summary["records_in"] == 5 and summary["kept"] + sum(summary["dropped"].values()) == 5
+    assert summary["dropped"] == {"deleted_user": 1, "duplicate_session": 1, "contaminated": 1}, summary
+    kept = {r["session_id"]: json.loads(r["record"]) for r in rows}
+    text = json.dumps(kept["leaky"])
+    for gone in (sessions[3]["client"]["user"], sessions[3]["client"]["host"], "10.20.30.40", "AKIAABCDEFGHIJKLMNOP"):
+        assert gone not in text
+    assert "client" not in kept["leaky"] and "<USER>@<HOST>" in text and "<IP>" in text and "<API_KEY>" in text
+    assert {"home_path", "user_name", "host_name", "ip_address", "aws_access_key"} <= set(summary["redactions"])
+    # the scrubbed user message was not generated: its assistant token ids stay
+    assert kept["leaky"]["generations"] == sessions[3]["generations"]
+
+
+def test_realtime_traces_sensor_partitions_deletion_and_sft(sessions, tmp_path, monkeypatch):
+    from composer_dag.definitions import build_defs
+    from tests.test_graph_data import resources_for
+
+    (tmp_path / "sources.yaml").write_text("sources: []\n")
+    res = resources_for(str(tmp_path / "artifacts"), tmp_path, tmp_path / "sources.yaml")
+    storage = open_storage(str(tmp_path / "artifacts"))
+    storage.write_json(storage.url("registry", "history", "r1.json"), {"version": VERSION, "checkpoint_digest": DIGEST})
+    incoming = storage.url("traces", "incoming")
+    wrote = write_hours(storage, incoming, HOURS, sessions, bad=True)
+    defs = build_defs(res)
+    sensor = defs.resolve_sensor_def("production_traces_sensor")
+    job = defs.resolve_job_def("take_in_traces")
+    cat = Catalog(str(tmp_path / "catalog.duckdb"), storage)
+
+    with dg.instance_for_test() as instance:
+        def tick(cursor):
+            with dg.build_sensor_context(instance=instance, cursor=cursor, resources={"artifacts": res["artifacts"]},
+                                         repository_def=defs.get_repository_def()) as ctx:
+                data = sensor.evaluate_tick(ctx)
+            return data.run_requests or [], data.cursor
+
+        def run(req):
+            result = job.execute_in_process(instance=instance, partition_key=req.partition_key, raise_on_error=False)
+            assert result.success
+            checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+            assert checks == {"sessions_accounted": True}
+            return result.asset_materializations_for_node("production_traces")[0].metadata
+
+        reqs, cursor = tick(None)
+        assert sorted(r.partition_key for r in reqs) == HOURS
+        metas = {r.partition_key: run(r) for r in reqs}
+        records = sum(m["records_in"].value for m in metas.values())
+        kept = sum(m["dagster/row_count"].value for m in metas.values())
+        assert records == sum(wrote["written"].values())
+        # every bad record the stand-in wrote is dropped under its own reason, nothing else is
+        dropped = {}
+        for m in metas.values():
+            for line in m["dropped"].value.splitlines()[2:]:
+                _, reason, n, _ = line.split("|")
+                dropped[reason.strip()] = dropped.get(reason.strip(), 0) + int(n.replace(",", ""))
+        # two tasks with the same word give the same conversation: the second is a duplicate
+        distinct = len({json.dumps(s["messages"], sort_keys=True) for s in sessions})
+        good = len({json.dumps(s["messages"], sort_keys=True) for s in sessions[3:]})
+        assert dropped == wrote["bad"] | ({"duplicate_session": len(sessions) - distinct} if distinct < len(sessions) else {})
+        assert kept == distinct
+        assert cat.query("SELECT count(*), count(DISTINCT hour) FROM traces")[0] == (distinct, 3)
+        assert cat.query("SELECT count(*) FROM traces WHERE good")[0][0] == good >= 1
+
+        # nothing new: no request; a late file for the second hour: that hour again, once
+        reqs, cursor = tick(cursor)
+        assert reqs == []
+        late = json.dumps(dict(sessions[1], session_id="late", user_id="user-late")).encode() + b"\n"
+        storage.write_bytes(wrote["files"][HOURS[1]].replace("sessions-1", "late"), late)
+        # a file copied into another hour is taken in once
+        storage.write_bytes(f"{incoming}/2026-11-30T11/copy.jsonl", storage.read_bytes(wrote["files"][HOURS[0]]))
+        reqs, cursor = tick(cursor)
+        assert sorted(r.partition_key for r in reqs) == HOURS[1:]
+        metas = {r.partition_key: run(r) for r in reqs}
+        assert metas[HOURS[2]]["files_duplicate"].value == 1
+        # the late session repeats a conversation already taken in: a duplicate, not a second row
+        assert "duplicate_session" in metas[HOURS[1]]["dropped"].value
+        assert cat.query("SELECT count(*) FROM traces")[0][0] == distinct
+        assert tick(cursor)[0] == []
+
+    # good sessions become SFT trajectories (harness messages, at most the configured share)
+    rows = [r for u in sorted({u for (u,) in cat.query("SELECT DISTINCT uri FROM traces")})
+            for r in pq.read_table(storage.local_path(f"{u}/sessions.parquet")).to_pylist()]
+    sft_rows, skipped, n = from_sessions(rows, others=3, cfg=TrajectoryConfig(session_share=0.25))
+    assert n == len(rows) == distinct and len(sft_rows) == 1 and skipped["not_good"] == distinct - good
+    assert skipped["over_session_share"] == good - 1
+    assert len(from_sessions(rows, others=3, cfg=TrajectoryConfig(session_share=0.0))[0]) == 0
+    msgs = json.loads(sft_rows[0]["messages"])
+    assert msgs[0]["role"] == "user" and all("id" not in c for m in msgs for c in m.get("tool_calls") or [])
+
+    # a deletion request: gone from the partitions, the catalog and the incoming files; intake
+    # keeps dropping the user
+    r = subprocess.run([sys.executable, "-m", "composer_dag.cli", "traces", "delete", "--user", "user-1",
+                        "--storage", str(tmp_path / "artifacts"), "--catalog", str(tmp_path / "catalog.duckdb")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    mine = sum(r["user_hash"] == user_hash("user-1") for r in rows)
+    assert mine >= 1 and out["sessions"] == mine and out["checkpoints"] == [] and out["incoming_files"] >= 1
+    assert cat.query("SELECT count(*) FROM traces WHERE user_hash = ?", [user_hash("user-1")])[0][0] == 0
+    left = [r for u in sorted({u for (u,) in cat.query("SELECT DISTINCT uri FROM traces")})
+            for r in pq.read_table(storage.local_path(f"{u}/sessions.parquet")).to_pylist()]
+    assert left and all(r["user_hash"] != user_hash("user-1") for r in left)
+    for url in storage.find(incoming):
+        assert b'"user-1"' not in storage.read_bytes(url)
+    storage.verify_manifest(sorted({u for (u,) in cat.query("SELECT DISTINCT uri FROM traces")})[0])
+    again = [("x.jsonl", json.dumps(dict(sessions[1], session_id="back")).encode() + b"\n")]
+    _, summary = intake(again, HOURS[0], known_models={VERSION: DIGEST},
+                        deleted_users={json.loads(line)["user_hash"] for line in
+                                       storage.read_bytes(storage.url("traces", "deletions.jsonl")).splitlines()})
+    assert summary["dropped"] == {"deleted_user": 1}
+
+
+def test_realtime_traces_validate_cli(sessions, tmp_path):
+    f = tmp_path / "s.jsonl"
+    f.write_text(json.dumps(sessions[0]) + "\n{not json\n" + json.dumps({"format": "composer-session/1"}) + "\n")
+    r = subprocess.run([sys.executable, "-m", "composer_dag.cli", "traces", "validate", str(f)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    out = json.loads(r.stdout)[str(f)]
+    assert out["ok"] == 1 and out["malformed_json"] == 1 and out["schema_violation"] == 1
+    assert any("session_id" in e for e in out["errors"])
