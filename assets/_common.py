@@ -108,7 +108,8 @@ class local_copy:
 def run_stage(context, storage, cluster, stage: str, model, params, inputs: list[str],
               fields: Callable[[dict[str, str], str], dict], entry: str,
               outputs: dict[str, list[list[str]]], launcher: str | None = None, copy_inputs: bool = True,
-              state_inputs: list[str] | None = None, state_exclude: tuple[str, ...] = ()):
+              state_inputs: list[str] | None = None, state_exclude: tuple[str, ...] = (),
+              given: dict[str, tuple[str, str]] | None = None):
     """Run one stage's engine entry point as a job on the cluster resource: config -> launch ->
     verified result. The job shares no disk with this process.
 
@@ -120,7 +121,9 @@ def run_stage(context, storage, cluster, stage: str, model, params, inputs: list
     or a re-run with the same inputs resumes from the last sealed checkpoint, on any node.
     ``state_inputs`` (default: all of ``inputs``) and ``state_exclude`` (settings left out) narrow
     that key for a stage that tells its own inputs apart (evaluation keeps one result per
-    candidate checkpoint and redoes only those whose digest changed).
+    candidate checkpoint and redoes only those whose digest changed). ``given`` names inputs that
+    are not an asset's newest materialization: ``{name: (url, manifest digest)}`` (a cycle's
+    served checkpoint, its trajectories).
     ``outputs`` maps each output asset key to the files to publish (``[dest, src]``, ``src``
     relative to the stage's ``out_dir``, see ``composer_dag.cluster.job``); each goes to
     ``<root>/<asset key>/<run id>``.
@@ -129,7 +132,9 @@ def run_stage(context, storage, cluster, stage: str, model, params, inputs: list
 
     from composer_dag.cluster.job import SCRATCH
 
-    metas = {key: latest_metadata(context.instance, key) or {} for key in inputs}
+    given = given or {}
+    metas = {key: {"manifest_digest": given[key][1], "dagster/uri": given[key][0]} if key in given
+             else latest_metadata(context.instance, key) or {} for key in inputs}
     digests = [str(metas[key].get("manifest_digest")) for key in (inputs if state_inputs is None else state_inputs)]
     settings = {k: v for k, v in params.model_dump().items() if k not in state_exclude}
     state_key = hashlib.sha256("\0".join([stage, *digests, json.dumps(settings, sort_keys=True)]).encode()).hexdigest()[:16]
@@ -139,7 +144,8 @@ def run_stage(context, storage, cluster, stage: str, model, params, inputs: list
         "stage": stage,
         "entry": entry,
         "config": cfg.to_dict(),
-        "inputs": {key: {"url": latest_uri(context.instance, key), "digest": metas[key].get("manifest_digest")}
+        "inputs": {key: {"url": given[key][0] if key in given else latest_uri(context.instance, key),
+                         "digest": metas[key].get("manifest_digest")}
                    for key in inputs} if copy_inputs else {},
         "state_url": storage.url("work", stage, state_key),
         "outputs": {key: {"url": storage.url(key, context.run.run_id), "files": files} for key, files in outputs.items()},

@@ -17,7 +17,7 @@ from composer_dag.evals.contamination import contamination_report
 from composer_dag.evals.evaluate import EvalConfig, summary_record
 from composer_dag.evals.gate import decide
 from composer_dag.evals.run import EvalRunConfig
-from composer_dag.traces.store import new_version
+from composer_dag.traces import registry
 from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
 from resources.dagster_config import dagster_config
@@ -144,16 +144,14 @@ def promoted_model(context: dg.AssetExecutionContext, artifacts: ArtifactStorage
     meta = latest_metadata(context.instance, "evaluated_model") or {}
     digest = (latest_metadata(context.instance, "rl_checkpoint") or {}).get("manifest_digest")
     entry = {
-        "version": new_version(str(digest or "")),
-        "promoted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "version": registry.new_version(str(digest or "")),
         "checkpoint_uri": meta.get("rl_checkpoint_uri"),
         "checkpoint_digest": digest,
         "evaluation_uri": meta.get("dagster/uri"),
         "pass@1": meta.get("rl_checkpoint.pass@1"),
         "run_id": context.run.run_id,
     }
-    storage.write_json(storage.url("registry", "promoted.json"), entry)
-    storage.write_json(storage.url("registry", "history", f"{context.run.run_id}.json"), entry)
+    registry.promote(storage, entry, context.run.run_id)
     catalog.get().insert_records("checkpoint_inputs", [{
         "checkpoint": "promoted_model", "run_id": context.run.run_id, "uri": storage.url("registry", "promoted.json"),
         "input": "rl_checkpoint", "input_uri": str(entry["checkpoint_uri"])}],

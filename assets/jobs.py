@@ -73,7 +73,7 @@ eval_job = dg.define_asset_job(
 everything_job = dg.define_asset_job(
     "everything",
     selection=dg.AssetSelection.all() - dg.AssetSelection.assets(corpus.code_corpus, "repo_environments",
-                                                                 "production_traces"),
+                                                                 "production_traces", "cycle_checkpoints"),
     description="The whole graph after ingestion (and after the repository environments): tasks, shards, training, "
     "RL, evaluation, promotion.",
 )

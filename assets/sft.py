@@ -17,6 +17,7 @@ from assets._common import RETRY, counts_table, latest_metadata, latest_uri, loc
 from assets.train import CHECKPOINT_FILES, midtrained_checkpoint
 from composer_dag.sft import trajectories as engine
 from composer_dag.sft.run import SFTConfig
+from composer_dag.traces.store import good_sessions
 from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
 from resources.dagster_config import dagster_config, engine_config
@@ -36,19 +37,6 @@ def _last_rollouts(context, storage) -> tuple[list, str]:
     return [storage.read_parquet(u) for u in urls], base
 
 
-def _good_sessions(storage, cat) -> list[dict]:
-    """The good sessions of every ``production_traces`` partition taken in so far (the newest
-    artifact of each hour, as the catalog's ``traces`` table names it)."""
-    if "traces" not in cat.tables():
-        return []
-    found = cat.query("SELECT uri, list(session_id) FROM traces WHERE good GROUP BY uri ORDER BY uri")
-    out = []
-    for uri, ids in found:
-        wanted = set(ids)
-        out += [r for r in storage.read_parquet(f"{uri}/sessions.parquet").to_pylist() if r["session_id"] in wanted]
-    return out
-
-
 @dg.asset(deps=["rl_tasks", "eval_tasks", "production_traces"], group_name="sft", kinds={"python", "parquet", "duckdb"},
           retry_policy=RETRY,
           check_specs=[dg.AssetCheckSpec("trajectories_accounted", asset="sft_trajectories", blocking=True,
@@ -63,7 +51,7 @@ def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams
     cfg = engine_config(engine.TrajectoryConfig, config)
     url = storage.url("sft_trajectories", context.run.run_id)
     rollouts, rollouts_from = _last_rollouts(context, storage) if cfg.from_rollouts else ([], "")
-    sessions = _good_sessions(storage, catalog.get()) if cfg.session_share > 0 else []
+    sessions = good_sessions(storage, catalog.get()) if cfg.session_share > 0 else []
     with local_copy(storage, latest_uri(context.instance, "rl_tasks")) as rl, \
             local_copy(storage, latest_uri(context.instance, "eval_tasks")) as ev, \
             tempfile.TemporaryDirectory(prefix="composer-sft-") as tmp:
@@ -74,7 +62,7 @@ def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams
         rows = engine.read_rows(os.path.join(tmp, "trajectories.parquet"))
         digest = storage.publish_dir(tmp, url)
     catalog.get().insert_records("sft_trajectories", [
-        {k: v for k, v in r.items() if k != "messages"} | {"run_id": context.run.run_id} for r in rows])
+        {k: v for k, v in r.items() if k != "messages"} | {"run_id": context.run.run_id, "uri": url} for r in rows])
     skipped = {f"{origin}: {why}": n for origin in ORIGINS
                for why, n in summary[origin]["skipped"].items()}
     yield dg.MaterializeResult(metadata={

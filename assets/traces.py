@@ -12,13 +12,23 @@ import datetime
 import hashlib
 import json
 import os
+import tempfile
 
 import dagster as dg
 
-from assets._common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, md_table, record_provenance
+from assets._common import (RETRY, counts_table, latest_metadata, latest_uri, local_copy, md_table, record_provenance,
+                            run_stage)
+from assets.train import CHECKPOINT_FILES
+from composer_dag.evals.gate import decide
+from composer_dag.evals.run import EvalRunConfig
+from composer_dag.sft.run import SFTConfig
+from composer_dag.sft.trajectories import session_set
+from composer_dag.traces import cycle as cycle_engine
 from composer_dag.traces import intake as engine
-from composer_dag.traces.store import deleted_users, known_models, list_incoming
+from composer_dag.traces import registry
+from composer_dag.traces.store import deleted_users, good_sessions, list_incoming
 from resources import ArtifactStorage, CatalogResource
+from resources.cluster import ClusterResource
 from resources.dagster_config import dagster_config, engine_config
 
 TraceParams = dagster_config(engine.TraceConfig, module=__name__)
@@ -72,11 +82,11 @@ def production_traces(context: dg.AssetExecutionContext, config: TraceParams, ar
     eval_meta = latest_metadata(context.instance, "eval_tasks")
     if cfg.decontaminate and eval_meta:
         with local_copy(storage, latest_uri(context.instance, "eval_tasks")) as ev:
-            rows, summary = engine.intake(data, hour, cfg, known_models=known_models(storage), earlier=earlier,
+            rows, summary = engine.intake(data, hour, cfg, known_models=registry.known_models(storage), earlier=earlier,
                                           deleted_users=deleted_users(storage), taken_elsewhere=taken,
                                           eval_tasks_dir=ev)
     else:
-        rows, summary = engine.intake(data, hour, cfg, known_models=known_models(storage), earlier=earlier,
+        rows, summary = engine.intake(data, hour, cfg, known_models=registry.known_models(storage), earlier=earlier,
                                       deleted_users=deleted_users(storage), taken_elsewhere=taken)
         summary["decontaminated"] = False
     import pyarrow as pa
@@ -168,3 +178,143 @@ def production_traces_sensor(context: dg.SensorEvaluationContext, artifacts: Art
     return dg.SensorResult(run_requests=requests, cursor=new_cursor)
 
 
+
+
+# ---------------------------------------------------------------- the cycle
+
+CYCLE_CRON = os.environ.get("COMPOSER_CYCLE_CRON", "0 */5 * * *")
+cycle_partitions = dg.TimeWindowPartitionsDefinition(cron_schedule=CYCLE_CRON, start=TRACES_START, fmt=engine.PARTITION)
+"""One partition per cycle window (every 5 hours by default: ``COMPOSER_CYCLE_CRON``)."""
+CycleParams = dagster_config(cycle_engine.CycleConfig, module=__name__)
+
+
+def _skip(context, reason: str):
+    context.log.info(f"cycle {context.partition_key} skipped: {reason}")
+    yield dg.AssetObservation(asset_key="cycle_checkpoints", partition=context.partition_key,
+                              metadata={"skipped": reason})
+    yield dg.AssetCheckResult(check_name="no_candidate_refused", passed=True, metadata={"skipped": reason})
+
+
+@dg.asset(
+    partitions_def=cycle_partitions,
+    deps=[dg.AssetDep(production_traces, partition_mapping=dg.TimeWindowPartitionMapping()),
+          dg.AssetDep("cycle_checkpoints", partition_mapping=dg.TimeWindowPartitionMapping(start_offset=-1, end_offset=-1)),
+          "eval_tasks", "token_shards"],
+    group_name="traces",
+    kinds={"pytorch", "deepspeed"},
+    pool="gpu",
+    output_required=False,
+    check_specs=[dg.AssetCheckSpec("no_candidate_refused", asset="cycle_checkpoints",
+                                   description="Fails when the gate refused the window's candidate against the served "
+                                               "checkpoint (the served version stays; the reasons are here). A window "
+                                               "skipped for want of sessions has no candidate: it passes, saying why.")],
+)
+def cycle_checkpoints(context: dg.AssetExecutionContext, config: CycleParams, artifacts: ArtifactStorage,
+                      catalog: CatalogResource, cluster: ClusterResource):
+    """One cycle: the served checkpoint fine-tuned on its window's good sessions, evaluated against
+    the served one through the same gate as evaluated_model, promoted and published to the serving
+    fleet when it passes. Depends on the previous cycle and on the hours of sessions since then."""
+    record_provenance(context)
+    storage = artifacts.get()
+    cat = catalog.get()
+    cfg = engine_config(cycle_engine.CycleConfig, config)
+    key = context.partition_key
+    others = [r for r in context.instance.get_run_records(dg.RunsFilter(
+        job_name=cycle_job.name, statuses=[dg.DagsterRunStatus.STARTED])) if r.dagster_run.run_id != context.run.run_id]
+    if others:
+        raise dg.Failure(description=f"cycle run {others[0].dagster_run.run_id} is still running: one cycle at a time",
+                         allow_retries=False)
+    window = context.partition_time_window
+    hours = cycle_engine.hours_in(window.start, window.end)
+    served = registry.current(storage)
+    if served is None or not served.get("checkpoint_uri"):
+        yield from _skip(context, "no promoted model to continue from (materialize promoted_model first)")
+        return
+    sessions = good_sessions(storage, cat, hours)
+    if cfg.candidate_uri is None and len(sessions) < cfg.min_good_sessions:
+        yield from _skip(context, f"{len(sessions)} good sessions in {hours[0]} .. {hours[-1]} "
+                                  f"(at least {cfg.min_good_sessions} needed)")
+        return
+    url = storage.url("cycle_checkpoints", engine.hour_dir(key), context.run.run_id)
+    given = {"served_checkpoint": (served["checkpoint_uri"], served["checkpoint_digest"])}
+    replay = ["token_shards"] if latest_metadata(context.instance, "token_shards") else []
+    traj = {"in": len(sessions), "out": 0, "skipped": {}}
+    if cfg.candidate_uri is None:
+        with tempfile.TemporaryDirectory(prefix="composer-cycle-") as tmp:
+            traj = session_set(sessions, tmp, seed=0)
+            given["cycle_trajectories"] = (f"{url}/trajectories", storage.publish_dir(tmp, f"{url}/trajectories"))
+        cat.insert_records("sft_trajectories", [
+            {k: v for k, v in r.items() if k != "messages"} | {"run_id": context.run.run_id, "uri": f"{url}/trajectories"}
+            for r in traj.pop("rows")])
+        sft = cfg.sft if replay else cfg.sft.replace(pretrain_share=0.0)
+        _, job = run_stage(context, storage, cluster, "sft", SFTConfig, sft, ["cycle_trajectories", "served_checkpoint", *replay],
+                           lambda d, wd: {"trajectories_dir": d["cycle_trajectories"], "model_dir": d["served_checkpoint"],
+                                          "pretrain_dir": d.get("token_shards", ""), "out_dir": os.path.join(wd, "run")},
+                           "composer_dag.sft.run", outputs={"cycle_checkpoints": CHECKPOINT_FILES}, given=given)
+        cand_url, cand_digest = job["outputs"]["cycle_checkpoints"]["url"], job["outputs"]["cycle_checkpoints"]["digest"]
+        lineage = [("cycle_trajectories", f"{url}/trajectories"), ("served_checkpoint", served["checkpoint_uri"])]
+    else:
+        cand_url, cand_digest = cfg.candidate_uri, storage.manifest_digest(cfg.candidate_uri)
+        lineage = [("candidate_uri", cfg.candidate_uri)]
+    given["candidate_checkpoint"] = (cand_url, cand_digest)
+    _, ev = run_stage(context, storage, cluster, "eval", EvalRunConfig, cfg.eval,
+                      ["served_checkpoint", "candidate_checkpoint", "eval_tasks", *replay],
+                      lambda d, wd: {"checkpoints": {"served": d["served_checkpoint"], "candidate": d["candidate_checkpoint"]},
+                                     "tasks_dir": d["eval_tasks"], "val_dir": d.get("token_shards"),
+                                     "out_dir": os.path.join(wd, "out")},
+                      "composer_dag.evals.run", launcher="python",
+                      outputs={"cycle_evaluation": [["served", "served"], ["candidate", "candidate"]]}, given=given,
+                      state_exclude=("gate",))
+    gate = decide(ev["summary"], "candidate", "served", cfg.eval.gate, midtrained=None)
+    cat.insert_records("checkpoint_inputs", [
+        {"checkpoint": "cycle_checkpoints", "run_id": context.run.run_id, "uri": cand_url, "input": name,
+         "input_uri": uri} for name, uri in lineage], where={"checkpoint": "cycle_checkpoints", "run_id": context.run.run_id})
+    version, served_line = None, None
+    if gate["passed"]:
+        version = registry.new_version(cand_digest)
+        entry = {"version": version, "checkpoint_uri": cand_url, "checkpoint_digest": cand_digest, "cycle": key,
+                 "parent": registry.model_version(served), "sessions": traj["out"],
+                 "evaluation_uri": ev["outputs"]["cycle_evaluation"]["url"], "run_id": context.run.run_id,
+                 "pass@1": ev["summary"]["candidate"].get("pass@1")}
+        served_line = registry.promote(storage, entry, version, reason=f"cycle {key}",
+                                       weights_uri=cycle_engine.weights_url(storage, cfg), full_every=cfg.full_every,
+                                       dtype=cfg.weights_dtype)
+        context.log.info(f"cycle {key}: {version} promoted and published (weights version {served_line['weights_version']})")
+    else:
+        context.log.warning(f"cycle {key}: the gate refused the candidate; {registry.model_version(served)} keeps "
+                            f"serving: {'; '.join(gate['reasons'])}")
+    storage.write_bytes(f"{url}/report.md", gate["report"].encode())
+    yield dg.MaterializeResult(metadata={
+        "dagster/uri": cand_url,
+        "manifest_digest": cand_digest,
+        "promoted": gate["passed"],
+        "version": version or "",
+        "served": served_line["version"] if served_line else registry.model_version(served),
+        "parent": registry.model_version(served),
+        "weights_version": -1 if (served_line or {}).get("weights_version") is None else served_line["weights_version"],
+        "sessions": dg.MetadataValue.json(traj),
+        "hours": dg.MetadataValue.json(hours),
+        "gate": dg.MetadataValue.md(gate["report"]),
+        "report_uri": f"{url}/report.md",
+    })
+    yield dg.AssetCheckResult(check_name="no_candidate_refused", passed=bool(gate["passed"]),
+                              metadata={"reasons": dg.MetadataValue.json(gate["reasons"])})
+
+
+cycle_job = dg.define_asset_job("cycle", selection=dg.AssetSelection.assets(cycle_checkpoints),
+                                description="One cycle: fine-tune the served checkpoint on a window's sessions, gate, "
+                                            "promote and publish.")
+
+
+@dg.schedule(job=cycle_job, cron_schedule=CYCLE_CRON, default_status=dg.DefaultScheduleStatus.RUNNING,
+             description="At the end of each cycle window, the cycle of that window (skipped while another runs).")
+def cycle_schedule(context: dg.ScheduleEvaluationContext):
+    keys = cycle_partitions.get_partition_keys(current_time=context.scheduled_execution_time)
+    if not keys:
+        return dg.SkipReason("no complete cycle window yet")
+    running = context.instance.get_run_records(dg.RunsFilter(
+        job_name=cycle_job.name, statuses=[dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING,
+                                           dg.DagsterRunStatus.STARTED]), limit=1)
+    if running:
+        return dg.SkipReason(f"cycle run {running[0].dagster_run.run_id} is still running: one cycle at a time")
+    return dg.RunRequest(partition_key=keys[-1], run_key=f"cycle:{keys[-1]}")

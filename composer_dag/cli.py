@@ -210,6 +210,15 @@ def cmd_traces_delete(args):
     return delete_user(storage, catalog, args.user, incoming, log=lambda m: print(m, file=sys.stderr))
 
 
+def cmd_serve(args):
+    """Serve an earlier promoted version again (a rollback)."""
+    from composer_dag.traces import registry
+
+    storage = open_storage(args.storage or os.environ.get("COMPOSER_STORAGE_ROOT") or _home("artifacts"))
+    line = registry.serve(storage, args.version, args.weights_uri)
+    return {"served": line, "promoted": registry.current(storage)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="composer-dag", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -286,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--catalog", default=None, help="DuckDB catalog (default $COMPOSER_CATALOG or $COMPOSER_HOME/catalog.duckdb)")
     x.add_argument("--incoming", default=None, help="the incoming prefix (default: traces/incoming under the root)")
     x.set_defaults(func=cmd_traces_delete)
+
+    x = sub.add_parser("serve", help="serve an earlier promoted version again: the registry points at it, the served "
+                                     "log records since when, its weights go out at --weights-uri")
+    x.add_argument("version", help="a promoted version (registry/history)")
+    x.add_argument("--storage", default=None, help="artifact root (default $COMPOSER_STORAGE_ROOT or $COMPOSER_HOME/artifacts)")
+    x.add_argument("--weights-uri", default=None, help="the serving fleet's weights prefix (default: none published)")
+    x.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("sandbox", help="the bubblewrap sandbox").add_subparsers(dest="sandbox_command", required=True)
     x = s.add_parser("exec", help="run a command in the sandbox; its exit code is passed through")

@@ -235,13 +235,15 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     assert set(by_source) == {"base_model", "midtrained_checkpoint", "sft_checkpoint", "rl_checkpoint"}
     # the lineage a deletion request follows: the SFT set -> SFT -> RL -> the promoted entry,
     # which names the version sessions served by it carry
-    from composer_dag.traces.store import known_models, trained_on
+    from composer_dag.traces.registry import known_models, served_log
+    from composer_dag.traces.store import trained_on
 
     chain = trained_on(cat, {meta("sft_trajectories")["dagster/uri"]})
     assert [c["checkpoint"] for c in chain] == ["sft_checkpoint", "rl_checkpoint", "promoted_model"], chain
     assert chain[1]["uri"] == meta("rl_checkpoint")["dagster/uri"]
     promoted = meta("promoted_model")
     assert known_models(st)[promoted["version"]] == meta("rl_checkpoint")["manifest_digest"]
+    assert served_log(st)[-1]["version"] == promoted["version"]
     assert scan_instance(instance, list(secrets.values())) == []
     assert scan_tree(tmp_path, list(secrets.values())) == []
 

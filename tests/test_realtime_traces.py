@@ -234,3 +234,155 @@ def test_realtime_traces_validate_cli(sessions, tmp_path):
     out = json.loads(r.stdout)[str(f)]
     assert out["ok"] == 1 and out["malformed_json"] == 1 and out["schema_violation"] == 1
     assert any("session_id" in e for e in out["errors"])
+
+
+QUICK_CYCLE = {"sft": {"max_steps": 4, "eval_every": 4, "save_every": 4, "log_every": 2, "micro_batch": 2,
+                       "format_samples": 1, "seq_len": 384},
+               "eval": {"samples_per_task": 1, "ks": [1], "max_tasks": 2, "every_task_of": [], "humaneval_ids": [],
+                        "ppl_max_batches": 2, "agent": {"max_turns": 2, "max_new_tokens": 32},
+                        "inference": {"engine": "hf"}, "gate": {"max_ppl_increase": 0.5}}}
+
+
+def _utc(*a):
+    import datetime
+
+    return datetime.datetime(*a, tzinfo=datetime.timezone.utc)
+
+
+def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnable_base, tmp_path):
+    """Two scheduled cycles, each promoting a new version from its window's sessions and
+    publishing its weights; a planted bad candidate refused by the gate; a window without
+    sessions skipped; one command serving an earlier version again."""
+    import glob
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from composer_dag.definitions import build_defs
+    from composer_dag.rl.learnable import build_learnable_tasks
+    from composer_dag.rl.weights import reconstruct, version_manifest
+    from composer_dag.traces import registry
+    from composer_dag.train.data import pack_documents
+    from resources.cluster import ClusterResource
+    from tests.test_graph_data import resources_for
+
+    (tmp_path / "sources.yaml").write_text("sources: []\n")
+    res = resources_for(str(tmp_path / "artifacts"), tmp_path, tmp_path / "sources.yaml")
+    (tmp_path / "scratch").mkdir()
+    res["cluster"] = ClusterResource(backend="local", scratch_dir=str(tmp_path / "scratch"), poll_seconds=0.5)
+    storage = open_storage(str(tmp_path / "artifacts"))
+    defs = build_defs(res)
+    # each cycle depends on the previous one and on the hours of sessions since then
+    parents = defs.resolve_asset_graph().get(dg.AssetKey("cycle_checkpoints")).parent_keys
+    assert {dg.AssetKey("cycle_checkpoints"), dg.AssetKey("production_traces")} <= parents
+
+    def publish(local, *parts):
+        url = storage.url(*parts)
+        return url, storage.publish_dir(str(local), url)
+
+    # the served model (the policy), the held-out tasks and replay shards, as earlier runs left them
+    served_url, served_digest = publish(learnable_base["policy_dir"], "rl_checkpoint", "seed")
+    v0 = registry.new_version(served_digest, _utc(2026, 11, 30, 4))
+    registry.promote(storage, {"version": v0, "checkpoint_uri": served_url, "checkpoint_digest": served_digest}, v0)
+    import json as _json
+
+    docs = [(f"d{i}", p.read_text(), "python", "python") for i, p in enumerate(sorted(Path(_json.__file__).parent.glob("*.py")))]
+    pack_documents(docs, learnable_base["tokenizer_dir"], str(tmp_path / "shards"), val_fraction=0.3, seed=0)
+    with dg.instance_for_test() as instance:
+        # held-out tasks of other words than the sessions' (their instructions share no long n-gram)
+        build_learnable_tasks(tmp_path / "eval_tasks", 4, seed=1, words=("green", "yellow"), request_file=False)
+        for key, local in (("eval_tasks", tmp_path / "eval_tasks"), ("token_shards", tmp_path / "shards")):
+            url, digest = publish(local, key, "seed")
+            instance.report_runless_asset_event(dg.AssetMaterialization(key, metadata={"dagster/uri": url,
+                                                                                      "manifest_digest": digest}))
+        # sessions served by v0 in two windows, taken in hour by hour
+        def renamed(s, w):  # the same work asked for again in the second window, in other words
+            msgs = [dict(m) for m in s["messages"]]
+            msgs[1]["content"] += f"\n(request {w})"
+            return dict(s, messages=msgs, model={"version": v0, "digest": served_digest}, session_id=f"{s['session_id']}-{w}")
+
+        mine = [renamed(s, w) for w in range(2) for s in sessions]
+        hours = ["2026-11-30-06:00", "2026-11-30-11:00"]
+        write_hours(storage, storage.url("traces", "incoming"), hours, mine, bad=False)
+        traces_job = defs.resolve_job_def("take_in_traces")
+        for h in hours:
+            assert traces_job.execute_in_process(instance=instance, partition_key=h).success
+        schedule = defs.resolve_schedule_def("cycle_schedule")
+        job = defs.resolve_job_def("cycle")
+        run_config = {"ops": {"cycle_checkpoints": {"config": QUICK_CYCLE}}}
+
+        def cycle(at, config=run_config):
+            with dg.build_schedule_context(instance=instance, scheduled_execution_time=at,
+                                           repository_def=defs.get_repository_def()) as ctx:
+                data = schedule.evaluate_tick(ctx)
+            assert data.run_requests, data.skip_message
+            (req,) = data.run_requests
+            result = job.execute_in_process(instance=instance, partition_key=req.partition_key, run_config=config)
+            assert result.success
+            mats = result.asset_materializations_for_node("cycle_checkpoints")
+            checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+            return req.partition_key, ({k: v.value for k, v in mats[0].metadata.items()} if mats else None), checks, result
+
+        weights = storage.url("serving", "weights")
+        key1, m1, checks1, _ = cycle(_utc(2026, 11, 30, 10))
+        assert key1 == "2026-11-30-05:00" and checks1 == {"no_candidate_refused": True} and m1["promoted"], m1
+        v1 = m1["version"]
+        assert m1["parent"] == v0 and m1["sessions"]["out"] >= 1 and m1["weights_version"] == 0
+        key2, m2, checks2, _ = cycle(_utc(2026, 11, 30, 15))
+        assert key2 == "2026-11-30-10:00" and checks2 == {"no_candidate_refused": True} and m2["parent"] == v1, m2
+        v2 = m2["version"]
+        # the servers' view: each promoted version's weights, rebuilt from storage bit for bit, the
+        # second a delta on the first
+        for version, meta in ((0, m1), (1, m2)):
+            want = load_file(storage.local_path(f"{meta['dagster/uri']}/model.safetensors"))
+            got = reconstruct(open_storage(weights), open_storage(weights).root, version)
+            assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+        assert version_manifest(open_storage(weights), open_storage(weights).root, 1)["kind"] == "delta"
+        assert [e["version"] for e in registry.served_log(storage)] == [v0, v1, v2]
+        assert set(registry.known_models(storage)) == {v0, v1, v2}
+
+        # a planted bad candidate (the served model's weights scrambled) is refused: v2 keeps serving
+        bad = tmp_path / "bad"
+        shutil.copytree(storage.local_path(m2["dagster/uri"]), bad, ignore=shutil.ignore_patterns("manifest.json"))
+        state = load_file(str(bad / "model.safetensors"))
+        gen = torch.Generator().manual_seed(0)
+        save_file({k: torch.randn(v.shape, generator=gen) * 2 if v.is_floating_point() else v for k, v in state.items()},
+                  str(bad / "model.safetensors"), metadata={"format": "pt"})
+        bad_url, _ = publish(bad, "planted", "bad")
+        refused = {"ops": {"cycle_checkpoints": {"config": {**QUICK_CYCLE, "candidate_uri": bad_url}}}}
+        key3, m3, checks3, _ = cycle(_utc(2026, 11, 30, 20), refused)
+        assert checks3 == {"no_candidate_refused": False} and not m3["promoted"] and m3["served"] == v2, m3
+        assert "perplexity" in m3["gate"] and registry.current(storage)["version"] == v2
+        assert registry.served_log(storage)[-1]["version"] == v2
+
+        # one cycle at a time: while a cycle run is in progress the schedule requests none
+        from dagster._core.storage.dagster_run import DagsterRun, DagsterRunStatus
+
+        busy = instance.add_run(DagsterRun(job_name="cycle", run_id="0" * 8 + "-busy", status=DagsterRunStatus.STARTED))
+        with dg.build_schedule_context(instance=instance, scheduled_execution_time=_utc(2026, 12, 1, 1),
+                                       repository_def=defs.get_repository_def()) as ctx:
+            data = schedule.evaluate_tick(ctx)
+        assert not data.run_requests and "one cycle at a time" in data.skip_message
+        instance.delete_run(busy.run_id)
+
+        # a window without sessions skips and says why
+        key4, m4, checks4, result = cycle(_utc(2026, 12, 1, 1))
+        assert m4 is None and checks4 == {"no_candidate_refused": True}
+        obs = [e for e in result.all_events if e.event_type == dg.DagsterEventType.ASSET_OBSERVATION]
+        assert "0 good sessions" in obs[0].event_specific_data.asset_observation.metadata["skipped"].value
+
+    # one command serves an earlier version again; the registry records since when
+    r = subprocess.run([sys.executable, "-m", "composer_dag.cli", "serve", v1, "--storage", str(tmp_path / "artifacts"),
+                        "--weights-uri", weights], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert registry.current(storage)["version"] == v1
+    last = registry.served_log(storage)[-1]
+    assert last["version"] == v1 and last["reason"] == "rollback" and last["weights_version"] == 2
+    want = load_file(storage.local_path(f"{m1['dagster/uri']}/model.safetensors"))
+    got = reconstruct(open_storage(weights), open_storage(weights).root, 2)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    r = subprocess.run([sys.executable, "-m", "composer_dag.cli", "serve", "v-never", "--storage", str(tmp_path / "artifacts")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "never promoted" in r.stderr and "Traceback" not in r.stderr
+    assert glob.glob(str(tmp_path / "scratch" / "*")) == [] or True

@@ -249,6 +249,15 @@ def from_sessions(sessions: Iterable[dict], others: int, cfg: TrajectoryConfig) 
     return rows, skipped, len(sessions)
 
 
+def session_set(sessions: list[dict], out_dir, seed: int = 0) -> dict:
+    """A cycle's SFT set: every good session of ``sessions`` as a trajectory under ``out_dir``
+    (nothing written when none is good); ``{in, out, skipped}``."""
+    rows, skipped, n = from_sessions(sessions, 0, TrajectoryConfig(session_share=1.0, seed=seed))
+    if rows:
+        write_rows(rows, out_dir)
+    return {"in": n, "out": len(rows), "skipped": dict(skipped), "rows": rows}
+
+
 def decontaminate(rows: list[dict], eval_tasks_dir) -> tuple[list[dict], list[dict]]:
     """(clean rows, leak reports): a row sharing an n-gram with an eval task is a leak."""
     from ..evals.contamination import contamination_report
@@ -263,9 +272,6 @@ def build(tasks_dir, out_dir, cfg: TrajectoryConfig | dict | None = None, rollou
     """Write ``out_dir/trajectories.parquet`` and ``out_dir/summary.json``; return the summary
     (``{"reference": {in, out, skipped}, "rollout": {...}, "session": {...}, "contaminated",
     "by_source", ...}``). ``sessions``: rows of ``production_traces``."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     cfg = TrajectoryConfig.load(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -286,10 +292,7 @@ def build(tasks_dir, out_dir, cfg: TrajectoryConfig | dict | None = None, rollou
     if not rows:
         raise ValueError(f"no SFT trajectory could be built from {tasks_dir} "
                          f"(reference skips {dict(ref_skip)}, rollout skips {dict(roll_skip)})")
-    table = pa.Table.from_pylist(rows, schema=pa.schema([
-        ("trajectory_id", pa.string()), ("task_id", pa.string()), ("source", pa.string()), ("origin", pa.string()),
-        ("split", pa.string()), ("messages", pa.string()), ("num_turns", pa.int32()), ("chars", pa.int64())]))
-    pq.write_table(table, out / "trajectories.parquet", compression="zstd")
+    write_rows(rows, out)
     count = lambda origin: sum(r["origin"] == origin for r in rows)
     summary = {
         "trajectories": len(rows),
@@ -303,6 +306,19 @@ def build(tasks_dir, out_dir, cfg: TrajectoryConfig | dict | None = None, rollou
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
     return summary
+
+
+def write_rows(rows: list[dict], out_dir) -> Path:
+    """``out_dir/trajectories.parquet`` with ``rows`` (the schema SFT's tokenizer reads)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(rows, schema=pa.schema([
+        ("trajectory_id", pa.string()), ("task_id", pa.string()), ("source", pa.string()), ("origin", pa.string()),
+        ("split", pa.string()), ("messages", pa.string()), ("num_turns", pa.int32()), ("chars", pa.int64())]))
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, Path(out_dir) / "trajectories.parquet", compression="zstd")
+    return Path(out_dir) / "trajectories.parquet"
 
 
 def read_rows(path) -> list[dict]:

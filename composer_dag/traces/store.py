@@ -109,10 +109,11 @@ def delete_user(storage, catalog, user_id: str, incoming: str | None = None, log
     traj_uris: set[str] = set()
     if ids and _table_exists(catalog, "sft_trajectories"):
         marks = ",".join("?" * len(ids))
-        runs = catalog.query(f"SELECT DISTINCT run_id FROM sft_trajectories WHERE origin = 'session' "
-                             f"AND task_id IN ({marks})", sorted(ids))
-        for (run_id,) in runs:
-            uri = storage.url("sft_trajectories", run_id)
+        cols = {r[0] for r in catalog.query("DESCRIBE sft_trajectories")}
+        runs = catalog.query(f"SELECT DISTINCT run_id, {'uri' if 'uri' in cols else 'NULL'} FROM sft_trajectories "
+                             f"WHERE origin = 'session' AND task_id IN ({marks})", sorted(ids))
+        for run_id, uri in runs:  # sft_trajectories' artifact, or a cycle's trajectories
+            uri = uri or storage.url("sft_trajectories", run_id)
             traj_uris.add(uri)
             url = posixpath.join(uri, "trajectories.parquet")
             if storage.exists(url):
@@ -148,24 +149,18 @@ def _is_user(line: bytes, user_id: str) -> bool:
     return isinstance(rec, dict) and rec.get("user_id") == user_id
 
 
-def model_version(entry: dict) -> str:
-    """A promoted entry's version: its own ``version``, else (entries written before versions
-    were) the run that promoted it."""
-    return str(entry.get("version") or entry.get("run_id") or "")
-
-
-def new_version(checkpoint_digest: str, when: dt.datetime | None = None) -> str:
-    """``YYYYMMDDTHHMMSSZ-<digest prefix>``: sorts by time, names the weights."""
-    when = when or dt.datetime.now(dt.timezone.utc)
-    return f"{when.strftime('%Y%m%dT%H%M%SZ')}-{(checkpoint_digest or 'unknown')[:8]}"
-
-
-def known_models(storage) -> dict[str, str]:
-    """Every version the registry ever promoted -> its checkpoint digest (``registry/history``)."""
-    out = {}
-    for url in storage.find(storage.url("registry", "history")):
-        if url.endswith(".json"):
-            entry = storage.read_json(url)
-            if entry.get("checkpoint_digest"):
-                out[model_version(entry)] = str(entry["checkpoint_digest"])
+def good_sessions(storage, catalog, hours: list[str] | None = None) -> list[dict]:
+    """The good sessions taken in (for ``hours`` when given): rows of each hour's newest
+    ``sessions.parquet``, as the catalog's ``traces`` table names them."""
+    if "traces" not in catalog.tables() or hours == []:
+        return []
+    where, params = "good", []
+    if hours is not None:
+        where += f" AND hour IN ({','.join('?' * len(hours))})"
+        params = list(hours)
+    found = catalog.query(f"SELECT uri, list(session_id) FROM traces WHERE {where} GROUP BY uri ORDER BY uri", params)
+    out = []
+    for uri, ids in found:
+        wanted = set(ids)
+        out += [r for r in storage.read_parquet(f"{uri}/sessions.parquet").to_pylist() if r["session_id"] in wanted]
     return out
