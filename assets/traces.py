@@ -26,7 +26,8 @@ from composer_dag.sft.trajectories import session_set
 from composer_dag.traces import cycle as cycle_engine
 from composer_dag.traces import intake as engine
 from composer_dag.traces import registry
-from composer_dag.traces.store import deleted_users, good_sessions, list_incoming
+from composer_dag.traces.rl_job import SessionRLConfig
+from composer_dag.traces.store import deleted_users, good_sessions, list_incoming, session_artifacts
 from resources import ArtifactStorage, CatalogResource
 from resources.cluster import ClusterResource
 from resources.dagster_config import dagster_config, engine_config
@@ -211,9 +212,10 @@ def _skip(context, reason: str):
 )
 def cycle_checkpoints(context: dg.AssetExecutionContext, config: CycleParams, artifacts: ArtifactStorage,
                       catalog: CatalogResource, cluster: ClusterResource):
-    """One cycle: the served checkpoint fine-tuned on its window's good sessions, evaluated against
-    the served one through the same gate as evaluated_model, promoted and published to the serving
-    fleet when it passes. Depends on the previous cycle and on the hours of sessions since then."""
+    """One cycle: the served checkpoint fine-tuned on its window's good sessions and updated by
+    off-policy GRPO on all of them, evaluated against the served one through the same gate as
+    evaluated_model, promoted and published to the serving fleet when it passes. Depends on the
+    previous cycle and on the hours of sessions since then."""
     record_provenance(context)
     storage = artifacts.get()
     cat = catalog.get()
@@ -238,24 +240,12 @@ def cycle_checkpoints(context: dg.AssetExecutionContext, config: CycleParams, ar
     url = storage.url("cycle_checkpoints", engine.hour_dir(key), context.run.run_id)
     given = {"served_checkpoint": (served["checkpoint_uri"], served["checkpoint_digest"])}
     replay = ["token_shards"] if latest_metadata(context.instance, "token_shards") else []
-    traj = {"in": len(sessions), "out": 0, "skipped": {}}
     if cfg.candidate_uri is None:
-        with tempfile.TemporaryDirectory(prefix="composer-cycle-") as tmp:
-            traj = session_set(sessions, tmp, seed=0)
-            given["cycle_trajectories"] = (f"{url}/trajectories", storage.publish_dir(tmp, f"{url}/trajectories"))
-        cat.insert_records("sft_trajectories", [
-            {k: v for k, v in r.items() if k != "messages"} | {"run_id": context.run.run_id, "uri": f"{url}/trajectories"}
-            for r in traj.pop("rows")])
-        sft = cfg.sft if replay else cfg.sft.replace(pretrain_share=0.0)
-        _, job = run_stage(context, storage, cluster, "sft", SFTConfig, sft, ["cycle_trajectories", "served_checkpoint", *replay],
-                           lambda d, wd: {"trajectories_dir": d["cycle_trajectories"], "model_dir": d["served_checkpoint"],
-                                          "pretrain_dir": d.get("token_shards", ""), "out_dir": os.path.join(wd, "run")},
-                           "composer_dag.sft.run", outputs={"cycle_checkpoints": CHECKPOINT_FILES}, given=given)
-        cand_url, cand_digest = job["outputs"]["cycle_checkpoints"]["url"], job["outputs"]["cycle_checkpoints"]["digest"]
-        lineage = [("cycle_trajectories", f"{url}/trajectories"), ("served_checkpoint", served["checkpoint_uri"])]
+        (cand_url, cand_digest), lineage, trained = _train(context, storage, cluster, cat, cfg, url, served, sessions,
+                                                           hours, given, replay)
     else:
         cand_url, cand_digest = cfg.candidate_uri, storage.manifest_digest(cfg.candidate_uri)
-        lineage = [("candidate_uri", cfg.candidate_uri)]
+        lineage, trained = [("candidate_uri", cfg.candidate_uri)], {}
     given["candidate_checkpoint"] = (cand_url, cand_digest)
     _, ev = run_stage(context, storage, cluster, "eval", EvalRunConfig, cfg.eval,
                       ["served_checkpoint", "candidate_checkpoint", "eval_tasks", *replay],
@@ -269,18 +259,8 @@ def cycle_checkpoints(context: dg.AssetExecutionContext, config: CycleParams, ar
     cat.insert_records("checkpoint_inputs", [
         {"checkpoint": "cycle_checkpoints", "run_id": context.run.run_id, "uri": cand_url, "input": name,
          "input_uri": uri} for name, uri in lineage], where={"checkpoint": "cycle_checkpoints", "run_id": context.run.run_id})
-    version, served_line = None, None
-    if gate["passed"]:
-        version = registry.new_version(cand_digest)
-        entry = {"version": version, "checkpoint_uri": cand_url, "checkpoint_digest": cand_digest, "cycle": key,
-                 "parent": registry.model_version(served), "sessions": traj["out"],
-                 "evaluation_uri": ev["outputs"]["cycle_evaluation"]["url"], "run_id": context.run.run_id,
-                 "pass@1": ev["summary"]["candidate"].get("pass@1")}
-        served_line = registry.promote(storage, entry, version, reason=f"cycle {key}",
-                                       weights_uri=cycle_engine.weights_url(storage, cfg), full_every=cfg.full_every,
-                                       dtype=cfg.weights_dtype)
-        context.log.info(f"cycle {key}: {version} promoted and published (weights version {served_line['weights_version']})")
-    else:
+    served_line = _promote(context, storage, cfg, served, gate, cand_url, cand_digest, ev, trained) if gate["passed"] else None
+    if served_line is None:
         context.log.warning(f"cycle {key}: the gate refused the candidate; {registry.model_version(served)} keeps "
                             f"serving: {'; '.join(gate['reasons'])}")
     storage.write_bytes(f"{url}/report.md", gate["report"].encode())
@@ -288,17 +268,81 @@ def cycle_checkpoints(context: dg.AssetExecutionContext, config: CycleParams, ar
         "dagster/uri": cand_url,
         "manifest_digest": cand_digest,
         "promoted": gate["passed"],
-        "version": version or "",
+        "version": served_line["version"] if served_line else "",
         "served": served_line["version"] if served_line else registry.model_version(served),
         "parent": registry.model_version(served),
         "weights_version": -1 if (served_line or {}).get("weights_version") is None else served_line["weights_version"],
-        "sessions": dg.MetadataValue.json(traj),
+        "sessions": dg.MetadataValue.json(trained.get("sft") or {}),
+        "rl_from_sessions": dg.MetadataValue.json(trained.get("rl") or {}),
+        "stage_seconds": dg.MetadataValue.json(trained.get("seconds") or {}),
         "hours": dg.MetadataValue.json(hours),
         "gate": dg.MetadataValue.md(gate["report"]),
         "report_uri": f"{url}/report.md",
     })
     yield dg.AssetCheckResult(check_name="no_candidate_refused", passed=bool(gate["passed"]),
                               metadata={"reasons": dg.MetadataValue.json(gate["reasons"])})
+
+
+def _train(context, storage, cluster, cat, cfg, url, served, sessions, hours, given, replay):
+    """SFT of the served checkpoint on the good sessions, then GRPO on all the window's
+    sessions: ``((candidate url, digest), lineage, {"sft", "rl", "seconds"})``."""
+    import time
+
+    seconds = {}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="composer-cycle-") as tmp:
+        traj = session_set(sessions, tmp, seed=0)
+        given["cycle_trajectories"] = (f"{url}/trajectories", storage.publish_dir(tmp, f"{url}/trajectories"))
+    cat.insert_records("sft_trajectories", [
+        {k: v for k, v in r.items() if k != "messages"} | {"run_id": context.run.run_id, "uri": f"{url}/trajectories"}
+        for r in traj.pop("rows")])
+    rl = cfg.rl.steps > 0
+    sft_key = "cycle_sft" if rl else "cycle_checkpoints"
+    _, job = run_stage(context, storage, cluster, "sft", SFTConfig, cfg.sft if replay else cfg.sft.replace(pretrain_share=0.0),
+                       ["cycle_trajectories", "served_checkpoint", *replay],
+                       lambda d, wd: {"trajectories_dir": d["cycle_trajectories"], "model_dir": d["served_checkpoint"],
+                                      "pretrain_dir": d.get("token_shards", ""), "out_dir": os.path.join(wd, "run")},
+                       "composer_dag.sft.run", outputs={sft_key: CHECKPOINT_FILES}, given=given)
+    out = job["outputs"][sft_key]
+    seconds["sft"] = round(time.perf_counter() - t0, 1)
+    lineage = [("cycle_trajectories", f"{url}/trajectories"), ("served_checkpoint", served["checkpoint_uri"])]
+    trained = {"sft": traj, "seconds": seconds}
+    if rl:
+        t0 = time.perf_counter()
+        hour_uris = session_artifacts(cat, hours)
+        given["cycle_sft"] = (out["url"], out["digest"])
+        for k, u in enumerate(hour_uris):
+            given[f"sessions_{k}"] = (u, storage.manifest_digest(u))
+        tasks = ["rl_tasks"] if latest_metadata(context.instance, "rl_tasks") else []
+        versions = [registry.model_version(e) for e in registry.history(storage)]
+        _, job = run_stage(context, storage, cluster, "cycle-rl", SessionRLConfig, cfg.rl,
+                           ["cycle_sft", *[f"sessions_{k}" for k in range(len(hour_uris))], *tasks],
+                           lambda d, wd: {"model_dir": d["cycle_sft"], "out_dir": os.path.join(wd, "run"),
+                                          "sessions_dirs": [d[f"sessions_{k}"] for k in range(len(hour_uris))],
+                                          "tasks_dir": d.get("rl_tasks"), "current_version": registry.model_version(served),
+                                          "versions": versions},
+                           "composer_dag.traces.rl_job", launcher="python",
+                           outputs={"cycle_checkpoints": [["", "hf"], ["result.json", "result.json"]]}, given=given)
+        out = job["outputs"]["cycle_checkpoints"]
+        trained["rl"] = {k: v for k, v in job["summary"].items() if k not in ("steps", "rewards")}
+        seconds["rl"] = round(time.perf_counter() - t0, 1)
+        lineage += [(f"sessions_{k}", u) for k, u in enumerate(hour_uris)]
+    return (out["url"], out["digest"]), lineage, trained
+
+
+def _promote(context, storage, cfg, served, gate, cand_url, cand_digest, ev, trained) -> dict:
+    version = registry.new_version(cand_digest)
+    entry = {"version": version, "checkpoint_uri": cand_url, "checkpoint_digest": cand_digest,
+             "cycle": context.partition_key, "parent": registry.model_version(served),
+             "sessions": (trained.get("sft") or {}).get("out", 0),
+             "evaluation_uri": ev["outputs"]["cycle_evaluation"]["url"], "run_id": context.run.run_id,
+             "pass@1": ev["summary"]["candidate"].get("pass@1")}
+    line = registry.promote(storage, entry, version, reason=f"cycle {context.partition_key}",
+                            weights_uri=cycle_engine.weights_url(storage, cfg), full_every=cfg.full_every,
+                            dtype=cfg.weights_dtype)
+    context.log.info(f"cycle {context.partition_key}: {version} promoted and published (weights version "
+                     f"{line['weights_version']})")
+    return line
 
 
 cycle_job = dg.define_asset_job("cycle", selection=dg.AssetSelection.assets(cycle_checkpoints),

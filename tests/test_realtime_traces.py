@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import dagster as dg
+import torch
 import pyarrow.parquet as pq
 import pytest
 
@@ -40,12 +41,10 @@ class _Reference(Engine):
 
 
 @pytest.fixture(scope="module")
-def sessions(learnable_base):
-    """Sessions from the harness: three tasks served by the policy (real sampled ids and logprobs),
-    three by a model that writes the reference (accepted by the simulated user)."""
+def rollouts(learnable_base):
+    """Harness episodes: three tasks served by the policy (real sampled ids and logprobs), three
+    by a model that writes the reference."""
     from transformers import AutoTokenizer
-
-    from composer_dag.envs.rootfs import task_persona
 
     tok = AutoTokenizer.from_pretrained(learnable_base["tokenizer_dir"])
     tasks = sorted(Path(learnable_base["tasks_dir"]).glob("*/task.json"))
@@ -58,6 +57,14 @@ def sessions(learnable_base):
         loop = AgentLoop(_Reference(tok, reference_calls(p.parent, task)), tok, cfg)
         rollouts += loop.run([(str(p.parent), "ref", 0)], version=0)
         loop.close()
+    return rollouts
+
+
+@pytest.fixture(scope="module")
+def sessions(rollouts, learnable_base):
+    """The episodes as sessions (the simulated user accepts the reference's edits)."""
+    from composer_dag.envs.rootfs import task_persona
+
     tdig = tokenizer_digest(learnable_base["tokenizer_dir"])
     out = []
     for k, r in enumerate(rollouts):
@@ -292,7 +299,8 @@ def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnabl
     with dg.instance_for_test() as instance:
         # held-out tasks of other words than the sessions' (their instructions share no long n-gram)
         build_learnable_tasks(tmp_path / "eval_tasks", 4, seed=1, words=("green", "yellow"), request_file=False)
-        for key, local in (("eval_tasks", tmp_path / "eval_tasks"), ("token_shards", tmp_path / "shards")):
+        for key, local in (("eval_tasks", tmp_path / "eval_tasks"), ("token_shards", tmp_path / "shards"),
+                           ("rl_tasks", learnable_base["tasks_dir"])):
             url, digest = publish(local, key, "seed")
             instance.report_runless_asset_event(dg.AssetMaterialization(key, metadata={"dagster/uri": url,
                                                                                       "manifest_digest": digest}))
@@ -302,9 +310,9 @@ def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnabl
             msgs[1]["content"] += f"\n(request {w})"
             return dict(s, messages=msgs, model={"version": v0, "digest": served_digest}, session_id=f"{s['session_id']}-{w}")
 
-        mine = [renamed(s, w) for w in range(2) for s in sessions]
         hours = ["2026-11-30-06:00", "2026-11-30-11:00"]
-        write_hours(storage, storage.url("traces", "incoming"), hours, mine, bad=False)
+        for w, h in enumerate(hours):
+            write_hours(storage, storage.url("traces", "incoming"), [h], [renamed(s, w) for s in sessions], bad=False)
         traces_job = defs.resolve_job_def("take_in_traces")
         for h in hours:
             assert traces_job.execute_in_process(instance=instance, partition_key=h).success
@@ -329,6 +337,11 @@ def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnabl
         assert key1 == "2026-11-30-05:00" and checks1 == {"no_candidate_refused": True} and m1["promoted"], m1
         v1 = m1["version"]
         assert m1["parent"] == v0 and m1["sessions"]["out"] >= 1 and m1["weights_version"] == 0
+        # RL from every session of the window, off-policy, each graded again in its task's sandbox
+        rl = m1["rl_from_sessions"]
+        assert rl["in"] == rl["out"] + sum(rl["dropped"].values()) >= 4 and rl["by_reward_kind"].get("regraded")
+        assert rl["updated"] and rl["with_advantage"] >= 2, rl  # the policy's failures and the reference's passes
+        assert set(m1["stage_seconds"]) == {"sft", "rl"}
         key2, m2, checks2, _ = cycle(_utc(2026, 11, 30, 15))
         assert key2 == "2026-11-30-10:00" and checks2 == {"no_candidate_refused": True} and m2["parent"] == v1, m2
         v2 = m2["version"]
@@ -386,3 +399,60 @@ def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnabl
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "never promoted" in r.stderr and "Traceback" not in r.stderr
     assert glob.glob(str(tmp_path / "scratch" / "*")) == [] or True
+
+
+def test_realtime_sessions_as_off_policy_rollouts(rollouts, sessions, learnable_base, tmp_path):
+    """A session's rebuilt token stream is the one the policy generated; the trainer's ratio
+    against the logged logprobs is 1 for the policy that served it; stale sessions are dropped
+    and counted; a session with its starting task is graded again (cheat flags included), one
+    without falls back on its recorded outcome."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from composer_dag.rl import grpo
+    from composer_dag.rl.trainer import GRPOTrainer, TrainerConfig
+    from composer_dag.traces.offpolicy import session_rollouts, token_stream
+
+    tok = AutoTokenizer.from_pretrained(learnable_base["tokenizer_dir"])
+    for r, s in zip(rollouts, sessions):
+        prompt, ids, mask, lps = token_stream(s, tok)
+        assert (prompt, ids, mask) == (r["prompt_ids"], r["completion_ids"], r["loss_mask"]), s["session_id"]
+    tdig = sessions[0]["tokenizer_digest"]
+    versions = ["v-old", "v-mid", VERSION]
+    stale = dict(sessions[0], session_id="stale", model={"version": "v-old", "digest": "x"})
+    unknown = dict(sessions[0], session_id="unknown", model={"version": "v-gone", "digest": "x"})
+    scrubbed = dict(sessions[0], session_id="scrubbed", generations=[])
+    # a session whose start is a task here: graded again; a copy claiming a pass it did not earn
+    # (the recorded outcome says accepted) is judged by the grader, not by the claim
+    tasks = tmp_path / "tasks"
+    shutil.copytree(learnable_base["tasks_dir"], tasks)
+    liar = json.loads(json.dumps(sessions[0]))
+    liar.update(session_id="liar", outcome={"edits": [{"path": "answer.txt", "accepted": True}], "rating": 1})
+    rows = [*sessions, stale, unknown, scrubbed, liar]
+    out, summary = session_rollouts(rows, tok, current_version=VERSION, versions=versions, max_staleness=1,
+                                    tokenizer_digest=tdig, tasks_dir=tasks)
+    assert summary["in"] == len(rows) == summary["out"] + sum(summary["dropped"].values())
+    assert summary["dropped"] == {"stale": 2, "no_token_ids": 1}, summary
+    assert summary["by_reward_kind"] == {"regraded": len(sessions) + 1}
+    by_id = {r["session_id"]: r for r in out}
+    assert by_id["liar"]["reward"] == by_id[sessions[0]["session_id"]]["reward"]
+    assert [by_id[s["session_id"]]["reward"] > 0 for s in sessions] == [
+        r["tests_passed"] > 0 and r["tests_failed"] == 0 for r in rollouts]
+    # without the tasks: the recorded outcome, and the kind says so
+    out2, summary2 = session_rollouts(sessions, tok, current_version=VERSION, versions=versions, max_staleness=1)
+    assert summary2["by_reward_kind"] == {"outcome": len(sessions)}
+    assert [r["reward"] for r in out2] == [float(s["outcome"]["rating"] == 1) for s in sessions]
+
+    # the trainer scores the logged tokens under the serving policy: importance ratio 1
+    policy = out[:3]
+    for r in policy:
+        r["advantage"] = 1.0
+    trainer = GRPOTrainer(learnable_base["policy_dir"], TrainerConfig(micro_batch=4, lr=0.0), batch_size=4)
+    b = grpo.pack(policy, trainer.pad_id)
+    with torch.no_grad():
+        logp = grpo.token_logprobs(trainer.engine, b["input_ids"], b["attention_mask"], 1.0, b["loss_mask"])
+    m = b["loss_mask"].bool()
+    assert m.sum() > 0 and (logp[m] - b["old_logprobs"][m]).abs().max() < 1e-3
+    step = trainer.train_step(policy)
+    assert abs(step["ratio_mean"] - 1.0) < 1e-3 and step["train_tokens"] == int(m.sum())

@@ -2,7 +2,7 @@
 
 One cycle (one ``cycle_checkpoints`` partition, a time window, 5 hours by default) takes the
 good sessions of its window, fine-tunes the served checkpoint on them (SFT with replay, on the
-cluster), evaluates the candidate against the served checkpoint through the same harness and gate
+cluster), runs off-policy GRPO on all the window's sessions (``rl_job``), evaluates the candidate against the served checkpoint through the same harness and gate
 as ``evaluated_model``, and when the gate passes promotes it (a new version in the registry) and
 publishes its weights at ``weights_uri`` for the serving fleet. A failed gate leaves the served
 version in place and says why. A window without enough good sessions is skipped with its reason.
@@ -42,11 +42,23 @@ class CycleSFT(StageConfig):
     sample_tokens: int = 0
 
 
+class CycleRL(StageConfig):
+    """The cycle's RL from sessions (fields of ``SessionRLConfig``): off-policy GRPO on every
+    session of the window, good or not, after the fine-tuning."""
+
+    steps: int = Field(1, ge=0, description="GRPO updates (0: no RL stage)")
+    lr: float = 1e-5
+    max_staleness: int = Field(2, ge=0, description="sessions served more than this many promotions ago are dropped")
+    micro_batch: int = 4
+    clip_eps: float = 0.2
+
+
 class CycleConfig(StageConfig):
     """One cycle: which sessions, the fine-tuning, the evaluation and gate, where weights go."""
 
     min_good_sessions: int = Field(1, ge=1, description="fewer good sessions in the window: the cycle skips")
     sft: CycleSFT = CycleSFT()
+    rl: CycleRL = CycleRL()
     eval: EvalConfig = EvalConfig(samples_per_task=2, ks=[1, 2], max_tasks=4,
                                   gate=GateConfig(min_tasks=10, max_ppl_increase=0.1))
     candidate_uri: Optional[str] = Field(None, description="evaluate this checkpoint (a storage URL with a "

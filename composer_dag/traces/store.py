@@ -149,6 +149,14 @@ def _is_user(line: bytes, user_id: str) -> bool:
     return isinstance(rec, dict) and rec.get("user_id") == user_id
 
 
+def session_artifacts(catalog, hours: list[str]) -> list[str]:
+    """The newest ``production_traces`` artifact of each of ``hours`` that kept a session."""
+    if "traces" not in catalog.tables() or not hours:
+        return []
+    return [u for (u,) in catalog.query(f"SELECT DISTINCT uri FROM traces WHERE hour IN ({','.join('?' * len(hours))}) "
+                                        "ORDER BY uri", list(hours))]
+
+
 def good_sessions(storage, catalog, hours: list[str] | None = None) -> list[dict]:
     """The good sessions taken in (for ``hours`` when given): rows of each hour's newest
     ``sessions.parquet``, as the catalog's ``traces`` table names them."""
