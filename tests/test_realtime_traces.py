@@ -5,7 +5,6 @@ deletion, and good sessions as an SFT source."""
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import dagster as dg
@@ -13,51 +12,23 @@ import torch
 import pyarrow.parquet as pq
 import pytest
 
-from composer_dag.agent import AgentConfig, AgentLoop, tool_call_text
 from composer_dag.catalog import Catalog
-from composer_dag.inference.engine import Completion, Engine, EngineStats, HFEngine
 from composer_dag.sft.trajectories import TrajectoryConfig, from_sessions, reference_calls
 from composer_dag.storage import open_storage
 from composer_dag.traces import format as fmt
 from composer_dag.traces.intake import intake, user_hash
-from composer_dag.traces.standin import session_from_rollout, tokenizer_digest, write_hours
+from composer_dag.traces.standin import serve_episodes, session_from_rollout, tokenizer_digest, write_hours
 
 HOURS = ["2026-11-30-09:00", "2026-11-30-10:00", "2026-11-30-11:00"]
 VERSION, DIGEST = "20261130T080000Z-abcdef12", "ab" * 32
-
-
-class _Reference(Engine):
-    """Writes a task's reference calls, one per turn (a served model that solves the task)."""
-
-    def __init__(self, tok, calls):
-        self.tok, self.texts, self.turn = tok, [tool_call_text(c["name"], c["arguments"]) + "<|im_end|>" for c in calls], 0
-        self.stats = EngineStats()
-
-    def generate(self, prompts, params):
-        text = self.texts[min(self.turn, len(self.texts) - 1)]
-        self.turn += 1
-        ids = self.tok(text, add_special_tokens=False).input_ids
-        return self._account([Completion(p, ids, [-0.25] * len(ids), text, "stop") for p in prompts], time.perf_counter())
 
 
 @pytest.fixture(scope="module")
 def rollouts(learnable_base):
     """Harness episodes: three tasks served by the policy (real sampled ids and logprobs), three
     by a model that writes the reference."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(learnable_base["tokenizer_dir"])
-    tasks = sorted(Path(learnable_base["tasks_dir"]).glob("*/task.json"))
-    cfg = AgentConfig(max_turns=3, max_new_tokens=64, max_context=2048, workers=2)
-    policy = AgentLoop(HFEngine(learnable_base["policy_dir"]), tok, cfg)
-    rollouts = policy.run([(str(p.parent), f"g{k}", 0) for k, p in enumerate(tasks[:3])], version=0, seed=1)
-    policy.close()
-    for p in tasks[3:6]:
-        task = json.loads(p.read_text())
-        loop = AgentLoop(_Reference(tok, reference_calls(p.parent, task)), tok, cfg)
-        rollouts += loop.run([(str(p.parent), "ref", 0)], version=0)
-        loop.close()
-    return rollouts
+    tasks = [p.parent for p in sorted(Path(learnable_base["tasks_dir"]).glob("*/task.json"))]
+    return serve_episodes(learnable_base["policy_dir"], learnable_base["tokenizer_dir"], tasks[:6], 3, reference_calls)
 
 
 @pytest.fixture(scope="module")

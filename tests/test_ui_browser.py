@@ -37,7 +37,8 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 ARTIFACTS = ROOT / "tests" / "artifacts"
 SOURCE = "ui-demo"
 SECOND = "ui-more"  # a second source, for the backfill through the daemon
-AUTOMATIONS = ["new_source_sensor", "record_run_failures", "rebuild_shards_after_ingest", "nightly_data_refresh", "weekly_train"]
+AUTOMATIONS = ["new_source_sensor", "record_run_failures", "rebuild_shards_after_ingest", "nightly_data_refresh", "weekly_train",
+               "production_traces_sensor", "cycle_schedule"]
 SERVER_START_S = 180
 RUN_S = 150
 UI_S = 45

@@ -117,6 +117,53 @@ def write_hours(storage, incoming_url: str, hours: list[str], sessions: list[dic
     return {"files": files, "written": written, "bad": bad_counts}
 
 
+def reference_engine(tok, calls):
+    """A served model that writes a task's reference calls, one per turn (an ``Engine``)."""
+    import time
+
+    from ..agent import tool_call_text
+    from ..inference.engine import Completion, Engine, EngineStats
+
+    class ReferenceEngine(Engine):
+        def __init__(self):
+            self.texts = [tool_call_text(c["name"], c["arguments"]) + "<|im_end|>" for c in calls]
+            self.turn, self.stats = 0, EngineStats()
+
+        def generate(self, prompts, params):
+            text = self.texts[min(self.turn, len(self.texts) - 1)]
+            self.turn += 1
+            ids = tok(text, add_special_tokens=False).input_ids
+            return self._account([Completion(p, ids, [-0.25] * len(ids), text, "stop") for p in prompts],
+                                 time.perf_counter())
+
+    return ReferenceEngine()
+
+
+def serve_episodes(policy_dir: str, tokenizer_dir: str, tasks: list, served: int, reference_calls,
+                   agent_cfg=None, seed: int = 1) -> list[dict]:
+    """Rollouts of the harness: the first ``served`` task directories answered by the policy at
+    ``policy_dir`` (its sampled ids and logprobs), the rest by a model writing the reference
+    (``reference_calls(task_dir, task)``: the calls, e.g. ``sft.trajectories.reference_calls``)."""
+    import json as _json
+
+    from transformers import AutoTokenizer
+
+    from ..agent import AgentConfig, AgentLoop
+    from ..inference.engine import HFEngine
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = agent_cfg or AgentConfig(max_turns=3, max_new_tokens=64, max_context=2048, workers=2)
+    loop = AgentLoop(HFEngine(policy_dir), tok, cfg)
+    out = loop.run([(str(d), f"g{k}", 0) for k, d in enumerate(tasks[:served])], version=0, seed=seed)
+    loop.close()
+    for d in tasks[served:]:
+        task = _json.loads((Path(d) / "task.json").read_text())
+        loop = AgentLoop(reference_engine(tok, reference_calls(Path(d), task)), tok, cfg)
+        out += loop.run([(str(d), "ref", 0)], version=0)
+        loop.close()
+    return out
+
+
 def tokenizer_digest(tokenizer_dir) -> str:
     """sha256 over the tokenizer's files (name and bytes, in name order)."""
     h = hashlib.sha256()
