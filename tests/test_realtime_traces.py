@@ -313,9 +313,12 @@ def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnabl
         assert rl["in"] == rl["out"] + sum(rl["dropped"].values()) >= 4 and rl["by_reward_kind"].get("regraded")
         assert rl["updated"] and rl["with_advantage"] >= 2, rl  # the policy's failures and the reference's passes
         assert set(m1["stage_seconds"]) == {"sft", "rl"}
-        key2, m2, checks2, _ = cycle(_utc(2026, 11, 30, 15))
+        # the second without the RL stage (its SFT output is the candidate)
+        no_rl = {"ops": {"cycle_checkpoints": {"config": {**QUICK_CYCLE, "rl": {"steps": 0}}}}}
+        key2, m2, checks2, _ = cycle(_utc(2026, 11, 30, 15), no_rl)
         assert key2 == "2026-11-30-10:00" and checks2 == {"no_candidate_refused": True} and m2["parent"] == v1, m2
         v2 = m2["version"]
+        assert set(m2["stage_seconds"]) == {"sft"} and m2["rl_from_sessions"] == {}
         # the servers' view: each promoted version's weights, rebuilt from storage bit for bit, the
         # second a delta on the first
         for version, meta in ((0, m1), (1, m2)):
@@ -382,7 +385,6 @@ def test_realtime_sessions_as_off_policy_rollouts(rollouts, sessions, learnable_
     from transformers import AutoTokenizer
 
     from composer_dag.rl import grpo
-    from composer_dag.rl.trainer import GRPOTrainer, TrainerConfig
     from composer_dag.traces.offpolicy import session_rollouts, token_stream
 
     tok = AutoTokenizer.from_pretrained(learnable_base["tokenizer_dir"])
@@ -415,15 +417,18 @@ def test_realtime_sessions_as_off_policy_rollouts(rollouts, sessions, learnable_
     assert summary2["by_reward_kind"] == {"outcome": len(sessions)}
     assert [r["reward"] for r in out2] == [float(s["outcome"]["rating"] == 1) for s in sessions]
 
-    # the trainer scores the logged tokens under the serving policy: importance ratio 1
+    # the trainer's packing and scoring of the logged tokens under the serving policy: the
+    # importance ratio of the GRPO loss is 1 (the cycle's RL job runs the trainer itself)
+    from transformers import AutoModelForCausalLM
+
     policy = out[:3]
     for r in policy:
         r["advantage"] = 1.0
-    trainer = GRPOTrainer(learnable_base["policy_dir"], TrainerConfig(micro_batch=4, lr=0.0), batch_size=4)
-    b = grpo.pack(policy, trainer.pad_id)
+    model = AutoModelForCausalLM.from_pretrained(learnable_base["policy_dir"], dtype=torch.float32).eval()
+    b = grpo.pack(policy, tok.pad_token_id)
     with torch.no_grad():
-        logp = grpo.token_logprobs(trainer.engine, b["input_ids"], b["attention_mask"], 1.0, b["loss_mask"])
+        logp = grpo.token_logprobs(model, b["input_ids"], b["attention_mask"], 1.0, b["loss_mask"])
     m = b["loss_mask"].bool()
     assert m.sum() > 0 and (logp[m] - b["old_logprobs"][m]).abs().max() < 1e-3
-    step = trainer.train_step(policy)
-    assert abs(step["ratio_mean"] - 1.0) < 1e-3 and step["train_tokens"] == int(m.sum())
+    _, stats = grpo.grpo_loss(logp, b["old_logprobs"], b["advantages"], b["loss_mask"].float())
+    assert abs(stats["ratio_sum"] / stats["tokens"] - 1.0) < 1e-3 and stats["clip_frac"] == 0

@@ -26,6 +26,7 @@ def setup_distributed() -> tuple[int, int, "torch.device"]:
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                  "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(k, v)
+    chosen = "MASTER_PORT" not in os.environ  # no launcher: a free port picked here
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
 
@@ -37,7 +38,16 @@ def setup_distributed() -> tuple[int, int, "torch.device"]:
         # COMPOSER_DS_SHM_COMM=1 to build and use it. DeepSpeed keeps this probe's result in one
         # module-level dict, meant to be edited. GPUs use NCCL and never build it.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    for attempt in range(3):
+        try:
+            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+            break
+        except torch.distributed.DistNetworkError as exc:
+            # the port picked here was free when picked; another process (an outgoing
+            # connection's ephemeral port) can take it before the store listens: pick again
+            if not chosen or attempt == 2 or "EADDRINUSE" not in str(exc):
+                raise
+            os.environ["MASTER_PORT"] = str(free_port())
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
