@@ -3,6 +3,7 @@
 deletion, and good sessions as an SFT source."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -232,7 +233,6 @@ def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnabl
     publishing its weights; a planted bad candidate refused by the gate; a window without
     sessions skipped; one command serving an earlier version again."""
     import glob
-    import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
@@ -380,7 +380,6 @@ def test_realtime_sessions_as_off_policy_rollouts(rollouts, sessions, learnable_
     against the logged logprobs is 1 for the policy that served it; stale sessions are dropped
     and counted; a session with its starting task is graded again (cheat flags included), one
     without falls back on its recorded outcome."""
-    import shutil
 
     from transformers import AutoTokenizer
 
@@ -432,3 +431,43 @@ def test_realtime_sessions_as_off_policy_rollouts(rollouts, sessions, learnable_
     assert m.sum() > 0 and (logp[m] - b["old_logprobs"][m]).abs().max() < 1e-3
     _, stats = grpo.grpo_loss(logp, b["old_logprobs"], b["advantages"], b["loss_mask"].float())
     assert abs(stats["ratio_sum"] / stats["tokens"] - 1.0) < 1e-3 and stats["clip_frac"] == 0
+
+
+def test_realtime_a_cheating_session_is_graded_not_believed(humaneval_tasks, learnable_base, tmp_path):
+    """A production session whose edit forges the test results (round one's ``results_forge``),
+    recorded as accepted and rated 1: replayed in the task's sandbox, the grader pays 0 and flags it,
+    as for any other episode."""
+    from transformers import AutoTokenizer
+
+    from composer_dag.agent import tool_call_text
+    from composer_dag.traces.offpolicy import session_rollouts
+    from tests.cheats import CHEATS, task_info
+
+    task = Path(humaneval_tasks[0]) / "rl_tasks" / "humaneval-000"
+    cheat = next(c for c in CHEATS if c.name == "results_forge")
+    (rel, content), = cheat.files(task).items()
+    stub = (task / "repo" / rel).read_text()
+    calls = [{"name": "edit_file", "arguments": {"path": rel, "old": stub, "new": content}},
+             {"name": "submit", "arguments": {}}]
+    tok = AutoTokenizer.from_pretrained(learnable_base["tokenizer_dir"])
+    messages = [{"role": "system", "content": "You are a coding agent."},
+                {"role": "user", "content": f"Implement {task_info(task)['entry']} in {rel}."}]
+    gens = []
+    for c, answer in zip(calls, ("Edited.", "Submitted.")):
+        text = tool_call_text(c["name"], c["arguments"]) + "<|im_end|>"
+        ids = tok(text, add_special_tokens=False).input_ids
+        gens.append({"message_index": len(messages), "token_ids": ids, "logprobs": [-0.5] * len(ids)})
+        messages += [{"role": "assistant", "content": "", "tool_calls": [c]}, {"role": "tool", "content": answer}]
+    record = {"format": fmt.FORMAT, "session_id": "forger", "user_id": "u", "consent": {"training": True},
+              "started_at": "2026-11-30T09:00:00+00:00", "ended_at": "2026-11-30T09:05:00+00:00",
+              "model": {"version": VERSION, "digest": DIGEST}, "tokenizer_digest": "t",
+              "messages": fmt.to_openai(messages), "generations": gens,
+              "outcome": {"edits": [{"path": rel, "accepted": True}], "rating": 1}, "start": {"snapshot": task.name}}
+    assert fmt.schema_errors(record) == []
+    tasks = tmp_path / "tasks"
+    shutil.copytree(Path(humaneval_tasks[0]) / "rl_tasks", tasks)
+    out, summary = session_rollouts([record], tok, current_version=VERSION, versions=[VERSION], max_staleness=0,
+                                    tasks_dir=tasks)
+    assert summary["by_reward_kind"] == {"regraded": 1}, summary
+    (r,) = out
+    assert r["reward"] == 0.0 and r["flags"], r["flags"]
