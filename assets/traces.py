@@ -8,6 +8,7 @@ the catalog's ``traces`` table, every file to ``trace_files``. A file that arriv
 its hour's set of digests, and the sensor requests that hour again.
 """
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -80,16 +81,12 @@ def production_traces(context: dg.AssetExecutionContext, config: TraceParams, ar
     context.log.info(f"{hour}: {len(files)} session files under {incoming}")
     earlier, taken = _earlier(cat, hour)
     data = [(f, storage.read_bytes(f)) for f in files]
-    eval_meta = latest_metadata(context.instance, "eval_tasks")
-    if cfg.decontaminate and eval_meta:
-        with local_copy(storage, latest_uri(context.instance, "eval_tasks")) as ev:
-            rows, summary = engine.intake(data, hour, cfg, known_models=registry.known_models(storage), earlier=earlier,
-                                          deleted_users=deleted_users(storage), taken_elsewhere=taken,
-                                          eval_tasks_dir=ev)
-    else:
+    decontaminate = cfg.decontaminate and latest_metadata(context.instance, "eval_tasks") is not None
+    with (local_copy(storage, latest_uri(context.instance, "eval_tasks")) if decontaminate
+          else contextlib.nullcontext()) as ev:
         rows, summary = engine.intake(data, hour, cfg, known_models=registry.known_models(storage), earlier=earlier,
-                                      deleted_users=deleted_users(storage), taken_elsewhere=taken)
-        summary["decontaminated"] = False
+                                      deleted_users=deleted_users(storage), taken_elsewhere=taken, eval_tasks_dir=ev)
+    summary["decontaminated"] = decontaminate
     import pyarrow as pa
 
     url = storage.url("production_traces", engine.hour_dir(hour), context.run.run_id)

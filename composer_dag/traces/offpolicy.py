@@ -30,6 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 from .format import from_openai
+from .intake import judge
 
 
 def token_stream(record: dict, tok) -> tuple[list[int], list[int], list[int], list[float]] | str:
@@ -118,13 +119,8 @@ def session_rollouts(sessions: list[dict], tok, *, current_version: str, version
             reward, flags, passed, failed = regrade(rec, tasks[snapshot])
             kind = "regraded"
         else:
-            outcome = (rec.get("outcome") or {})
-            edits = outcome.get("edits") or []
-            if any(not e["accepted"] for e in edits) or outcome.get("rating") == -1:
-                reward = 0.0
-            elif edits or outcome.get("rating") == 1:
-                reward = 1.0
-            else:
+            reward = {"accepted": 1.0, "rejected": 0.0}.get(judge(rec)[0])  # intake's reading of the outcome
+            if reward is None:
                 dropped["no_reward"] += 1
                 continue
             flags, kind = [], "outcome"

@@ -75,9 +75,7 @@ def promote(storage, entry: dict, name: str, reason: str = "promoted", weights_u
     Returns the served-log line."""
     entry = {**entry, "promoted_at": entry.get("promoted_at") or dt.datetime.now(dt.timezone.utc).isoformat()}
     storage.write_json(storage.url("registry", "history", f"{name}.json"), entry)
-    weights = publish_checkpoint(storage, entry["checkpoint_uri"], weights_uri, full_every, dtype) if weights_uri else None
-    storage.write_json(storage.url("registry", "promoted.json"), entry)
-    return _record_served(storage, entry, reason, weights["version"] if weights else None)
+    return _serve(storage, entry, reason, weights_uri, full_every, dtype)
 
 
 def serve(storage, version: str, weights_uri: str | None = None, full_every: int = 10,
@@ -88,10 +86,14 @@ def serve(storage, version: str, weights_uri: str | None = None, full_every: int
     entries = {model_version(e): e for e in history(storage)}
     if version not in entries:
         raise ValueError(f"version {version!r} was never promoted (known: {', '.join(sorted(entries)) or 'none'})")
-    entry = entries[version]
+    return _serve(storage, entries[version], "rollback", weights_uri, full_every, dtype)
+
+
+def _serve(storage, entry: dict, reason: str, weights_uri: str | None, full_every: int, dtype: str | None) -> dict:
+    """Publish ``entry``'s weights (when ``weights_uri``), point ``promoted.json`` at it, log it."""
     weights = publish_checkpoint(storage, entry["checkpoint_uri"], weights_uri, full_every, dtype) if weights_uri else None
     storage.write_json(storage.url("registry", "promoted.json"), entry)
-    return _record_served(storage, entry, "rollback", weights["version"] if weights else None)
+    return _record_served(storage, entry, reason, weights["version"] if weights else None)
 
 
 def publish_checkpoint(storage, checkpoint_uri: str, weights_uri: str, full_every: int = 10,

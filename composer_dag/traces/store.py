@@ -76,7 +76,7 @@ def delete_user(storage, catalog, user_id: str, incoming: str | None = None, log
     h = user_hash(user_id)
     ledger = storage.url(*DELETIONS)
     have = storage.read_bytes(ledger) if storage.exists(ledger) else b""
-    if h not in deleted_users(storage):
+    if h not in {json.loads(line)["user_hash"] for line in have.decode().splitlines() if line.strip()}:
         line = json.dumps({"user_hash": h, "requested_at": dt.datetime.now(dt.timezone.utc).isoformat()})
         storage.write_bytes(ledger, have + line.encode() + b"\n")
     result = {"user_hash": h, "sessions": 0, "partitions": [], "incoming_files": 0, "trajectories": 0,
