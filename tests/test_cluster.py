@@ -119,10 +119,13 @@ def test_slurm_script_runs_the_job_runner_once_per_node():
     assert script.startswith("#!/bin/bash")
     for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
                  "#SBATCH --account=ml", "#SBATCH --time=12:00:00", "#SBATCH --ntasks-per-node=1",
-                 "#SBATCH --output=/scratch/%x-%j.out", "mkdir -p /scratch/job1 /scratch/composer-cache"):
+                 "#SBATCH --output=/scratch/%x-%j.out"):
         assert line in script.splitlines()
     srun = script.rstrip().splitlines()[-1]
-    assert srun.startswith("srun --kill-on-bad-exit=1 --container-image=nvcr.io/org/composer:1 ")
+    # --label: each output line names the node task that wrote it
+    assert srun.startswith("srun --kill-on-bad-exit=1 --label --container-image=nvcr.io/org/composer:1 bash -c ")
+    # every node makes (and removes) the job's scratch and its own cache: nodes share no disk
+    assert " composer-node /scratch/job1 /scratch/composer-cache " in srun
     assert srun.endswith("-m composer_dag.cluster.job --spec s3://bucket/jobs/r1/midtrain.json --scratch /scratch/job1")
     assert 'export COMPOSER_RDZV_ENDPOINT="$head:29500"' in script
 

@@ -17,7 +17,8 @@ launching asset) from artifact storage, and then, in a scratch directory of its 
    result; a failure is reported as ``{"error": "<the failing rank's exception>"}``.
 
 On a multi-node job one such process runs per node (``SLURM_NODEID``); node 0 reports and
-publishes. Only node 0's state is synced.
+publishes. Every node syncs its own part of the state (node 0 to ``state_url``, node k to
+``state_url/nodes/<k>``) and pulls all of them: no disk is shared between nodes.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ import threading
 import time
 from typing import Any
 
+from ..runtime.checkpoint import PER_NODE_ENV
 from ..runtime.errors import error_line
 from ..pipes import RESULT_PATH_ENV, Reporter
 from ..storage import MANIFEST, ArtifactError, Storage, open_storage
 
 SCRATCH = "{scratch}"
 STATE_SYNC_S = 1.0
+NODES_DIR = "nodes"  # under the state URL: node k's part of each checkpoint (k >= 1)
 
 def _fill(obj: Any, scratch: str) -> Any:
     if isinstance(obj, str):
@@ -69,18 +72,54 @@ class StateSync:
     is sealed (its files, then its manifest), ``latest`` goes after everything else; temporary
     files and the final ``hf`` export stay behind."""
 
-    def __init__(self, storage: Storage, out_dir: str, url: str):
-        self.storage, self.out_dir, self.url = storage, out_dir, url
+    def __init__(self, storage: Storage, out_dir: str, url: str, node: int = 0, nodes: int = 1):
+        self.storage, self.out_dir, self.state_url = storage, out_dir, url
+        self.node, self.nodes = node, nodes
+        self.url = url if node == 0 else f"{url}/{NODES_DIR}/{node}"  # where this node's part goes
         self.sent: dict[str, tuple[int, int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._lock = threading.Lock()
 
     def pull(self) -> bool:
-        """Download the last synced state into ``out_dir``; True when there was one."""
-        if not self.storage.exists(f"{self.url}/latest"):
+        """Download the last synced state into ``out_dir``; True when there was one. On a
+        multi-node job every node gets every node's part (a ZeRO checkpoint loads all optimizer
+        partitions), and ``latest`` is moved back to the newest checkpoint that every node sealed
+        (a node lost between its seal and another's leaves the newer one incomplete)."""
+        if not self.storage.exists(f"{self.state_url}/latest"):
             return False
-        self.storage.get_dir(self.url, self.out_dir)
+        self.storage.get_dir(self.state_url, self.out_dir)
+        parts = os.path.join(self.out_dir, NODES_DIR)
+        ckpts = os.path.join(self.out_dir, "checkpoints")
+        sealed = {t for t in _listdir(ckpts) if os.path.exists(os.path.join(ckpts, t, MANIFEST))}
+        for k in range(1, self.nodes):
+            node_ckpts = os.path.join(parts, str(k), "checkpoints")
+            own = set()
+            for tag in _listdir(node_ckpts):
+                src = os.path.join(node_ckpts, tag)
+                try:
+                    Storage(src).verify_manifest(src)
+                except (ArtifactError, OSError, ValueError):
+                    continue  # cut short on its way up
+                own.add(tag)
+                for name in os.listdir(src):
+                    if name != MANIFEST:
+                        os.makedirs(os.path.join(ckpts, tag), exist_ok=True)
+                        os.replace(os.path.join(src, name), os.path.join(ckpts, tag, name))
+            sealed &= own
+        shutil.rmtree(parts, ignore_errors=True)
+        latest = _read_json(os.path.join(self.out_dir, "latest"))
+        usable = sorted(t for t in sealed if t <= str(latest.get("tag", "")))
+        for tag in _listdir(ckpts):
+            if not usable or tag > usable[-1]:
+                shutil.rmtree(os.path.join(ckpts, tag), ignore_errors=True)
+        if not usable:
+            os.remove(os.path.join(self.out_dir, "latest"))
+            return False
+        if usable[-1] != latest.get("tag"):
+            st = _read_json(os.path.join(ckpts, usable[-1], "trainer_state.json"))
+            with open(os.path.join(self.out_dir, "latest"), "w") as f:
+                json.dump({"tag": usable[-1], "step": st.get("step"), "samples": st.get("samples")}, f)
         self.sent = {p: self._stat(p) for p in self._files()}
         return True
 
@@ -144,6 +183,19 @@ class StateSync:
         self.sync()
 
 
+def _listdir(path: str) -> list[str]:
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            out = json.load(f)
+        return out if isinstance(out, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def stage_command(spec: dict, config_path: str) -> list[str]:
     """The argv that runs the stage on this node: one process, or torchrun/deepspeed with
     ``nproc_per_node`` ranks (multi-node: c10d rendezvous at ``$COMPOSER_RDZV_ENDPOINT``)."""
@@ -170,12 +222,16 @@ def _pump(stream, sink, lines: collections.deque, rep: Reporter) -> None:
     stream.close()
 
 
-def run_stage_process(spec: dict, config_path: str, scratch: str, rep: Reporter) -> tuple[int, str, dict | None]:
-    """Run the stage; forward its output; return (exit code, error line, result)."""
+def run_stage_process(spec: dict, config_path: str, scratch: str, rep: Reporter,
+                      need_result: bool = True) -> tuple[int, str, dict | None]:
+    """Run the stage; forward its output; return (exit code, error line, result). A node other
+    than the first runs ranks that write no result (``need_result=False``)."""
     result_path = os.path.join(scratch, "result.json")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
     env.update({str(k): str(v) for k, v in (spec.get("env") or {}).items()})
     env[RESULT_PATH_ENV] = result_path
+    if int(spec.get("nnodes", 1)) > 1:  # each node's out_dir is its own
+        env[PER_NODE_ENV] = "1"
     cmd = stage_command(spec, config_path)
     rep.log(f"[job] {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, env=env, cwd=scratch, start_new_session=True,
@@ -202,6 +258,8 @@ def run_stage_process(spec: dict, config_path: str, scratch: str, rep: Reporter)
             t.join(timeout=10)
     if rc != 0:
         return rc, error_line(tail), None
+    if not need_result:
+        return 0, "", None
     if not os.path.exists(result_path):
         return 1, f"{spec['entry']} finished without writing its result", None
     with open(result_path) as f:
@@ -232,6 +290,7 @@ def publish(storage: Storage, out_dir: str, outputs: dict, result: dict, staging
 
 def run_job(spec_url: str, scratch: str | None = None) -> int:
     node = int(os.environ.get("SLURM_NODEID", "0"))
+    nodes = int(os.environ.get("SLURM_NNODES", "1"))
     storage = open_storage(posixpath.dirname(spec_url))
     own_scratch = scratch is None
     scratch = scratch or tempfile.mkdtemp(prefix="composer-job-", dir=os.environ.get("COMPOSER_SCRATCH"))
@@ -245,8 +304,8 @@ def run_job(spec_url: str, scratch: str | None = None) -> int:
             config = _fill(spec["config"], scratch)
             out_dir = config.get("out_dir") or os.path.join(scratch, "out")
             os.makedirs(out_dir, exist_ok=True)
-            if spec.get("state_url") and node == 0:
-                sync = StateSync(storage, out_dir, spec["state_url"])
+            if spec.get("state_url"):
+                sync = StateSync(storage, out_dir, spec["state_url"], node, nodes)
                 if sync.pull():
                     rep.log(f"[job] resuming from the state at {spec['state_url']}")
                 sync.start()
@@ -254,7 +313,7 @@ def run_job(spec_url: str, scratch: str | None = None) -> int:
             config_path = os.path.join(scratch, f"{spec.get('stage', 'stage')}.json")
             with open(config_path, "w") as f:
                 json.dump(config, f, indent=2)
-            rc, why, result = run_stage_process(spec, config_path, scratch, rep)
+            rc, why, result = run_stage_process(spec, config_path, scratch, rep, need_result=node == 0)
             if sync is not None:
                 sync.stop()
                 sync = None

@@ -42,7 +42,7 @@ def slurm_script(command: list[str], name: str = "composer-job", nodes: int = 1,
     lines += setup or []
     lines += ['head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
               f'export COMPOSER_RDZV_ENDPOINT="$head:{RDZV_PORT}"', ""]
-    srun = ["srun", "--kill-on-bad-exit=1"]
+    srun = ["srun", "--kill-on-bad-exit=1"] + (["--label"] if nodes > 1 else [])  # "1: ..." names the node's task
     if container_image:
         srun.append(f"--container-image={shlex.quote(container_image)}")
     lines.append(" ".join([*srun, *map(_shell_word, command)]))

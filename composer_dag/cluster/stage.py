@@ -51,6 +51,17 @@ def launch_spec(cluster: ClusterConfig, entry: str, args: list[str], name: str =
                       memory=cluster.memory)
 
 
+# What ``srun`` runs on each node of a Slurm job: the job's scratch and the node's cache made,
+# the job runner run, the scratch removed when it ends (nodes share no disk: each does its own).
+# An argument ``@NAME@`` becomes the value of ``$NAME`` on the node: the per-task variables
+# (``SLURM_NODEID``, ``SLURM_PROCID``) differ between nodes, so the batch script, which runs on
+# the first node only, must not expand them.
+NODE_SETUP = ('scratch=$1 cache=$2; shift 2; mkdir -p "$scratch" "$cache"; '
+              'trap \'rm -rf "$scratch"\' EXIT; args=(); '
+              'for a in "$@"; do if [[ $a =~ ^@([A-Z_]+)@$ ]]; then n=${BASH_REMATCH[1]}; args+=("${!n}"); '
+              'else args+=("$a"); fi; done; "${args[@]}"')
+
+
 def cache_dir(cluster: ClusterConfig) -> str:
     """The node-local build cache an isolated job may write (``<scratch_dir>/composer-cache``)."""
     return os.path.join(cluster.scratch_dir, "composer-cache")
@@ -70,7 +81,7 @@ def job_argv(cluster: ClusterConfig, spec_url: str, scratch: str, env: dict[str,
              "TRITON_CACHE_DIR": f"{cache}/triton", "XDG_CACHE_HOME": f"{cache}/xdg", **env}
     inner.update({k: "${%s}" % k for k in PASS_ENV if k in os.environ})
     if cluster.backend == "slurm":
-        inner.update({k: "${%s}" % k for k in SLURM_ENV})
+        inner.update({k: f"@{k}@" for k in SLURM_ENV})  # filled in on each node (NODE_SETUP)
     code = [os.path.join(REPO_ROOT, p) for p in cluster.job_code]
     return bwrap_command(argv, scratch, code, sorted({sys.prefix, sys.base_prefix}), inner, [cache])
 
@@ -98,13 +109,13 @@ def render(cluster: ClusterConfig, spec_url: str, name: str = "composer-job", en
     argv = job_argv(cluster, spec_url, scratch, env)
     if argv[0] == "bwrap":
         env = {}  # the sandbox gets its environment from the command line
-    # the scratch directory is the job's: made before it starts, removed when it ends
-    setup = [f"mkdir -p {scratch} {cache_dir(cluster)}", f"trap 'rm -rf {scratch}' EXIT"]
+    # the scratch directory is the job's, on every node: made before it starts, removed when it ends
+    argv = ["bash", "-c", NODE_SETUP, "composer-node", scratch, cache_dir(cluster), *argv]
     return slurm.slurm_script(
         argv, name=name, nodes=cluster.nnodes, gpus_per_node=cluster.gpus_per_node,
         partition=cluster.partition, account=cluster.account, time=cluster.time_limit,
         output=os.path.join(cluster.scratch_dir, "%x-%j.out"), chdir=cluster.scratch_dir,
-        container_image=cluster.container_image, env=env, setup=setup)
+        container_image=cluster.container_image, env=env)
 
 
 # ---- the job's spec and its result ----------------------------------------------------------

@@ -82,6 +82,17 @@ def read_latest(out_dir: str) -> dict | None:
         return json.load(f)
 
 
+PER_NODE_ENV = "COMPOSER_PER_NODE_STATE"
+
+
+def per_node_state() -> bool:
+    """Whether each node keeps its own ``out_dir`` (``$COMPOSER_PER_NODE_STATE=1``, set by the
+    cluster job runner on a multi-node job: no disk is shared). Then the first rank of every
+    node seals its own part of each checkpoint (its ranks' optimizer partitions) and commits
+    its own ``latest``; the job runner sends each node's part through storage."""
+    return os.environ.get(PER_NODE_ENV) == "1"
+
+
 SAVE_PAUSE_ENV = "COMPOSER_SAVE_PAUSE_S"
 
 

@@ -45,7 +45,8 @@ from pydantic import Field
 from ..pipes import Reporter, entry_point
 from ..runtime.config import StageConfig
 from .data import TokenShardDataset, TranscriptDataset, mixed_batches
-from ..runtime.checkpoint import (atomic_dir, clear_checkpoint, commit_latest, pause_before_seal, resume_checkpoint,
+from ..runtime.checkpoint import (atomic_dir, clear_checkpoint, commit_latest, pause_before_seal, per_node_state,
+                                  resume_checkpoint,
                                   rng_state, seal_checkpoint, set_rng_state, trim_metrics, write_json_atomic)
 from ..runtime.distributed import setup_distributed
 from .model import param_count, sample_text, save_hf_dir, supervised_loss
@@ -379,7 +380,8 @@ def _save(engine, cfg: MidtrainConfig, run: _Progress, ckpt_root: str, bf16: boo
     import torch.distributed as dist
 
     tag = f"step_{run.step:07d}"
-    if rank == 0:
+    node_sealer = rank != 0 and per_node_state() and int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if rank == 0 or node_sealer:
         clear_checkpoint(os.path.join(ckpt_root, tag))
     dist.barrier()
     engine.save_checkpoint(ckpt_root, tag=tag, save_latest=False)
@@ -393,7 +395,7 @@ def _save(engine, cfg: MidtrainConfig, run: _Progress, ckpt_root: str, bf16: boo
             "world_size": world, "rng": rng_state(), "loss_history": run.history,
             "evals": run.evals, "stopped_early": run.stopped_early, "config": cfg.to_dict()})
     dist.barrier()  # every rank's optimizer partition is on disk
-    if rank == 0:
+    if rank == 0 or node_sealer:  # another node's disk: its ranks' partitions sealed there
         seal_checkpoint(os.path.join(ckpt_root, tag))
         commit_latest(cfg.out_dir, ckpt_root, {"tag": tag, "step": run.step, "samples": run.samples},
                       cfg.keep_checkpoints)
