@@ -29,7 +29,8 @@ LONG_FIRST = ("tests.test_fleet", "tests.test_rl_learn", "tests.test_ui_browser"
 
 
 def _group(item) -> str:
-    return "slurm" if "slurm_cluster" in getattr(item, "fixturenames", ()) else item.module.__name__
+    names = getattr(item, "fixturenames", ())
+    return "slurm" if "slurm_cluster" in names or "slurm_two_nodes" in names else item.module.__name__
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,6 +40,46 @@ def pytest_collection_modifyitems(config, items):
     dev`) start once, and the two workers end together."""
     order = ["slurm", *LONG_FIRST]
     items.sort(key=lambda it: order.index(_group(it)) if _group(it) in order else len(order))
+
+
+@pytest.fixture(scope="session")
+def two_node_cluster():
+    """A real two-node Slurm cluster for the whole session (``tests/slurm_cluster.py``,
+    ``TwoNodeCluster``): each ``slurmd`` in network, UTS, PID and mount namespaces of its own on a
+    bridge, no writable path shared, moto's S3 server on the bridge address (``.s3_endpoint``).
+    Every process, namespace and interface is removed at the end, and that is checked. Tests
+    take ``slurm_two_nodes``, which points the Slurm commands at it."""
+    from tests.slurm_cluster import TwoNodeCluster, missing
+
+    why = missing()
+    if why.startswith("not installed"):
+        pytest.fail(why)
+    if why:
+        pytest.skip(why)
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="composer-slurm2-", dir="/var/tmp")  # each node mounts its own /tmp
+    os.chmod(root, 0o755)
+    cluster = TwoNodeCluster(Path(root)).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        left = cluster.interfaces()
+        shutil.rmtree(root, ignore_errors=True)
+        assert not left, f"the two-node cluster left interfaces or namespaces behind: {left}"
+
+
+@pytest.fixture
+def slurm_two_nodes(two_node_cluster, monkeypatch):
+    """The two-node cluster, with ``SLURM_CONF`` pointing at it for this test (the one-node
+    cluster keeps it otherwise) and S3 credentials for its S3 server in the environment."""
+    monkeypatch.setenv("SLURM_CONF", str(two_node_cluster.conf))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", FAKE_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
+    monkeypatch.setenv("COMPOSER_S3_ENDPOINT_URL", two_node_cluster.s3_endpoint)
+    return two_node_cluster
 
 
 @pytest.fixture(scope="session")

@@ -143,14 +143,16 @@ def _table_rows(table) -> list[list]:
     return rows
 
 
-def run(tmp_dir: str, rows: list[dict], extra: list[tuple[str, str]], config: Any) -> dict[str, Any]:
-    """Write ``rows`` as two Parquet inputs, run dedup with ``config`` and return ``summary``."""
+def run(tmp_dir: str, rows: list[dict], extra: list[tuple[str, str]], config: Any, run_tasks: Any = None) -> dict[str, Any]:
+    """Write ``rows`` as two Parquet inputs under ``tmp_dir`` (a directory or a storage URL), run
+    dedup with ``config`` (its map tasks through ``run_tasks``, e.g. a cluster's job array, when
+    given) and return ``summary``."""
     import pyarrow as pa
 
     from composer_dag.dedup import dedup
-    from composer_dag.storage import Storage
+    from composer_dag.storage import open_storage
 
-    storage = Storage(tmp_dir)
+    storage = open_storage(tmp_dir)
     urls = []
     half = len(rows) // 2
     for k, part in enumerate((rows[:half], rows[half:])):
@@ -160,7 +162,8 @@ def run(tmp_dir: str, rows: list[dict], extra: list[tuple[str, str]], config: An
         storage.write_parquet(table, url)
         urls.append(url)
     msgs: list[str] = []
-    res = dedup(urls, storage, storage.url("out"), config, contamination=extra, progress=msgs.append)
+    res = dedup(urls, storage, storage.url("out"), config, contamination=extra, progress=msgs.append,
+                run_tasks=run_tasks)
     return summary(res, storage, msgs)
 
 

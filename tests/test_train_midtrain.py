@@ -23,7 +23,12 @@ ENTRY = "composer_dag.train.midtrain"
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    base = tmp_path_factory.mktemp("midtrain")
+    return build_lm_inputs(tmp_path_factory.mktemp("midtrain"))
+
+
+def build_lm_inputs(base):
+    """A tokenizer (``tok``), packed shards (``data``) and a tiny two-layer model (``model``) of
+    the stdlib's json and email packages, under ``base``."""
     src = os.path.dirname(os.__file__)
     files = sorted(glob.glob(src + "/json/*.py") + glob.glob(src + "/email/*.py"))
     docs = [(f, open(f, encoding="utf-8").read(), "stdlib", "Python") for f in files]
