@@ -13,13 +13,13 @@ PYTEST_WORKERS ?= 0
 
 .PHONY: install system-deps run test dev bench clean
 
-# Debian packages the sandboxes, the browser test and the one-node Slurm cluster of the tests
-# need (installed when missing, as root).
+# Debian packages the sandboxes, the browser test and the Slurm clusters of the tests need
+# (installed when missing, as root; the two-node cluster: ip, nsenter, unshare, pgrep).
 # (nano, htop, ping, sudo and the locales: what a laptop has, seen from inside the sandboxes;
 # gcc builds the sandboxes' init, composer_dag/envs/laptop_init.c; faketime shifts the clock of a
 # repository environment's third test run, composer_dag/envs/repo_env.py)
-SYSTEM_BINS := bwrap gcc git faketime chromium chromedriver slurmctld slurmd sbatch munged nano htop ping sudo localedef
-SYSTEM_PKGS := bubblewrap gcc libc6-dev git faketime chromium chromium-driver slurmctld slurmd slurm-client munge nano htop iputils-ping sudo locales
+SYSTEM_BINS := bwrap gcc git faketime chromium chromedriver slurmctld slurmd sbatch munged nano htop ping sudo localedef ip nsenter unshare pgrep
+SYSTEM_PKGS := bubblewrap gcc libc6-dev git faketime chromium chromium-driver slurmctld slurmd slurm-client munge nano htop iputils-ping sudo locales iproute2 util-linux procps
 # the locales a sandbox persona may have (composer_dag/envs/rootfs.py: LOCALES), generated when missing
 PERSONA_LOCALES := en_US en_GB en_IN en_CA en_AU en_IE en_NZ en_ZA
 system-deps:

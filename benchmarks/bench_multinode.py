@@ -45,7 +45,8 @@ RDZV = textwrap.dedent("""\
     dist.init_process_group("gloo")
     t = torch.ones(1); dist.all_reduce(t)
     t2 = time.time()
-    print(f"RDZV rank={dist.get_rank()} world={dist.get_world_size()} import_s={t1 - t0:.3f} init_s={t2 - t1:.3f}", flush=True)
+    print(f"RDZV rank={dist.get_rank()} world={dist.get_world_size()} import_s={t1 - t0:.3f} init_s={t2 - t1:.3f} "
+          f"from_srun_s={t2 - float(os.environ['COMPOSER_T0']):.3f}", flush=True)
     dist.destroy_process_group()
 """)
 
@@ -61,6 +62,7 @@ def _rendezvous(cluster, repeats: int) -> list[float]:
 #SBATCH --output=/tmp/composer-scratch/rdzv-%j.out
 #SBATCH --chdir=/tmp/composer-scratch
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export COMPOSER_T0=$(date +%s.%N)
 srun --label {sys.executable} -m torch.distributed.run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \
   --rdzv-endpoint $head:29500 --rdzv-id $SLURM_JOB_ID {script}
 """
@@ -68,9 +70,10 @@ srun --label {sys.executable} -m torch.distributed.run --nnodes 2 --nproc-per-no
         while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
             time.sleep(0.3)
         log = (cluster.node_dir("node1") / "tmp" / "composer-scratch" / f"rdzv-{job}.out").read_text()
-        inits = [float(x.split("init_s=")[1]) for x in log.splitlines() if "RDZV" in x and "world=2" in x]
-        assert len(inits) == 2, log[-2000:]
-        out.append(max(inits))
+        lines = [x for x in log.splitlines() if "RDZV" in x and "world=2" in x]
+        assert len(lines) == 2, log[-2000:]
+        out.append((max(float(x.split("from_srun_s=")[1]) for x in lines),
+                    max(float(x.split("init_s=")[1].split()[0]) for x in lines)))
     return out
 
 
@@ -148,9 +151,13 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"cluster up (bridge, 2 namespaced slurmd, slurmctld, munged, moto): {up_s:.1f} s\n")
-    print("| rendezvous (c10d at the first node, gloo init + one all-reduce) | median s | min s | max s |")
+    print(f"| rendezvous, torchrun 2 nodes x 1 rank, {args.repeats} jobs | median s | min s | max s |")
     print("|---|---|---|---|")
-    print(f"| torchrun, 2 nodes x 1 rank, {args.repeats} jobs | {statistics.median(rdzv):.2f} | {min(rdzv):.2f} | {max(rdzv):.2f} |\n")
+    for i, what in enumerate(("srun -> both ranks in a world of 2 (torchrun start, c10d rendezvous at the first node, "
+                              "gloo init, one all-reduce)", "init_process_group + one all-reduce alone")):
+        xs = [r[i] for r in rdzv]
+        print(f"| {what} | {statistics.median(xs):.2f} | {min(xs):.2f} | {max(xs):.2f} |")
+    print()
     print(f"| mid-training, global batch 8 x 64 tokens, {args.steps} steps | s/step median | s/step min | ratio to 1 node |")
     print("|---|---|---|---|")
     for label, med, lo in rows:

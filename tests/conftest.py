@@ -49,9 +49,9 @@ def two_node_cluster():
     bridge, no writable path shared, moto's S3 server on the bridge address (``.s3_endpoint``).
     Every process, namespace and interface is removed at the end, and that is checked. Tests
     take ``slurm_two_nodes``, which points the Slurm commands at it."""
-    from tests.slurm_cluster import TwoNodeCluster, missing
+    from tests.slurm_cluster import NODE_BINARIES, TwoNodeCluster, missing
 
-    why = missing()
+    why = missing(NODE_BINARIES)
     if why.startswith("not installed"):
         pytest.fail(why)
     if why:

@@ -16,9 +16,12 @@ from pathlib import Path
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")
 
 
-def missing() -> str:
+NODE_BINARIES = ("ip", "nsenter", "unshare", "pgrep")  # the two-node cluster's namespaces
+
+
+def missing(extra: tuple[str, ...] = ()) -> str:
     """Why this machine cannot run the cluster, or ''."""
-    gone = [b for b in BINARIES if shutil.which(b) is None]
+    gone = [b for b in (*BINARIES, *extra) if shutil.which(b) is None]
     if gone:
         return f"not installed: {', '.join(gone)} (make system-deps installs them)"
     if os.geteuid() != 0:
