@@ -249,3 +249,48 @@ def test_slurm_multinode_dedup_array_lands_on_both_nodes(slurm_two_nodes):
     assert all(ran.values()), ran
     assert len({name.rsplit("-", 1)[1].split("_")[0] for names in ran.values() for name in names}) == 1, ran  # one job
     assert any("array:slurm" in line for line in seen), seen
+
+
+def _part(storage, url: str, files: dict[str, str], seal: bool = True) -> None:
+    for name, text in files.items():
+        storage.write_bytes(f"{url}/{name}", text.encode())
+    if seal:
+        storage.write_manifest(url)
+
+
+def test_multinode_state_resumes_from_the_newest_checkpoint_every_node_sealed(tmp_path):
+    """The job runner's pull of a two-node state (no cluster needed): node 0 sealed steps 6 and 9
+    and points ``latest`` at 9; node 1's part of step 9 was cut short on its way up (no manifest)
+    and its part of step 6 is whole. Every node gets step 6 with both nodes' partitions, ``latest``
+    moved back to it, step 9 gone; a part whose bytes differ from its manifest counts as unsealed."""
+    from composer_dag.cluster.job import StateSync
+    from composer_dag.runtime.checkpoint import resume_checkpoint
+    from composer_dag.storage import Storage
+
+    storage = Storage(str(tmp_path / "store"))
+    url = storage.url("state")
+    for step in (6, 9):
+        _part(storage, f"{url}/checkpoints/step_{step:07d}", {
+            "mp_rank_00_model_states.pt": f"model {step}", "zero_pp_rank_0_mp_rank_00_optim_states.pt": f"opt0 {step}",
+            "trainer_state.json": json.dumps({"step": step, "samples": step * 8})})
+    storage.write_json(f"{url}/latest", {"tag": "step_0000009", "step": 9, "samples": 72})
+    _part(storage, f"{url}/nodes/1/checkpoints/step_0000006", {"zero_pp_rank_1_mp_rank_00_optim_states.pt": "opt1 6"})
+    _part(storage, f"{url}/nodes/1/checkpoints/step_0000009", {"zero_pp_rank_1_mp_rank_00_optim_states.pt": "opt1 9"},
+          seal=False)
+    for node in (0, 1):
+        out = tmp_path / f"out{node}"
+        assert StateSync(storage, str(out), url, node, 2).pull()
+        assert json.loads((out / "latest").read_text()) == {"tag": "step_0000006", "step": 6, "samples": 48}
+        assert sorted(os.listdir(out / "checkpoints")) == ["step_0000006"] and not (out / "nodes").exists()
+        assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                "mp_rank_00_model_states.pt"} <= set(os.listdir(out / "checkpoints" / "step_0000006"))
+        assert resume_checkpoint(str(out), str(out / "checkpoints")) == "step_0000006"
+    # node 1's part of step 6 changed after it was sealed: nothing both nodes sealed is left
+    storage.write_bytes(f"{url}/nodes/1/checkpoints/step_0000006/zero_pp_rank_1_mp_rank_00_optim_states.pt", b"opt1 X")
+    out = tmp_path / "out-bad"
+    assert not StateSync(storage, str(out), url, 0, 2).pull()
+    assert not (out / "latest").exists() and not os.listdir(out / "checkpoints")
+    # one node: node 0's state as it is
+    out = tmp_path / "out-one"
+    assert StateSync(storage, str(out), url).pull()
+    assert json.loads((out / "latest").read_text())["tag"] == "step_0000009"

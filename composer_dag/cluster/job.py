@@ -89,6 +89,14 @@ class StateSync:
         if not self.storage.exists(f"{self.state_url}/latest"):
             return False
         self.storage.get_dir(self.state_url, self.out_dir)
+        if self.nodes > 1 and not self._merge_parts():
+            return False
+        self.sent = {p: self._stat(p) for p in self._files()}
+        return True
+
+    def _merge_parts(self) -> bool:
+        """Every node's part of each checkpoint into ``out_dir/checkpoints``, ``latest`` pointed
+        at the newest checkpoint sealed by all nodes (False, and no ``latest``, when there is none)."""
         parts = os.path.join(self.out_dir, NODES_DIR)
         ckpts = os.path.join(self.out_dir, "checkpoints")
         sealed = {t for t in _listdir(ckpts) if os.path.exists(os.path.join(ckpts, t, MANIFEST))}
@@ -100,7 +108,7 @@ class StateSync:
                 try:
                     Storage(src).verify_manifest(src)
                 except (ArtifactError, OSError, ValueError):
-                    continue  # cut short on its way up
+                    continue  # cut short on its way up, or changed since
                 own.add(tag)
                 for name in os.listdir(src):
                     if name != MANIFEST:
@@ -120,7 +128,6 @@ class StateSync:
             st = _read_json(os.path.join(ckpts, usable[-1], "trainer_state.json"))
             with open(os.path.join(self.out_dir, "latest"), "w") as f:
                 json.dump({"tag": usable[-1], "step": st.get("step"), "samples": st.get("samples")}, f)
-        self.sent = {p: self._stat(p) for p in self._files()}
         return True
 
     def _stat(self, path: str) -> tuple[int, int]:
