@@ -130,11 +130,6 @@ traces_job = dg.define_asset_job("take_in_traces", selection=dg.AssetSelection.a
                                  description="Take in one hour of production sessions (a production_traces partition).")
 
 
-def _fingerprint(storage, url: str) -> str:
-    info = storage.info(url)
-    return f"{info.get('size')}:{info.get('mtime') or info.get('LastModified') or info.get('ETag') or info.get('created')}"
-
-
 @dg.sensor(job=traces_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING,
            description="Requests a production_traces partition for every hour whose session files changed "
                        "(a new file, a late one, a rewritten one), keyed by the digests of that hour's files.")
@@ -142,7 +137,8 @@ def production_traces_sensor(context: dg.SensorEvaluationContext, artifacts: Art
     storage = artifacts.get()
     incoming = engine.incoming_url(storage, engine.TraceConfig().incoming)
     try:
-        listing = list_incoming(storage, incoming)
+        stamps: dict[str, str] = {}
+        listing = list_incoming(storage, incoming, stamps)
     except Exception as exc:  # storage down: the next tick tries again
         return dg.SkipReason(f"cannot list {incoming}: {exc}")
     cursor = json.loads(context.cursor or "{}")
@@ -157,7 +153,7 @@ def production_traces_sensor(context: dg.SensorEvaluationContext, artifacts: Art
             continue
         digests = []
         for u in urls:  # a file is read (hashed) only when its size or time changed
-            fp = _fingerprint(storage, u)
+            fp = stamps[u]
             if (files.get(u) or [None])[0] != fp:
                 files[u] = [fp, engine.file_digest(storage.read_bytes(u))]
             digests.append(files[u][1])

@@ -276,10 +276,15 @@ class Storage:
         with self._guard("check", url):
             return self.fs.exists(self._path(url))
 
-    def info(self, url: str) -> dict[str, Any]:
-        """What the store says of one file: ``size`` and, where it has them, ``mtime`` / ``ETag``."""
-        with self._guard("stat", url):
-            return dict(self.fs.info(self._path(url)))
+    def find_info(self, url: str) -> dict[str, dict[str, Any]]:
+        """Every file under a directory URL, recursively, with what the store says of it (``size``
+        and, where it has them, ``mtime`` / ``ETag``): one listing, not a request per file."""
+        try:
+            with self._guard("list", url):
+                found = self.fs.find(self._path(url), detail=True)
+        except FileNotFoundError:
+            return {}
+        return {self.full_url(p): dict(v) for p, v in sorted(found.items())}
 
     def read_bytes(self, url: str) -> bytes:
         try:

@@ -113,3 +113,25 @@ def test_catalog_records_gain_new_columns(storage, tmp_path):
     cat.insert_records("eval_summaries", [{"checkpoint": "b", "pass_at_1": 0.25, "pass_at_1_learnable": 1.0}])
     assert cat.query("SELECT checkpoint, pass_at_1, pass_at_1_learnable FROM eval_summaries ORDER BY 1") == [
         ("a", 0.5, None), ("b", 0.25, 1.0)]
+
+
+def test_incoming_listing_gives_each_file_its_fingerprint_in_one_listing(storage):
+    """The production-sessions sensor's listing: every hour's session files with their size and
+    time (or ETag) from one ``find``, on a local root and on the S3 server alike; a rewritten file
+    gets another fingerprint."""
+    from composer_dag.traces.store import list_incoming
+
+    incoming = storage.url("traces", "incoming")
+    storage.write_bytes(f"{incoming}/2026-12-01T10/a.jsonl", b"{}\n")
+    storage.write_bytes(f"{incoming}/2026-12-01T10/b.jsonl", b"{}\n{}\n")
+    storage.write_bytes(f"{incoming}/not-an-hour/c.jsonl", b"{}\n")
+    stamps: dict[str, str] = {}
+    listing = list_incoming(storage, incoming, stamps)
+    files = [f"{incoming}/2026-12-01T10/a.jsonl", f"{incoming}/2026-12-01T10/b.jsonl"]
+    assert listing == {"2026-12-01-10:00": files} and set(stamps) == set(files)  # the hourly partition key
+    assert [s.split(":")[0] for s in (stamps[files[0]], stamps[files[1]])] == ["3", "6"]
+    assert all(s.split(":", 1)[1] not in ("", "None") for s in stamps.values()), stamps
+    storage.write_bytes(files[0], b"{}\n{}\n{}\n")
+    again: dict[str, str] = {}
+    list_incoming(storage, incoming, again)
+    assert again[files[0]] != stamps[files[0]] and again[files[1]] == stamps[files[1]]

@@ -24,11 +24,12 @@ from .intake import partition_key, user_hash
 DELETIONS = ("traces", "deletions.jsonl")
 
 
-def list_incoming(storage, url: str) -> dict[str, list[str]]:
+def list_incoming(storage, url: str, fingerprints: dict[str, str] | None = None) -> dict[str, list[str]]:
     """Partition key -> the session files (``*.jsonl``) in that hour's folder, sorted; folders
-    that are not an hour are ignored."""
+    that are not an hour are ignored. ``fingerprints``, when given, is filled with each file's
+    size and modification time (or ETag) from the same listing: one request for the whole tree."""
     out: dict[str, list[str]] = {}
-    for f in storage.find(url):
+    for f, info in storage.find_info(url).items():
         rel = f[len(url.rstrip("/")) + 1:]
         parts = rel.split("/")
         if len(parts) != 2 or not parts[1].endswith(".jsonl") or parts[1].startswith("."):
@@ -36,6 +37,9 @@ def list_incoming(storage, url: str) -> dict[str, list[str]]:
         key = partition_key(parts[0])
         if key is not None:
             out.setdefault(key, []).append(f)
+            if fingerprints is not None:
+                stamp = info.get("mtime") or info.get("LastModified") or info.get("ETag") or info.get("created")
+                fingerprints[f] = f"{info.get('size')}:{stamp}"
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
