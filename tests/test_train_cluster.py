@@ -94,8 +94,10 @@ def test_slurm_script():
                  "#SBATCH --ntasks-per-node=1", "export NCCL_DEBUG=WARN"]:
         assert line in s.splitlines()
     srun = [ln for ln in s.splitlines() if ln.startswith("srun ")][0]
-    assert shlex.split(srun) == ["srun", "--kill-on-bad-exit=1", "python", "-m", "composer_dag.cluster.job",
+    # two nodes: --label names the node task that wrote each line of the job's log
+    assert shlex.split(srun) == ["srun", "--kill-on-bad-exit=1", "--label", "python", "-m", "composer_dag.cluster.job",
                                  "--spec", "s3://b/run 1.json"]
+    assert "--label" not in slurm_script(["true"])
     assert 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in s
     assert "--container-image=img:1" in slurm_script(["true"], container_image="img:1")
     # a bare ${NAME} stays a reference to the job's environment; anything else is quoted
