@@ -208,6 +208,13 @@ class TwoNodeCluster(SlurmCluster):
         self.s3_proc: subprocess.Popen | None = None
         self.s3_endpoint = ""
         self.scratch = f"/tmp/{SCRATCH_NAME}"
+        # what every node must see of this machine although it has its own /tmp: the code and
+        # the Python environment, where they live under /tmp (a checkout there)
+        import sys
+
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.install_under_tmp = sorted({p for p in (repo, os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix))
+                                         if p.startswith("/tmp/")})
 
     def node_dir(self, name: str) -> Path:
         return self.root / "nodes" / name
@@ -273,10 +280,16 @@ class TwoNodeCluster(SlurmCluster):
         for sub in ("tmp", "spool", f"tmp/{SCRATCH_NAME}"):
             (d / sub).mkdir(parents=True, exist_ok=True)
         (d / "tmp").chmod(0o1777)
-        # inside: the hostname, the cluster's hosts file, the node's own /tmp, then slurmd as the
-        # namespace's init
-        script = (f"set -e; hostname {name}; mount --bind {self.root}/hosts /etc/hosts; "
-                  f"mount --bind {d}/tmp /tmp; exec slurmd -D -N {name} -f {self.conf}")
+        # inside: the hostname, the cluster's hosts file, the node's own /tmp (with the install
+        # bound back read-only where it lives under /tmp), then slurmd as the namespace's init
+        stage = [d / "install" / str(i) for i in range(len(self.install_under_tmp))]
+        for st in stage:
+            st.mkdir(parents=True, exist_ok=True)
+        keep = "".join(f"mount --bind {p} {st}; " for p, st in zip(self.install_under_tmp, stage))
+        back = "".join(f"mkdir -p {p}; mount --bind {st} {p}; mount -o remount,bind,ro {p}; "
+                       for p, st in zip(self.install_under_tmp, stage))
+        script = (f"set -e; hostname {name}; mount --bind {self.root}/hosts /etc/hosts; {keep}"
+                  f"mount --bind {d}/tmp /tmp; {back}exec slurmd -D -N {name} -f {self.conf}")
         # nsenter, not `ip netns exec` (which mounts a /sys of the namespace's, hiding the cgroup
         # tree slurmd needs)
         return ["nsenter", f"--net=/run/netns/{self.netns[name]}", "unshare", "--uts", "--pid", "--mount", "--fork",
