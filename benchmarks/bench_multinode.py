@@ -115,7 +115,7 @@ def main() -> None:
             for r in range(args.repeats):
                 job = mn._midtrain_job(bucket, storage, inputs, f"{kw['nnodes']}n-{r}")
                 res = dg.materialize([mn._asset(bucket, job)], resources={"cluster": mn._resource(launcher="torchrun", **kw)})
-                s = res.get_asset_materialization_events()[0].materialization.metadata["result"].value["summary"]
+                s = mn._result(res)["summary"]
                 assert s["world_size"] == 2
                 step_s.append(s["train_seconds"] / s["steps"])
             rows.append((label, statistics.median(step_s), min(step_s)))
@@ -143,7 +143,7 @@ def main() -> None:
                              resources={"cluster": mn._resource(launcher="torchrun", nnodes=2, nproc_per_node=1)})
         marks["done"] = time.monotonic()
         th.join(timeout=60)
-        s = res.get_asset_materialization_events()[0].materialization.metadata["result"].value["summary"]
+        s = mn._result(res)["summary"]
         retrained = s["tokens_this_run"] // (2 * 4 * 64)
     finally:
         cluster.stop()

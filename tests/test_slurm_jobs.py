@@ -38,10 +38,11 @@ def _job(root: str, key: str, **config) -> dict:
             "outputs": {"payload": {"url": f"{root}/payload/{key}", "files": [["", "hf"], ["metrics.jsonl", "metrics.jsonl"]]}}}
 
 
-def _asset(root: str, job: dict, retries: int = 0):
+def _asset(root: str, job: dict, retries: int = 0, name: str = "composer-payload"):
+    """An asset that runs ``job`` on the cluster resource (``name``: the Slurm job's name)."""
     @dg.asset(retry_policy=dg.RetryPolicy(max_retries=retries) if retries else None)
     def payload(context: dg.AssetExecutionContext, cluster: ClusterResource):
-        result = cluster.run_job(context, open_storage(root), job, name="composer-payload")
+        result = cluster.run_job(context, open_storage(root), job, name=name)
         return dg.MaterializeResult(metadata={"result": dg.MetadataValue.json(result)})
 
     return payload

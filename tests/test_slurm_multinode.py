@@ -23,6 +23,7 @@ import pytest
 
 from composer_dag.storage import open_storage
 from resources.cluster import ClusterResource
+from tests.test_slurm_jobs import _asset as payload_asset, _result
 from tests.test_train_midtrain import build_lm_inputs
 
 
@@ -82,12 +83,7 @@ def _midtrain_job(root: str, storage, base, key: str, **env) -> dict:
 
 
 def _asset(root: str, job: dict, retries: int = 0):
-    @dg.asset(retry_policy=dg.RetryPolicy(max_retries=retries) if retries else None)
-    def midtrain(context: dg.AssetExecutionContext, cluster: ClusterResource):
-        result = cluster.run_job(context, open_storage(root), job, name="composer-mt2")
-        return dg.MaterializeResult(metadata={"result": dg.MetadataValue.json(result)})
-
-    return midtrain
+    return payload_asset(root, job, retries, name="composer-mt2")
 
 
 def _wait(ready, timeout: float, what: str) -> None:
@@ -124,7 +120,7 @@ def test_slurm_multinode_midtrain_survives_a_lost_node(slurm_two_nodes, lm_input
     res = dg.materialize([_asset(root, whole)], resources={"cluster": resource})
     assert res.success
     whole_s = time.monotonic() - t0
-    summary = res.get_asset_materialization_events()[0].materialization.metadata["result"].value["summary"]
+    summary = _result(res)["summary"]
     assert summary["world_size"] == 2 and summary["samples_seen"] == STEPS * 4 * 2
     # each node's part of every checkpoint went through S3: node 1's optimizer partition is there
     part = storage.find(f"{root}/work/midtrain/whole/nodes/1/checkpoints")
@@ -166,7 +162,7 @@ def test_slurm_multinode_midtrain_survives_a_lost_node(slurm_two_nodes, lm_input
         err = err.cause
     first = err.message.splitlines()[0]
     assert "lost its node" in first and "NODE_FAIL" in first, first
-    out = res.get_asset_materialization_events()[0].materialization.metadata["result"].value
+    out = _result(res)
     assert out["summary"]["world_size"] == 2
     # the retry trained only what no checkpoint sealed by both nodes held: from step 6 or later
     trained = out["summary"]["tokens_this_run"] // (2 * 4 * 64)

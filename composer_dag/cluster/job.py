@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Any
 
-from ..runtime.checkpoint import PER_NODE_ENV
+from ..runtime.checkpoint import PER_NODE_ENV, write_json_atomic
 from ..runtime.errors import error_line
 from ..pipes import RESULT_PATH_ENV, Reporter
 from ..storage import MANIFEST, ArtifactError, Storage, open_storage
@@ -74,7 +74,7 @@ class StateSync:
 
     def __init__(self, storage: Storage, out_dir: str, url: str, node: int = 0, nodes: int = 1):
         self.storage, self.out_dir, self.state_url = storage, out_dir, url
-        self.node, self.nodes = node, nodes
+        self.nodes = nodes
         self.url = url if node == 0 else f"{url}/{NODES_DIR}/{node}"  # where this node's part goes
         self.sent: dict[str, tuple[int, int]] = {}
         self._stop = threading.Event()
@@ -126,8 +126,8 @@ class StateSync:
             return False
         if usable[-1] != latest.get("tag"):
             st = _read_json(os.path.join(ckpts, usable[-1], "trainer_state.json"))
-            with open(os.path.join(self.out_dir, "latest"), "w") as f:
-                json.dump({"tag": usable[-1], "step": st.get("step"), "samples": st.get("samples")}, f)
+            write_json_atomic(os.path.join(self.out_dir, "latest"),
+                              {"tag": usable[-1], "step": st.get("step"), "samples": st.get("samples")})
         return True
 
     def _stat(self, path: str) -> tuple[int, int]:
