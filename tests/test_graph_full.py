@@ -33,10 +33,12 @@ TINY_RUN_CONFIG = {
             },
             # the learnable family only: its transcripts are short, so the default 80 steps teach the
             # behaviour (at 60, with a quarter of each micro-batch replayed code, 1 of 16 sampled first
-            # turns parsed on one machine and 13 of 16 at 80)
+            # turns parsed on one machine; at 80, 13 of 16 on one machine and 7 of 16 on another: the
+            # samples are drawn at temperature 1 and the float results differ by CPU, so the check
+            # asks for 2 of 16, which a model that never learnt the format does not reach)
             "sft_trajectories": {"config": {"max_per_source": {"humaneval": 0, "stdlib-bugfix": 0}}},
             "sft_checkpoint": {"config": {"max_steps": 80, "eval_every": 40, "save_every": 40, "format_samples": 16,
-                                          "min_format_share": 0.25}},
+                                          "min_format_share": 0.125}},
             # the distributed mode: two vLLM rollout servers started as Slurm service jobs, each
             # taking sft_checkpoint from S3 and following the weights the RL job publishes there;
             # a step's 16 episodes at once, so that each server batches its requests
