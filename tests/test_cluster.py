@@ -394,6 +394,8 @@ def test_k8s_service_and_indexed_job_round_trip_through_the_api_models():
     assert env["COMPOSER_ARRAY_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
         "metadata.annotations['batch.kubernetes.io/job-completion-index']")
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    pinned, _ = k8s.render_service(svc.model_copy(update={"node": "gpu-node-7"}), 8000)
+    assert pinned["spec"]["template"]["spec"]["nodeSelector"] == {"gpu": "h100", "kubernetes.io/hostname": "gpu-node-7"}
     broken = {**job, "spec": {**job["spec"], "completionsMode": "Indexed"}}  # misspelt: the model drops it
     assert _round_trip(broken, "V1Job") != broken
 
@@ -415,6 +417,32 @@ def test_slurm_service_and_array_scripts():
     assert "#SBATCH --array=0-7%3" in array.splitlines()
     assert 'export COMPOSER_ARRAY_INDEX="$SLURM_ARRAY_TASK_ID"' in array.splitlines()
     assert "#SBATCH --output=/scratch/shards-%A_%a.out" in array.splitlines()
+    assert not any(l.startswith("#SBATCH --nodelist") or l.startswith("trap ") for l in lines)
+    # a service pinned to a node; with log_uri each script copies its log there when it ends
+    shipping = runner(ClusterResource(backend="slurm", scratch_dir="/scratch", log_uri="s3://b/logs").cluster_config())
+    pinned = shipping.service_script(ServiceConfig(name="rollout-1", argv=["python", "-m", "x"], node="node2"), 8001)
+    assert "#SBATCH --nodelist=node2" in pinned.splitlines()
+    trap = next(l for l in pinned.splitlines() if l.startswith("trap "))
+    assert trap.endswith("|| true' EXIT") and "composer_dag.cluster.slurm ship-log /scratch/rollout-1-%j.out s3://b/logs" in trap
+    assert shipping._readable_log("/scratch/rollout-1-%j.out", j="42") == "s3://b/logs/rollout-1-42.out"
+    assert shipping._readable_log("/scratch/shards-%A_%a.out", A="7", a="3") == "s3://b/logs/shards-7_3.out"
+
+
+def test_slurm_log_shipping_round_trip(tmp_path, monkeypatch):
+    """What an array task's EXIT trap runs: its log (the --output pattern filled from its Slurm
+    environment) copied under log_uri, where the submitting side's log tail reads it."""
+    from composer_dag.cluster.spec import log_tail
+
+    (tmp_path / "shards-7_3.out").write_text("starting\nTraceback (most recent call last):\nValueError: shard 3 is corrupt\n")
+    env = {**os.environ, "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3", "SLURM_JOB_ID": "9"}
+    r = subprocess.run([sys.executable, "-m", "composer_dag.cluster.slurm", "ship-log", f"{tmp_path}/shards-%A_%a.out",
+                        f"file://{tmp_path}/logs"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert log_tail(f"file://{tmp_path}/logs/shards-7_3.out")[-1] == "ValueError: shard 3 is corrupt"
+    assert log_tail(f"file://{tmp_path}/logs/absent.out") == []  # never an exception
+    r = subprocess.run([sys.executable, "-m", "composer_dag.cluster.slurm", "ship-log", f"{tmp_path}/gone-%j.out",
+                        f"file://{tmp_path}/logs"], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip().startswith(f"could not copy the log to file://{tmp_path}/logs: "), r.stderr
 
 
 def test_service_and_array_configs_refuse_bad_values_in_one_line():

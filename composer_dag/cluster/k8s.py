@@ -148,10 +148,11 @@ class K8sRunner:
         return LaunchSpec(entry=name, launcher="python", env=env, gpus_per_node=gpus, image=self.cluster.image,
                                  name=name, cpu=str(cpus), memory=memory)
 
-    def _pod_kw(self) -> dict:
+    def _pod_kw(self, node: Optional[str] = None) -> dict:
         c = self.cluster
+        selector = {**(c.node_selector or {}), **({"kubernetes.io/hostname": node} if node else {})}
         return dict(image=c.image, gpu_resource=c.gpu_resource, service_account=c.service_account,
-                    secret_name=c.secret_name, node_selector=c.node_selector, tolerations=c.tolerations)
+                    secret_name=c.secret_name, node_selector=selector or None, tolerations=c.tolerations)
 
     def render_service(self, cfg: ServiceConfig, port: int, name: Optional[str] = None) -> tuple[dict, dict]:
         name = name or cfg.name
@@ -159,7 +160,8 @@ class K8sRunner:
         path = "/" + _fill(cfg.health_url, host, port).split("://", 1)[-1].partition("/")[2]
         return k8s_service_manifests(
             self._spec(name, cfg.cpus, cfg.gpus, cfg.memory, {k: _fill(v, BIND_ALL, port) for k, v in cfg.env.items()}),
-            [_fill(a, BIND_ALL, port) for a in cfg.argv], port, path, namespace=self.cluster.namespace, **self._pod_kw())
+            [_fill(a, BIND_ALL, port) for a in cfg.argv], port, path, namespace=self.cluster.namespace,
+            **self._pod_kw(cfg.node))
 
     def render_array(self, cfg: ArrayConfig) -> dict:
         return k8s_indexed_job(

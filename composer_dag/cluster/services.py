@@ -17,15 +17,18 @@ address to reach it at in ``health_url``.
 
 Backends:
 
-- ``local``: a process group on this machine under ``composer_dag.runtime.supervise`` (dies
+- ``local``: a process group on this machine (``node`` does not apply) under ``composer_dag.runtime.supervise`` (dies
   with its parent through ``PR_SET_PDEATHSIG``, stops its whole group); stop = SIGTERM to the
   group, SIGKILL after the grace period. An array is a pool of at most ``parallelism``
   processes.
-- ``slurm``: ``sbatch`` of a script that ``srun``s the service (one node); the host comes from
-  ``scontrol show job`` (its ``BatchHost``, then that node's ``NodeAddr``); stop = ``scancel``,
+- ``slurm``: ``sbatch`` of a script that ``srun``s the service (one node; ``node`` pins it with
+  ``--nodelist``); its URL names the node that runs it (``scontrol show job``'s ``BatchHost``),
+  as the cluster's other nodes reach it, and the health check goes to that node's ``NodeAddr``
+  (this machine need not resolve the cluster's names); stop = ``scancel``,
   waiting until the job has left ``squeue``. An array is ``sbatch --array=0-(count-1)%parallelism``;
   each task's state and exit code come from ``scontrol``, its error line from its log.
-- ``k8s``: a Deployment + Service (ready when the health path answers) and an Indexed Job,
+- ``k8s``: a Deployment + Service (ready when the health path answers; ``node`` becomes a
+  ``kubernetes.io/hostname`` node selector) and an Indexed Job,
   created with the ``kubernetes`` client; stop deletes them.
 
 A service that does not answer within ``start_timeout_s`` (or ends before) is stopped and fails

@@ -7,6 +7,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 import threading
 import time
 from typing import Mapping, Optional
@@ -144,6 +145,9 @@ class SlurmRunner:
         opts = [f"--cpus-per-task={cpus}", *sbatch]
         if memory:
             opts.append(f"--mem={slurm_memory(memory)}")
+        if c.log_uri:  # the log leaves the node when the script ends (a failure's lines read from there)
+            ship = [sys.executable, "-m", "composer_dag.cluster.slurm", "ship-log", output, c.log_uri]
+            setup = [f"trap {shlex.quote(' '.join(map(shlex.quote, ship)) + ' || true')} EXIT", *setup]
         return slurm_script(
             list(argv), name=name, nodes=1, gpus_per_node=gpus, partition=c.partition, account=c.account,
             time=time_limit or c.time_limit, output=output, chdir=c.scratch_dir,
@@ -153,10 +157,17 @@ class SlurmRunner:
         """The sbatch script of a service (one node, ``srun`` of its argv, log ``<scratch>/<name>-<job>.out``)."""
         argv = [_fill(a, BIND_ALL, port) for a in cfg.argv]
         env = {k: _fill(v, BIND_ALL, port) for k, v in cfg.env.items()}
-        return self._script(argv, cfg.name, env, self._service_log(cfg), cfg.cpus, cfg.gpus, cfg.memory, cfg.time_limit)
+        return self._script(argv, cfg.name, env, self._service_log(cfg), cfg.cpus, cfg.gpus, cfg.memory, cfg.time_limit,
+                            sbatch=[f"--nodelist={cfg.node}"] if cfg.node else [])
 
     def _service_log(self, cfg: ServiceConfig) -> str:
         return os.path.join(self.cluster.scratch_dir, f"{cfg.name}-%j.out")
+
+    def _readable_log(self, pattern: str, **fields: str) -> str:
+        """Where this machine reads the log Slurm writes at ``pattern`` (``%j``, ``%A``, ``%a``
+        filled from ``fields``): its copy under ``log_uri``, else the path itself."""
+        path = _fill_slurm_pattern(pattern, fields)
+        return f"{self.cluster.log_uri.rstrip('/')}/{os.path.basename(path)}" if self.cluster.log_uri else path
 
     def array_script(self, cfg: ArrayConfig) -> str:
         """The sbatch script of an array (``--array=0-(count-1)%parallelism``, the index exported as
@@ -173,7 +184,8 @@ class SlurmRunner:
         port = cfg.port or free_port()
         out = self._service_log(cfg)
         job = sbatch(self.service_script(cfg, port))
-        handle = ServiceHandle(cfg.name, "slurm", "", port, "", "", job_id=job, log=out.replace("%j", job), _runner=self)
+        handle = ServiceHandle(cfg.name, "slurm", "", port, "", "", job_id=job, log=self._readable_log(out, j=job),
+                               _runner=self)
         _track(handle)
         self.log(f"[service:slurm] {cfg.name}: submitted job {job}")
         try:
@@ -190,10 +202,14 @@ class SlurmRunner:
                     raise ServiceError(f"service {cfg.name} (slurm job {job}) waited in the queue for more than "
                                        f"{cfg.queue_timeout_s:g} s ({state.get('Reason', 'no reason given')}); now cancelled")
                 time.sleep(min(self.cluster.poll_seconds, 0.5))
-            handle.host = slurm_node_address(job)
+            # the URL names the node, as the cluster's other nodes reach it; this machine checks
+            # its health at the node's address (NodeAddr), which it reaches whether or not it
+            # resolves the cluster's node names
+            handle.host, addr = slurm_node_address(job)
             handle.url = f"http://{handle.host}:{port}"
-            handle.health_url = _fill(cfg.health_url, handle.host, port)
-            self.log(f"[service:slurm] {cfg.name}: job {job} runs on {handle.host}; waiting for {handle.health_url}")
+            handle.health_url = _fill(cfg.health_url, addr, port)
+            self.log(f"[service:slurm] {cfg.name}: job {job} runs on {handle.host} ({addr}); "
+                     f"waiting for {handle.health_url}")
 
             def ended() -> Optional[str]:
                 st = slurm_state(job)
@@ -234,7 +250,8 @@ class SlurmRunner:
             r = records.get(i, {})
             state = r.get("JobState", "UNKNOWN")
             code = parse_exit_code(r.get("ExitCode", "0:0")) if r else -1
-            log = r.get("StdOut") or out.replace("%A", job).replace("%a", str(i))
+            log = (self._readable_log(out, A=job, a=str(i)) if self.cluster.log_uri
+                   else r.get("StdOut") or _fill_slurm_pattern(out, {"A": job, "a": str(i)}))
             task = ArrayTask(i, code, state, log=log)
             if not task.ok:
                 why = _why_from_log(log_tail(log))
@@ -293,8 +310,9 @@ def scancel_and_wait(job: Optional[str], timeout: float) -> None:
         time.sleep(0.3)
 
 
-def slurm_node_address(job: str) -> str:
-    """The address of the node that runs the job: its ``BatchHost``, as that node's ``NodeAddr``."""
+def slurm_node_address(job: str) -> tuple[str, str]:
+    """The node that runs the job (its ``BatchHost``) and that node's ``NodeAddr`` (its name
+    where Slurm has no address for it)."""
     sc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
     rec = next(iter(parse_scontrol_records(sc.stdout)), {})
     node = rec.get("BatchHost") or rec.get("NodeList", "")
@@ -302,7 +320,7 @@ def slurm_node_address(job: str) -> str:
         raise ServiceError(f"slurm job {job} runs on no node that scontrol names")
     sn = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True)
     addr = next(iter(parse_scontrol_records(sn.stdout)), {}).get("NodeAddr")
-    return addr or node
+    return node, addr or node
 
 
 def _slurm_what(state: Mapping[str, str]) -> str:
@@ -312,7 +330,35 @@ def _slurm_what(state: Mapping[str, str]) -> str:
     return f"{what} (state {s}, exit code {state.get('ExitCode', '?')})"
 
 
+def _fill_slurm_pattern(pattern: str, fields: Mapping[str, str]) -> str:
+    """An ``--output`` pattern with ``%j`` / ``%A`` / ``%a`` / ``%x`` replaced from ``fields``."""
+    return re.sub(r"%([jAax])", lambda m: fields.get(m.group(1), m.group(0)), pattern)
+
+
+def ship_log(pattern: str, log_uri: str) -> str:
+    """Copy this Slurm task's log (``pattern`` filled from its ``SLURM_*`` environment) to
+    ``log_uri``; the EXIT trap of a service's or array task's script (``ClusterConfig.log_uri``)."""
+    from ..storage import open_storage
+
+    env = os.environ
+    path = _fill_slurm_pattern(pattern, {"j": env.get("SLURM_JOB_ID", ""), "A": env.get("SLURM_ARRAY_JOB_ID", ""),
+                                         "a": env.get("SLURM_ARRAY_TASK_ID", ""), "x": env.get("SLURM_JOB_NAME", "")})
+    url = f"{log_uri.rstrip('/')}/{os.path.basename(path)}"
+    with open(path, "rb") as f:
+        open_storage(log_uri).write_bytes(url, f.read())
+    return url
+
+
 def slurm_memory(memory: str) -> str:
     """A k8s-style quantity as Slurm's ``--mem`` ("64Gi" -> "64G", "512Mi" -> "512M")."""
     m = re.fullmatch(r"(\d+)([KMGT])i?B?", memory.strip(), re.I)
     return f"{m.group(1)}{m.group(2).upper()}" if m else memory
+
+
+if __name__ == "__main__":  # python -m composer_dag.cluster.slurm ship-log PATTERN LOG_URI
+    if len(sys.argv) != 4 or sys.argv[1] != "ship-log":
+        sys.exit("usage: python -m composer_dag.cluster.slurm ship-log PATTERN LOG_URI")
+    try:
+        ship_log(sys.argv[2], sys.argv[3])
+    except Exception as exc:  # one line in the log it could not copy; the job's own status stands
+        sys.exit(f"could not copy the log to {sys.argv[3]}: {type(exc).__name__}: {exc}")

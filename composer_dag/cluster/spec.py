@@ -138,6 +138,9 @@ class ClusterConfig(StageConfig):
                                              "and the Python environment (storage URLs in and out)")
     job_code: list[str] = Field(["composer_dag"], description="what of the checkout an isolated job sees")
     scratch_dir: str = "/tmp"                 # node-local: logs of services and array tasks
+    log_uri: Optional[str] = Field(None, description="slurm: a storage URL each service and array task copies its log "
+                                                    "to when it ends, read from there by this machine (the nodes share "
+                                                    "no disk with it); None: read where Slurm wrote it (scratch_dir)")
     poll_seconds: float = Field(2.0, gt=0)
     grace_seconds: float = Field(10.0, ge=0)  # SIGTERM -> SIGKILL
     array_parallelism: Optional[int] = Field(None, ge=1)
@@ -172,6 +175,8 @@ class ServiceConfig(StageConfig):
     gpus: int = Field(0, ge=0)
     memory: Optional[str] = None                       # "64Gi" (k8s) / "64G" (slurm)
     time_limit: Optional[str] = None                   # slurm; default: the cluster's
+    node: Optional[str] = Field(None, max_length=255)  # the node to run on (slurm --nodelist, k8s
+    #                                                    kubernetes.io/hostname); None: the scheduler's choice
 
 
 class ArrayConfig(StageConfig):
@@ -194,7 +199,7 @@ class ArrayConfig(StageConfig):
 class ServiceHandle:
     name: str
     backend: str
-    host: str
+    host: str                     # slurm: the node's name; k8s: the Service's DNS name
     port: int
     url: str                      # http://host:port
     health_url: str
@@ -223,15 +228,22 @@ class ArrayTask:
 
 # ---- logs and health ---------------------------------------------------------------------
 def log_tail(path: Optional[str], n: int = LOG_LINES) -> list[str]:
-    """The last ``n`` lines of a log file ([] when it cannot be read here)."""
+    """The last ``n`` lines of a log file, a path here or a storage URL ([] when it cannot be
+    read)."""
     if not path:
         return []
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
+        if "://" in path:
+            from ..storage import open_storage
+
+            data = open_storage(path.rsplit("/", 1)[0]).read_bytes(path)
+            lines = data[-64 * 1024:].decode("utf-8", "replace").splitlines()
+        else:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64 * 1024))
+                lines = f.read().decode("utf-8", "replace").splitlines()
+    except Exception:  # a missing file, an unreachable store: the caller says where the log is
         return []
     return [ln for ln in lines if ln.strip()][-n:]
 
