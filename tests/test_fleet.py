@@ -446,8 +446,10 @@ def test_fleet_serve_takes_the_model_from_storage(learnable_base, s3_bucket, tmp
     from composer_dag.rl.fleet.config import FleetConfig
     from composer_dag.rl.fleet.launch import server_services
 
-    specs = server_services(FleetConfig.load({"servers": 2, "skip_reload": [1, 4]}), url, "s3://b/w", 512, 7)
-    assert [x["name"] for x in specs] == ["rollout-0", "rollout-1"]
+    specs = server_services(FleetConfig.load({"servers": 2, "skip_reload": [1, 4], "nodes": ["gpu-a", "gpu-b"]}), url,
+                            "s3://b/w", 512, 7)
+    assert [x["name"] for x in specs] == ["rollout-0", "rollout-1"] and [x["node"] for x in specs] == ["gpu-a", "gpu-b"]
+    assert "--enable-server-load-tracking" in specs[0]["argv"]  # GET /load: requests in flight
     assert all(x["health_url"] == "http://{host}:{port}/health" and "--skip-reload" not in x["argv"][:x["argv"].index("--")]
                for x in specs[:1])
     assert specs[1]["argv"][specs[1]["argv"].index("--skip-reload") + 1] == "4"

@@ -18,6 +18,8 @@ class FleetConfig(StageConfig):
     host: str = "127.0.0.1"
     base_port: int = Field(8300, description="server i listens on base_port + i")
     urls: Optional[list[str]] = Field(None, description="servers already running (not started or stopped by the run)")
+    nodes: Optional[list[str]] = Field(None, description="cluster nodes for the servers started as services: server i "
+                                                         "on nodes[i mod len(nodes)] (default: the scheduler's choice)")
     weight_sync: Literal["orchestrator", "server"] = Field(
         "orchestrator", description="who rebuilds and reloads each version: the orchestrator (servers must see its "
                                     "out_dir) or a loop beside each server (python -m composer_dag.rl.fleet.serve; "

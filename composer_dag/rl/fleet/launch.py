@@ -108,7 +108,8 @@ def server_services(fleet, model_url: str, weights_uri: str, max_model_len: int 
                                                                     "poll_seconds": fleet.poll_seconds},
                               max_model_len=max_model_len, kv_cache_mb=fleet.server_kv_cache_mb, seed=seed)
         out.append({"name": f"rollout-{i}", "argv": argv, "health_url": "http://{host}:{port}/health",
-                    "start_timeout_s": fleet.server_start_timeout})
+                    "start_timeout_s": fleet.server_start_timeout,
+                    "node": fleet.nodes[i % len(fleet.nodes)] if fleet.nodes else None})
     return out
 
 

@@ -43,12 +43,14 @@ def server_args(model_dir: str, port: int | str, host: str = "127.0.0.1", max_mo
     cache, no chunked prefill: see ``VLLMEngine``). The model runs in the engine core's own
     process (``uni`` executor, with ``server_env``'s ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the
     server is two processes, not three (API server, engine core, worker), and starts about 1.3x
-    faster on CPU (``benchmarks/bench_fleet.py server-start``)."""
+    faster on CPU (``benchmarks/bench_fleet.py server-start``). ``GET /load`` answers the
+    number of requests in flight (``--enable-server-load-tracking``)."""
     return ["--model", model_dir, "--host", host, "--port", str(port), "--dtype", dtype, "--enforce-eager",
             "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_mb << 20),
             "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 4096)),
             "--seed", str(seed), "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
-            "--disable-log-stats", "--disable-uvicorn-access-log", "--distributed-executor-backend", "uni"]
+            "--disable-log-stats", "--disable-uvicorn-access-log", "--distributed-executor-backend", "uni",
+            "--enable-server-load-tracking"]
 
 
 def server_command(model_dir: str, port: int | str, host: str = "127.0.0.1", follow: dict | None = None,
