@@ -30,7 +30,7 @@ LONG_FIRST = ("tests.test_fleet", "tests.test_rl_learn", "tests.test_ui_browser"
 
 def _group(item) -> str:
     names = getattr(item, "fixturenames", ())
-    return "slurm" if "slurm_cluster" in names or "slurm_two_nodes" in names else item.module.__name__
+    return "slurm" if "two_node_cluster" in names else item.module.__name__
 
 
 def pytest_collection_modifyitems(config, items):
@@ -73,8 +73,8 @@ def two_node_cluster():
 
 @pytest.fixture
 def slurm_two_nodes(two_node_cluster, monkeypatch):
-    """The two-node cluster, with ``SLURM_CONF`` pointing at it for this test (the one-node
-    cluster keeps it otherwise) and S3 credentials for its S3 server in the environment."""
+    """The two-node cluster, with ``SLURM_CONF`` pointing at it for this test and S3
+    credentials for its S3 server in the environment."""
     monkeypatch.setenv("SLURM_CONF", str(two_node_cluster.conf))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", FAKE_KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
@@ -108,19 +108,30 @@ def s3_server():
     proc.wait(timeout=10)
 
 
-@pytest.fixture
-def s3_bucket(s3_server, monkeypatch):
-    """A fresh bucket on the S3 server, with fake credentials in the environment."""
+def _bucket(endpoint: str, monkeypatch) -> dict:
     import boto3
 
     name = f"composer-{time.time_ns()}"
     boto3.client(
-        "s3", endpoint_url=s3_server, aws_access_key_id=FAKE_KEY, aws_secret_access_key=FAKE_SECRET, region_name="us-east-1"
+        "s3", endpoint_url=endpoint, aws_access_key_id=FAKE_KEY, aws_secret_access_key=FAKE_SECRET, region_name="us-east-1"
     ).create_bucket(Bucket=name)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", FAKE_KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
-    monkeypatch.setenv("COMPOSER_S3_ENDPOINT_URL", s3_server)
-    return {"bucket": name, "endpoint": s3_server, "options": {"endpoint_url": s3_server, "key": FAKE_KEY, "secret": FAKE_SECRET}}
+    monkeypatch.setenv("COMPOSER_S3_ENDPOINT_URL", endpoint)
+    return {"bucket": name, "endpoint": endpoint, "options": {"endpoint_url": endpoint, "key": FAKE_KEY, "secret": FAKE_SECRET}}
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch):
+    """A fresh bucket on the S3 server, with fake credentials in the environment."""
+    return _bucket(s3_server, monkeypatch)
+
+
+@pytest.fixture
+def cluster_bucket(slurm_two_nodes, monkeypatch):
+    """A fresh bucket on the two-node cluster's S3 server (on its bridge: the nodes reach it),
+    with fake credentials in the environment; the Slurm commands point at that cluster."""
+    return _bucket(slurm_two_nodes.s3_endpoint, monkeypatch)
 
 
 @pytest.fixture
@@ -227,34 +238,4 @@ def mined_tasks(repo_envs, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("mined")
     return out, mine(repo_envs["parse"][0], out, max_tasks=3, seed=0)
-
-
-@pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory):
-    """A real one-node Slurm cluster (munged, slurmctld, slurmd; 8 CPUs declared) for the whole
-    session; ``SLURM_CONF`` points the Slurm commands at it. Stopped by process id at the end."""
-    from tests.slurm_cluster import SlurmCluster, missing
-
-    why = missing()
-    if why.startswith("not installed"):  # an install defect: `make test` installs them
-        pytest.fail(why)
-    if why:  # the daemons run as root; without it this machine cannot host the cluster
-        pytest.skip(why)
-    import shutil
-    import tempfile
-
-    root = tempfile.mkdtemp(prefix="composer-slurm-")  # munged (user munge) must reach it
-    os.chmod(root, 0o755)
-    cluster = SlurmCluster(Path(root)).start()
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(cluster.conf)
-    try:
-        yield cluster
-    finally:
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
-        cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
 

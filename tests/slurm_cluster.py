@@ -1,8 +1,10 @@
-"""A real one-node Slurm cluster for the tests: munged, slurmctld and slurmd started as
+"""Real Slurm clusters for the tests and benchmarks: munged, slurmctld and slurmd started as
 processes of this session with a generated ``slurm.conf`` in a temporary directory, on free
 ports, declaring more CPUs than the machine has (so a trainer and services run at once), and
-stopped by process id at the end. Needs root and the Debian packages slurmctld, slurmd,
-slurm-client and munge (``make system-deps``)."""
+stopped by process id at the end. ``SlurmCluster`` is one node on this host's network (the
+cluster benchmarks); ``TwoNodeCluster``, every Slurm test's, runs each node in namespaces of
+its own. Needs root and the Debian packages slurmctld, slurmd, slurm-client and munge
+(``make system-deps``)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def missing(extra: tuple[str, ...] = ()) -> str:
     if gone:
         return f"not installed: {', '.join(gone)} (make system-deps installs them)"
     if os.geteuid() != 0:
-        return "the one-node Slurm cluster runs as root"
+        return "the Slurm test clusters run as root"
     return ""
 
 
@@ -407,3 +409,75 @@ class TwoNodeCluster(SlurmCluster):
             super().stop()
         finally:
             self._net_down()
+
+
+class ServerNodeLoss:
+    """A power cut of the node that holds only a rollout server, while that server has episodes
+    in flight: a thread watches ``squeue`` for the RL job (``rl_job``) and the rollout services
+    (``rollout-*``), picks a server whose node runs no RL job, polls that server's ``/load``
+    (vLLM's count of requests in flight, at the node's address) and kills the node once it
+    reaches ``min_load`` (2: more than the one probe request the orchestrator sends after each
+    reload). ``victim``: (node, service name) once done; ``error``: why it could not."""
+
+    def __init__(self, cluster: "TwoNodeCluster", rl_job: str = "composer-rl", min_load: int = 2,
+                 timeout: float = 1500):
+        import threading
+
+        self.cluster, self.rl_job, self.min_load, self.timeout = cluster, rl_job, min_load, timeout
+        self.victim: tuple[str, str] | None = None
+        self.error = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="server-node-loss", daemon=True)
+
+    def _slurm(self, *argv: str) -> str:
+        return subprocess.run(list(argv), capture_output=True, text=True, env={**os.environ, **self.cluster.env}).stdout
+
+    def _pick(self) -> tuple[str, str, str] | None:
+        """(node, service name, job id) of a running rollout server on a node without the RL job."""
+        jobs = [line.split() for line in self._slurm("squeue", "-h", "-t", "RUNNING", "-o", "%i %j %N").splitlines()]
+        rl_nodes = {j[2] for j in jobs if len(j) == 3 and j[1] == self.rl_job}
+        servers = [(j[2], j[1], j[0]) for j in jobs if len(j) == 3 and j[1].startswith("rollout-")]
+        if not rl_nodes or len(servers) < 2:
+            return None
+        alone = [s for s in servers if s[0] not in rl_nodes]
+        return alone[0] if alone else None
+
+    def _run(self) -> None:
+        import json
+        import re
+        import urllib.request
+
+        deadline = time.monotonic() + self.timeout
+        try:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                picked = self._pick()
+                if picked is None:
+                    time.sleep(0.3)
+                    continue
+                node, name, job = picked
+                port = re.search(r"--port'?\s+'?(\d+)", self._slurm("scontrol", "write", "batch_script", job, "-"))
+                if not port:
+                    self.error = f"no --port in the batch script of job {job}"
+                    return
+                url = f"http://{self.cluster.addr[node]}:{port.group(1)}/load"
+                while not self._stop.is_set() and time.monotonic() < deadline:
+                    try:
+                        load = json.loads(urllib.request.urlopen(url, timeout=2).read())["server_load"]
+                    except (OSError, ValueError, KeyError):
+                        load = 0
+                    if load >= self.min_load:
+                        self.cluster.kill_node(node)
+                        self.victim = (node, name)
+                        return
+                    time.sleep(0.05)
+            self.error = self.error or "no rollout server on a node of its own had a request in flight"
+        except Exception as exc:  # reported by the test, never lost in the thread
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def __enter__(self) -> "ServerNodeLoss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)

@@ -165,28 +165,30 @@ def test_incremental_asset_dedups_only_the_new_source(tmp_path):
         assert _files(_kept(storage, full["dagster/uri"])) == (_files(kept) - {("a", "m2.py")}) | {("b", "copy_of_m2.py")}
 
 
-def test_slurm_dedup_map_runs_as_a_job_array(slurm_cluster, s3_bucket, tmp_path):
-    """Two sources, one map task each, run as the elements of one ``sbatch --array`` job that
-    reaches the artifacts on the S3 server only; the kept files are those of the local pool."""
+def test_slurm_dedup_map_runs_as_a_job_array(cluster_bucket, tmp_path):
+    """Two sources, one map task each, run as the elements of one ``sbatch --array`` job on the
+    two-node cluster that reaches the artifacts on the S3 server only; the kept files are those
+    of the local pool."""
+    s3_bucket = cluster_bucket
     bucket = s3_bucket["bucket"]
     roots = {"a": _source(tmp_path / "src-a", {f"m{i}.py": _code(i) for i in range(5)} | {"dup.py": _code(1)}),
              "b": _source(tmp_path / "src-b", {f"n{i}.py": _code(50 + i) for i in range(5)} | {"dup.py": _code(3)})}
     sources = _sources_file(tmp_path / "sources.yaml", roots)
     resources = resources_for(f"s3://{bucket}/artifacts", tmp_path, sources, s3_bucket["options"])
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    resources["cluster"] = ClusterResource(backend="slurm", scratch_dir=str(scratch), poll_seconds=0.5, grace_seconds=3)
+    resources["cluster"] = ClusterResource(backend="slurm", scratch_dir="/tmp/composer-scratch",
+                                           log_uri=f"s3://{bucket}/logs", poll_seconds=0.5, grace_seconds=3)
     (tmp_path / "dagster_home").mkdir()
     with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
         meta, checks = _refresh(instance, resources)
         assert checks and all(checks.values()), checks
         inputs = {p: latest_uri(instance, "code_corpus", p) for p in ("a", "b")}
     assert meta["map_backend"] == "slurm" and meta["map_tasks"] == 2
-    logs = sorted(p.name for p in scratch.glob("dedup-map-*_*.out"))  # sbatch --array: <name>-<job>_<index>.out
+    storage = Storage(f"s3://{bucket}/artifacts", s3_bucket["options"])
+    # sbatch --array: <name>-<job>_<index>.out, each copied from its node to log_uri
+    logs = sorted(u.rsplit("/", 1)[1] for u in storage.find(f"s3://{bucket}/logs") if "/dedup-map-" in u)
     assert len(logs) == 2 and {n.rsplit("_", 1)[1] for n in logs} == {"0.out", "1.out"}, logs
     assert len({n.rsplit("_", 1)[0] for n in logs}) == 1, logs  # one job, two elements
 
-    storage = Storage(f"s3://{bucket}/artifacts", s3_bucket["options"])
     urls = [u for p in ("a", "b") for u in storage.find(inputs[p]) if u.rsplit("/", 1)[-1].startswith("files-")]
     local = dedup(urls, storage, storage.url("local-check"), DedupConfig(**SETTINGS))
     assert local.extra["map_processes"] != "run_tasks"
@@ -198,15 +200,15 @@ def test_slurm_dedup_map_runs_as_a_job_array(slurm_cluster, s3_bucket, tmp_path)
     assert meta["manifest_digest"] != "" and storage.verify_manifest(meta["dagster/uri"])
 
 
-def test_slurm_dedup_map_failure_names_the_index(slurm_cluster, tmp_path):
+def test_slurm_dedup_map_failure_names_the_index(cluster_bucket, tmp_path):
     """A map task that fails on the cluster fails the step with one line naming the array, the
-    index and the task's own error (not the scheduler's last words)."""
+    index and the task's own error (not the scheduler's last words), read from the task's log
+    copied to S3."""
     from assets.dedup import _map_runner
     from resources import ArtifactStorage
 
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    cluster = ClusterResource(backend="slurm", scratch_dir=str(scratch), poll_seconds=0.5, grace_seconds=3)
+    cluster = ClusterResource(backend="slurm", scratch_dir="/tmp/composer-scratch",
+                              log_uri=f"s3://{cluster_bucket['bucket']}/logs", poll_seconds=0.5, grace_seconds=3)
     spec = f"file://{tmp_path}/art/spec.json"  # never written
 
     @dg.asset

@@ -1,6 +1,7 @@
 """The whole graph on a tiny configuration, through Dagster, with every asset check required to
-pass (the design card's "asset checks in CI"), its GPU stages as Slurm jobs isolated from this
-process's disk, every artifact on S3; then the promotion gate failing on a worse RL checkpoint."""
+pass (the design card's "asset checks in CI"), its GPU stages as Slurm jobs on a two-node cluster
+isolated from this process's disk, every artifact on S3, the RL fleet across both nodes losing
+the node that holds only a server; then the promotion gate failing on a worse RL checkpoint."""
 
 import time
 
@@ -44,10 +45,11 @@ TINY_RUN_CONFIG = {
             # a step's 16 episodes at once, so that each server batches its requests
             # RL on a mix: the learnable family and the tasks mined from a repository (parse),
             # drawn source by source with equal weights
+            # one server on each node, addressed by the node's name
             "rl_run": {"config": {"steps": 2, "tasks_per_step": 4, "group_size": 4,
                                   "task_sources": ["learnable", "repo-mined"],
                                   "source_weights": {"learnable": 1.0, "repo-mined": 1.0},
-                                  "fleet": {"servers": 2, "max_sandboxes": 16}}},
+                                  "fleet": {"servers": 2, "max_sandboxes": 16, "nodes": ["node1", "node2"]}}},
             # transformers' generate for the tiny model: the RL stage above runs vLLM (and reloads
             # its weights); evaluation on vLLM is what `make run` does, at 25 s of engine start per job
             "evaluated_model": {"config": EVAL_CONFIG},
@@ -61,15 +63,21 @@ GPU_STAGES = {"midtrained_checkpoint": "midtrain", "sft_checkpoint": "sft", "rl_
 
 
 @pytest.fixture(scope="module")
-def graph(tmp_path_factory, slurm_cluster, s3_server, repo_sdists):
+def graph(tmp_path_factory, two_node_cluster, repo_sdists):
     """The whole graph materialized once on the tiny configuration (every job of ``make run``),
-    with every artifact on S3 (the moto server) and the GPU stages (mid-training, SFT, RL,
-    evaluation) run as jobs on the one-node Slurm cluster, each under bubblewrap: a job sees its
-    scratch directory, the Python environment and the code, never this process's COMPOSER_HOME,
-    so everything it reads or writes goes through storage URLs. The tests below read it; the
-    last one adds an evaluation run to it."""
+    with every artifact on S3 (the two-node cluster's moto server, on its bridge) and the GPU
+    stages (mid-training, SFT, RL, evaluation) run as jobs on the two-node Slurm cluster, each
+    under bubblewrap: a job sees its node's scratch directory, the Python environment and the
+    code, never this process's COMPOSER_HOME, so everything it reads or writes goes through
+    storage URLs. RL's two rollout servers run one on each node; while the one on the node
+    without the RL job has a request in flight, that node loses power (``ServerNodeLoss``), and
+    comes back after the run. The tests below read it; the last one adds an evaluation run."""
     import boto3
 
+    from tests.slurm_cluster import ServerNodeLoss
+
+    cluster = two_node_cluster
+    s3_server = cluster.s3_endpoint
     tmp_path = tmp_path_factory.mktemp("graph")
     bucket = f"composer-graph-{time.time_ns()}"
     boto3.client("s3", endpoint_url=s3_server, aws_access_key_id=FAKE_KEY, aws_secret_access_key=FAKE_SECRET,
@@ -81,6 +89,7 @@ def graph(tmp_path_factory, slurm_cluster, s3_server, repo_sdists):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COMPOSER_HOME", str(tmp_path / "home"))
         mp.setenv("COMPOSER_S3_ENDPOINT_URL", s3_server)
+        mp.setenv("SLURM_CONF", str(cluster.conf))
         for k, v in secrets.items():
             mp.setenv(k, v)
         make_source(tmp_path / "src")
@@ -94,27 +103,39 @@ def graph(tmp_path_factory, slurm_cluster, s3_server, repo_sdists):
         )
         storage = ArtifactStorage(root=root, endpoint_url=s3_server, aws_access_key_id=FAKE_KEY,
                                   aws_secret_access_key=FAKE_SECRET)
-        scratch = tmp_path / "scratch"
-        scratch.mkdir()
         resources = {
             "artifacts": storage,
             "catalog": CatalogResource(storage=storage, path=str(tmp_path / "catalog.duckdb")),
             "sources": SourceRegistry(storage=storage, sources_file=str(sources)),
             "model_settings": ModelSettings(config_name="tiny", vocab_size=8192, tokenizer_train_mb=2),
-            "cluster": ClusterResource(backend="slurm", nproc_per_node=1, isolate=True, scratch_dir=str(scratch),
+            # service and array-task logs copied to S3 as they end: the nodes share no disk with this process
+            "cluster": ClusterResource(backend="slurm", nproc_per_node=1, isolate=True, scratch_dir=cluster.scratch,
+                                       log_uri=f"{root}/logs",
                                        poll_seconds=0.5),
         }
         (tmp_path / "dagster_home").mkdir()
         with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
             defs = build_defs(resources)
             printed = []
-            results = materialize_all(instance=instance, definitions=defs, run_config=TINY_RUN_CONFIG,
-                                      log=lambda line: (print(line), printed.append(line)))
+            with ServerNodeLoss(cluster) as loss:
+                results = materialize_all(instance=instance, definitions=defs, run_config=TINY_RUN_CONFIG,
+                                          log=lambda line: (print(line), printed.append(line)))
             print_step_times(instance, results)
+            # what each node's scratch holds after the run (a job's directory left behind), and
+            # no secret in what the nodes wrote, before the lost node comes back with an empty /tmp
+            try:
+                nodes_tmp = {n: cluster.node_dir(n) / "tmp" for n in cluster.names}
+                left = {n: sorted(p.name for p in (d / cluster.scratch.rsplit("/", 1)[1]).iterdir()
+                                  if p.is_dir() and p.name != "composer-cache") for n, d in nodes_tmp.items()}
+                leaks = {n: scan_tree(d, list(secrets.values())) for n, d in nodes_tmp.items()}
+            finally:
+                if loss.victim:
+                    cluster.restart_node(loss.victim[0])
             st = open_storage(root)
             yield {"instance": instance, "defs": defs, "results": results, "tmp": tmp_path, "secrets": secrets,
                    "printed": printed,
-                   "root": root, "scratch": scratch, "storage": st,
+                   "root": root, "scratch_left": left, "node_leaks": leaks, "loss": loss, "cluster": cluster,
+                   "storage": st,
                    "catalog": Catalog(str(tmp_path / "catalog.duckdb"), st)}
 
 
@@ -188,10 +209,24 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     assert cat.query("SELECT count(*) FROM rollouts WHERE reward IS NOT NULL")[0][0] == rollouts["dagster/row_count"]
     # RL in the distributed mode: the rollout servers were the step's Slurm services, took the
     # model from S3, served every published version (digest and probe checked) and were stopped
-    assert rollouts["rl_mode"] == "fleet" and rollouts["servers_serving_every_version"] == 2, rollouts
-    assert rollouts["retried_episodes"] == 0 and rollouts["infra_masked_episodes"] == 0
+    # RL across the two nodes: one server on each, each addressed by its node's name; the node
+    # that held only a server lost power while that server had a request in flight. Its episodes
+    # moved to the other server: every rollout is there once, those retried ran on the survivor,
+    # none was masked as an infrastructure failure, and the lost server is reported down.
+    loss = graph["loss"]
+    assert loss.victim and not loss.error, loss.error
+    lost_node, lost_service = loss.victim
+    lost, kept = f"s{lost_service.split('-')[1]}", f"s{1 - int(lost_service.split('-')[1])}"
+    logs = [e.user_message for r in results for e in instance.all_logs(r.run_id)]
+    up = next(m for m in logs if "rl: 2 rollout servers up: " in m)
+    assert [u.rsplit(":", 1)[0] for u in up.split("up: ", 1)[1].split(", ")] == ["http://node1", "http://node2"], up
+    assert rollouts["rl_mode"] == "fleet" and rollouts["servers_serving_every_version"] == 1, rollouts
+    assert rollouts["retried_episodes"] > 0 and rollouts["infra_masked_episodes"] == 0, rollouts
     assert rollouts["staleness_max"] <= 1
-    assert dict(cat.query("SELECT server_id, count(*) > 0 FROM rollouts GROUP BY 1")) == {"s0": True, "s1": True}
+    assert cat.query("SELECT step, group_id, sample_index FROM rollouts GROUP BY ALL HAVING count(*) > 1") == []
+    assert cat.query("SELECT count(*) FROM rollouts WHERE attempts > 1 AND server_id <> ?", [kept])[0][0] == 0
+    row = next(l for l in rollouts["rollout_servers"].splitlines() if l.startswith(f"| {lost} |"))
+    assert "| no | 1 |" in row, rollouts["rollout_servers"]  # down at the end, one death
     assert len(meta("rl_checkpoint")["published_weights"].splitlines()) == 2 + 3  # versions 0-2
 
     # The GPU stages ran as Slurm jobs that share no disk with this process: every output is on
@@ -202,18 +237,20 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
         if key != "evaluated_model":  # its artifact adds the report to what the job published
             assert st.manifest_digest(m["dagster/uri"]) == m.get("job_manifest_digest", m["manifest_digest"])
         st.verify_manifest(m["dagster/uri"])
-    logs = [e.user_message for r in results for e in instance.all_logs(r.run_id)]
     submitted = [m for m in logs if "[cluster:slurm] submitted job" in m]
     assert len(submitted) == len(set(GPU_STAGES.values())), submitted  # one job per stage, none retried
     for name in ("rollout-0", "rollout-1"):  # each server one Slurm job, cancelled with its step
         started = [m for m in logs if f"[service:slurm] {name}: submitted job" in m]
         assert len(started) == 1 and any(f"[service:slurm] {name}: job {started[0].split()[-1]} cancelled" in m
                                          for m in logs), (name, started)
+    # the dedup map ran as one array across the nodes; each element's log left its node for S3
+    shipped = sorted(u.rsplit("/", 1)[1] for u in st.find(f"{root}/logs") if "/dedup-map-" in u)
+    assert [n.rsplit("_", 1)[1] for n in shipped] == ["0.out", "1.out"], shipped
     for stage in set(GPU_STAGES.values()):  # resumable state on S3, not on this disk
         assert st.find(f"{root}/work/{stage}"), stage
     assert not (tmp_path / "home" / "work").exists()
-    left = [p.name for p in graph["scratch"].iterdir() if p.is_dir() and p.name != "composer-cache"]
-    assert not left, f"a job's scratch directory was left behind: {left}"
+    assert graph["scratch_left"] == {"node1": [], "node2": []}, "a job's scratch directory was left behind"
+    assert graph["cluster"].node_state(lost_node) in ("idle", "mixed", "allocated")  # back in service
 
     # Each stage does its job. SFT teaches the learnable family's behaviour: pass@1 on held-out
     # words, never seen in training, rises above the mid-trained model's.
@@ -248,6 +285,7 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     assert served_log(st)[-1]["version"] == promoted["version"]
     assert scan_instance(instance, list(secrets.values())) == []
     assert scan_tree(tmp_path, list(secrets.values())) == []
+    assert graph["node_leaks"] == {"node1": [], "node2": []}
 
 
 # SFT made to forget: the old schedule's learning rate, higher, with no replay of the pre-training
