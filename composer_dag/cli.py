@@ -207,7 +207,8 @@ def cmd_traces_delete(args):
     storage = open_storage(args.storage or os.environ.get("COMPOSER_STORAGE_ROOT") or _home("artifacts"))
     catalog = Catalog(args.catalog or os.environ.get("COMPOSER_CATALOG") or _home("catalog.duckdb"), storage)
     incoming = incoming_url(storage, args.incoming or TraceConfig().incoming)
-    return delete_user(storage, catalog, args.user, incoming, log=lambda m: print(m, file=sys.stderr))
+    return delete_user(storage, catalog, args.user, incoming, log=lambda m: print(m, file=sys.stderr),
+                       weights_uri=args.weights_uri)
 
 
 def cmd_serve(args):
@@ -289,11 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("files", nargs="+")
     x.set_defaults(func=cmd_traces_validate)
     x = tr.add_parser("delete", help="delete a user's sessions from every partition, the incoming files and the "
-                                     "SFT trajectories; list the checkpoints trained on them")
+                                     "SFT trajectories; list the checkpoints trained on them and withdraw the "
+                                     "promoted versions among them (the newest clean version serves instead)")
     x.add_argument("--user", required=True, help="the user id as the sessions carry it")
     x.add_argument("--storage", default=None, help="artifact root (default $COMPOSER_STORAGE_ROOT or $COMPOSER_HOME/artifacts)")
     x.add_argument("--catalog", default=None, help="DuckDB catalog (default $COMPOSER_CATALOG or $COMPOSER_HOME/catalog.duckdb)")
     x.add_argument("--incoming", default=None, help="the incoming prefix (default: traces/incoming under the root)")
+    x.add_argument("--weights-uri", default=None, help="the serving fleet's weights prefix, where a clean version's "
+                                                        "weights go out when the served one is withdrawn")
     x.set_defaults(func=cmd_traces_delete)
 
     x = sub.add_parser("serve", help="serve an earlier promoted version again: the registry points at it, the served "

@@ -436,6 +436,11 @@ class Storage:
         except FileNotFoundError as exc:
             raise ArtifactError(f"missing artifact file: {src_url}") from exc
 
+    def remove(self, url: str) -> None:
+        """Remove one file; a file already gone is no error."""
+        with self._guard("remove", url), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(url))
+
     def _discard(self, urls: list[str], under: str) -> None:
         """Best-effort removal of files written by a failed step (and, locally, of the
         directories under ``under`` that this leaves empty)."""

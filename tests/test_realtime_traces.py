@@ -371,6 +371,33 @@ def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnabl
     r = subprocess.run([sys.executable, "-m", "composer_dag.cli", "serve", "v-never", "--storage", str(tmp_path / "artifacts")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "never promoted" in r.stderr and "Traceback" not in r.stderr
+
+    # a user whose sessions the first cycle trained on asks for deletion: both cycles' versions are
+    # withdrawn (the second was trained from the first), the clean v0 serves again with its weights
+    # published as the next version, and a withdrawn version is never served again
+    cat = Catalog(str(tmp_path / "catalog.duckdb"), storage)
+    trained = {t for (t,) in cat.query("SELECT task_id FROM sft_trajectories WHERE origin = 'session'")}
+    hashes = {h for (h,) in cat.query(f"SELECT DISTINCT user_hash FROM traces WHERE session_id IN "
+                                      f"({','.join('?' * len(trained))})", sorted(trained))}
+    user = next(u for u in ("user-0", "user-1") if user_hash(u) in hashes)
+    delete = [sys.executable, "-m", "composer_dag.cli", "traces", "delete", "--user", user, "--storage",
+              str(tmp_path / "artifacts"), "--catalog", str(tmp_path / "catalog.duckdb"), "--weights-uri", weights]
+    r = subprocess.run(delete, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {m1["dagster/uri"], m2["dagster/uri"]} <= {c["uri"] for c in out["checkpoints"]}, out["checkpoints"]
+    assert sorted(out["withdrawn"]) == sorted([v1, v2]) and out["served"]["version"] == v0, out
+    assert out["served"]["reason"].startswith("withdrawn: trained on sessions of deleted user ")
+    assert out["served"]["weights_version"] == 3 and registry.current(storage)["version"] == v0
+    want = load_file(storage.local_path(f"{served_url}/model.safetensors"))
+    got = reconstruct(open_storage(weights), open_storage(weights).root, 3)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    r = subprocess.run([sys.executable, "-m", "composer_dag.cli", "serve", v2, "--storage", str(tmp_path / "artifacts")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "was withdrawn" in r.stderr and "Traceback" not in r.stderr
+    again = json.loads(subprocess.run(delete, capture_output=True, text=True, timeout=120).stdout.strip().splitlines()[-1])
+    assert again["withdrawn"] == [] and again["served"] is None and again["sessions"] == 0
+    assert registry.served_log(storage)[-1]["version"] == v0
     left = [p.name for p in (tmp_path / "scratch").iterdir() if p.is_dir() and p.name != "composer-cache"]
     assert not left, f"a cycle job's scratch directory was left behind: {left}"
 
@@ -471,3 +498,23 @@ def test_realtime_a_cheating_session_is_graded_not_believed(humaneval_tasks, lea
     assert summary["by_reward_kind"] == {"regraded": 1}, summary
     (r,) = out
     assert r["reward"] == 0.0 and r["flags"], r["flags"]
+
+
+def test_realtime_withdrawing_every_version_leaves_nothing_served(tmp_path):
+    """Withdrawal without a clean version to fall back on: nothing serves (no promoted.json, a
+    served-log line with version null), a withdrawn version cannot be served again, and a
+    second withdrawal of the same checkpoints changes nothing."""
+    from composer_dag.traces import registry
+
+    st = open_storage(str(tmp_path / "artifacts"))
+    for name, uri in (("v-a", "file:///ckpt/a"), ("v-b", "file:///ckpt/b")):
+        registry.promote(st, {"version": name, "checkpoint_uri": uri, "checkpoint_digest": name}, name)
+    out = registry.withdraw(st, {"file:///ckpt/b"}, "test")
+    assert out["withdrawn"] == ["v-b"] and out["served"]["version"] == "v-a" and registry.current(st)["version"] == "v-a"
+    out = registry.withdraw(st, {"file:///ckpt/a", "file:///ckpt/b"}, "test")
+    assert out["withdrawn"] == ["v-a"] and out["served"]["version"] is None
+    assert registry.current(st) is None and registry.served_log(st)[-1]["reason"] == "withdrawn: test; no clean version"
+    with pytest.raises(ValueError, match="'v-b' was withdrawn \\(test\\)"):
+        registry.serve(st, "v-b")
+    assert registry.withdraw(st, {"file:///ckpt/a", "file:///ckpt/b"}, "test") == {"withdrawn": [], "served": None}
+    assert set(registry.withdrawn(st)) == {"v-a", "v-b"}

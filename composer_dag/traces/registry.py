@@ -6,7 +6,10 @@ Under ``<root>/registry/``::
                                passed cycle write; ``serve`` points it at an earlier one)
     history/<name>.json        every promoted entry: version, checkpoint_uri and digest, when
     served.jsonl               one line per change of the served version: {version, since,
-                               reason ("promoted", "cycle <partition>", "rollback"), weights_version}
+                               reason ("promoted", "cycle <partition>", "rollback", "withdrawn: ..."),
+                               weights_version}; version null when nothing may serve
+    withdrawn.jsonl            versions withdrawn (trained on sessions a user asked to delete):
+                               {version, checkpoint_uri, at, reason}; never served again
 
 A version is ``YYYYMMDDTHHMMSSZ-<digest prefix>``. Sessions name the version that served them;
 intake accepts only versions in the history, with their digest. Serving a version publishes its
@@ -60,7 +63,7 @@ def served_log(storage) -> list[dict]:
 
 
 def _record_served(storage, entry: dict, reason: str, weights_version: int | None) -> dict:
-    line = {"version": model_version(entry), "since": dt.datetime.now(dt.timezone.utc).isoformat(),
+    line = {"version": model_version(entry) or None, "since": dt.datetime.now(dt.timezone.utc).isoformat(),
             "reason": reason, "weights_version": weights_version}
     url = storage.url("registry", "served.jsonl")
     have = storage.read_bytes(url) if storage.exists(url) else b""
@@ -82,11 +85,56 @@ def serve(storage, version: str, weights_uri: str | None = None, full_every: int
           dtype: str | None = None) -> dict:
     """Serve the earlier promoted ``version`` again (a rollback): the registry points at it, the
     served log says since when, and its weights go out at ``weights_uri`` as the next weight
-    version. A version never promoted is a ValueError naming the known ones."""
+    version. A version never promoted, or withdrawn, is a ValueError that says so."""
     entries = {model_version(e): e for e in history(storage)}
     if version not in entries:
         raise ValueError(f"version {version!r} was never promoted (known: {', '.join(sorted(entries)) or 'none'})")
+    gone = withdrawn(storage)
+    if version in gone:
+        raise ValueError(f"version {version!r} was withdrawn ({gone[version]['reason']}) and is never served again")
     return _serve(storage, entries[version], "rollback", weights_uri, full_every, dtype)
+
+
+def withdrawn(storage) -> dict[str, dict]:
+    """Every withdrawn version -> its ``withdrawn.jsonl`` line."""
+    url = storage.url("registry", "withdrawn.jsonl")
+    if not storage.exists(url):
+        return {}
+    lines = [json.loads(line) for line in storage.read_bytes(url).decode().splitlines() if line.strip()]
+    return {line["version"]: line for line in lines}
+
+
+def withdraw(storage, checkpoint_uris: set[str], reason: str, weights_uri: str | None = None, full_every: int = 10,
+             dtype: str | None = None) -> dict:
+    """Withdraw every promoted version whose checkpoint is one of ``checkpoint_uris`` (what a
+    deletion request found trained on the user's sessions): recorded in ``withdrawn.jsonl`` and
+    never served again. When the served version is among them, the newest promoted version not
+    withdrawn serves instead (its weights published at ``weights_uri``); when there is none,
+    nothing serves (``promoted.json`` removed, a served-log line with version null) until the
+    next promotion. Returns ``{"withdrawn": [versions], "served": served-log line or None}``;
+    a second call with the same checkpoints withdraws nothing more."""
+    entries = history(storage)
+    gone = withdrawn(storage)
+    new = [e for e in entries if e.get("checkpoint_uri") in checkpoint_uris and model_version(e) not in gone]
+    if new:
+        url = storage.url("registry", "withdrawn.jsonl")
+        have = storage.read_bytes(url) if storage.exists(url) else b""
+        at = dt.datetime.now(dt.timezone.utc).isoformat()
+        lines = [json.dumps({"version": model_version(e), "checkpoint_uri": e["checkpoint_uri"], "at": at,
+                             "reason": reason}) for e in new]
+        storage.write_bytes(url, have + "".join(x + "\n" for x in lines).encode())
+        gone = withdrawn(storage)
+    out: dict = {"withdrawn": [model_version(e) for e in new], "served": None}
+    now = current(storage)
+    if now is None or model_version(now) not in gone:
+        return out
+    clean = [e for e in entries if model_version(e) not in gone]
+    if clean:
+        out["served"] = _serve(storage, clean[-1], f"withdrawn: {reason}", weights_uri, full_every, dtype)
+    else:
+        storage.remove(storage.url("registry", "promoted.json"))
+        out["served"] = _record_served(storage, {}, f"withdrawn: {reason}; no clean version", None)
+    return out
 
 
 def _serve(storage, entry: dict, reason: str, weights_uri: str | None, full_every: int, dtype: str | None) -> dict:

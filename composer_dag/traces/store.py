@@ -9,8 +9,12 @@
 
 ``delete_user`` removes a user's sessions everywhere they were copied: each partition's Parquet
 (rewritten, its manifest with it), the incoming files, the catalog's ``traces`` rows, the SFT
-trajectories built from them (Parquet and catalog rows); and it lists every checkpoint trained
-on them, following the catalog's ``checkpoint_inputs`` lineage (SFT -> RL -> promoted).
+trajectories built from them (Parquet and catalog rows); it lists every checkpoint trained on
+them, following the catalog's ``checkpoint_inputs`` lineage from the trajectories and from the
+session partitions RL read (SFT -> RL -> promoted, a cycle -> the cycles built on it), and
+withdraws every promoted version among them (``registry.withdraw``): never served again, and
+the newest clean version serves instead when the served one is withdrawn. The next cycle starts
+from that clean version, on sessions the user's are no longer among.
 """
 
 from __future__ import annotations
@@ -72,9 +76,14 @@ def trained_on(catalog, trajectory_uris: set[str]) -> list[dict]:
     return found
 
 
-def delete_user(storage, catalog, user_id: str, incoming: str | None = None, log=lambda msg: None) -> dict:
-    """Delete ``user_id``'s sessions (see the module); return what was removed and the checkpoints
-    trained on them. Idempotent: a second request removes nothing and lists the same checkpoints."""
+def delete_user(storage, catalog, user_id: str, incoming: str | None = None, log=lambda msg: None,
+                weights_uri: str | None = None) -> dict:
+    """Delete ``user_id``'s sessions (see the module); return what was removed, the checkpoints
+    trained on them, the versions withdrawn and the served-log line when the served version
+    changed (its weights published at ``weights_uri``). Idempotent: a second request removes
+    and withdraws nothing and lists the same checkpoints."""
+    from . import registry
+
     import pyarrow.compute as pc
 
     h = user_hash(user_id)
@@ -129,10 +138,16 @@ def delete_user(storage, catalog, user_id: str, incoming: str | None = None, log
                 storage.write_manifest(uri)
         catalog.query(f"DELETE FROM sft_trajectories WHERE origin = 'session' AND task_id IN ({marks})", sorted(ids))
     result["trajectory_artifacts"] = sorted(traj_uris)
-    result["checkpoints"] = trained_on(catalog, traj_uris)
+    # trained on them: through the SFT trajectories, or on the partitions themselves (RL from sessions)
+    result["checkpoints"] = trained_on(catalog, traj_uris | set(uris))
+    w = registry.withdraw(storage, {c["uri"] for c in result["checkpoints"]},
+                          f"trained on sessions of deleted user {h[:12]}", weights_uri)
+    result.update(withdrawn=w["withdrawn"], served=w["served"])
     log(f"deleted user {h[:12]}: {result['sessions']} sessions in {len(result['partitions'])} partitions, "
         f"{result['incoming_files']} incoming files rewritten, {result['trajectories']} trajectories; "
-        f"{len(result['checkpoints'])} checkpoints were trained on them")
+        f"{len(result['checkpoints'])} checkpoints were trained on them; withdrawn: "
+        f"{', '.join(w['withdrawn']) or 'none'}"
+        + (f"; now serving {w['served']['version'] or 'nothing'}" if w["served"] else ""))
     return result
 
 
