@@ -8,6 +8,7 @@ limit), and cancelling the run ``scancel``s the job and leaves none of its proce
 process after stop or a failing step; an array job reports every index; the logs of services
 and array tasks reach this process through S3 (``log_uri``)."""
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -397,6 +398,8 @@ def test_slurm_array_runs_every_index_and_names_a_failing_one(slurm_two_nodes, s
     written = _in_scratch(slurm_two_nodes, f"{out.rsplit('/', 1)[1]}/*")
     assert sorted(p.name for p in written) == ["0", "1", "2", "3"], written
     assert len({p.read_text() for p in written}) == 1  # one array job
+    for d in {p.parent for p in written}:  # the nodes are the session's: leave them as found
+        shutil.rmtree(d)
     storage = open_storage(s3_root)
     assert len([u for u in storage.find(f"{s3_root}/logs") if "/composer-shards-" in u]) == 4
 
