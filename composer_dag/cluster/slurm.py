@@ -344,8 +344,7 @@ def ship_log(pattern: str, log_uri: str) -> str:
     path = _fill_slurm_pattern(pattern, {"j": env.get("SLURM_JOB_ID", ""), "A": env.get("SLURM_ARRAY_JOB_ID", ""),
                                          "a": env.get("SLURM_ARRAY_TASK_ID", ""), "x": env.get("SLURM_JOB_NAME", "")})
     url = f"{log_uri.rstrip('/')}/{os.path.basename(path)}"
-    with open(path, "rb") as f:
-        open_storage(log_uri).write_bytes(url, f.read())
+    open_storage(log_uri).put_file(path, url)
     return url
 
 

@@ -62,12 +62,17 @@ def served_log(storage) -> list[dict]:
     return [json.loads(line) for line in storage.read_bytes(url).decode().splitlines() if line.strip()]
 
 
+def _append(storage, name: str, lines: list[dict]) -> None:
+    """``lines`` appended to ``registry/<name>`` (JSON lines)."""
+    url = storage.url("registry", name)
+    have = storage.read_bytes(url) if storage.exists(url) else b""
+    storage.write_bytes(url, have + "".join(json.dumps(x) + "\n" for x in lines).encode())
+
+
 def _record_served(storage, entry: dict, reason: str, weights_version: int | None) -> dict:
     line = {"version": model_version(entry) or None, "since": dt.datetime.now(dt.timezone.utc).isoformat(),
             "reason": reason, "weights_version": weights_version}
-    url = storage.url("registry", "served.jsonl")
-    have = storage.read_bytes(url) if storage.exists(url) else b""
-    storage.write_bytes(url, have + json.dumps(line).encode() + b"\n")
+    _append(storage, "served.jsonl", [line])
     return line
 
 
@@ -117,13 +122,11 @@ def withdraw(storage, checkpoint_uris: set[str], reason: str, weights_uri: str |
     gone = withdrawn(storage)
     new = [e for e in entries if e.get("checkpoint_uri") in checkpoint_uris and model_version(e) not in gone]
     if new:
-        url = storage.url("registry", "withdrawn.jsonl")
-        have = storage.read_bytes(url) if storage.exists(url) else b""
         at = dt.datetime.now(dt.timezone.utc).isoformat()
-        lines = [json.dumps({"version": model_version(e), "checkpoint_uri": e["checkpoint_uri"], "at": at,
-                             "reason": reason}) for e in new]
-        storage.write_bytes(url, have + "".join(x + "\n" for x in lines).encode())
-        gone = withdrawn(storage)
+        lines = [{"version": model_version(e), "checkpoint_uri": e["checkpoint_uri"], "at": at, "reason": reason}
+                 for e in new]
+        _append(storage, "withdrawn.jsonl", lines)
+        gone.update({x["version"]: x for x in lines})
     out: dict = {"withdrawn": [model_version(e) for e in new], "served": None}
     now = current(storage)
     if now is None or model_version(now) not in gone:
