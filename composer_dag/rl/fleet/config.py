@@ -34,6 +34,9 @@ class FleetConfig(StageConfig):
     request_timeout: float = 120.0
     exchange_uri: Optional[str] = Field(None, description="where rollout batches go to the trainer "
                                                           "(default out_dir/exchange); s3:// works")
+    start_wait: float = Field(120.0, description="longest wait, before the first batch, for every server to serve "
+                                                 "its first version (so the batch spreads over the fleet); after "
+                                                 "it the batch runs on the servers that do (0: no wait)")
     version_timeout: float = Field(600.0, description="longest wait for a version to be published or served")
     skip_reload: Optional[list[int]] = Field(None, description="fault injection: [server index, version] "
                                                                "that server reports without reloading (weight_sync "

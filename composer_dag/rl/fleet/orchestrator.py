@@ -37,7 +37,7 @@ from pathlib import Path
 from ...pipes import Reporter
 from ..step import choose_tasks
 from .server import ServerDown, ServerEngine
-from .sync import Fleet
+from .sync import Fleet, FleetStopped
 
 
 def batch_url(ex, step: int, ext: str) -> str:
@@ -170,6 +170,17 @@ def build(cfg, rep: Reporter | None = None):
     return Orchestrator(fleet, agent, find_tasks(cfg.tasks_dir, cfg.task_sources), cfg, log)
 
 
+def _wait_for_fleet(fleet, version: int, seconds: float, log) -> None:
+    """Before the first batch: wait at most ``seconds`` for every server to serve ``version``,
+    so that the batch is not routed whole to the first server verified."""
+    if seconds <= 0:
+        return
+    try:
+        fleet.wait_serving(version, servers=fleet.servers, timeout=seconds)
+    except FleetStopped as e:
+        log(f"starting without every rollout server: {e}")
+
+
 def run(cfg, rep: Reporter | None = None) -> dict:
     """Produce the batches of steps ``start..steps-1`` (``start``: the first without a sealed batch)."""
     from ...storage import open_storage
@@ -190,6 +201,8 @@ def run(cfg, rep: Reporter | None = None) -> dict:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"version {need} not published after {cfg.fleet.version_timeout:.0f} s")
                 time.sleep(cfg.fleet.poll_seconds)
+            if not stats:
+                _wait_for_fleet(fleet, need, cfg.fleet.start_wait, rep.log)
             rows, secs = o.batch(step, need)
             versions = [r["policy_version"] for r in rows]
             secs.update(step=step, min_version=need, policy_versions=sorted(set(versions)),
