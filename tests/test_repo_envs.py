@@ -386,3 +386,41 @@ def test_declared_repositories_are_partitions_that_refuse_cleanly(tmp_path):
         assert reasons == {"gone": "fetch_failed", "notes": "unsupported_layout"}
         with dg.build_sensor_context(instance=instance, resources=resources) as ctx:
             assert isinstance(sensor(ctx), dg.SkipReason)  # both are partitions now
+
+
+def test_test_requirements_are_read_wherever_the_project_declares_them(tmp_path):
+    """Poetry (runtime table, test and dev groups, the old dev-dependencies), PEP 735 dependency
+    groups with an included group, tox's deps with a ``-r`` file, and requirements files: each
+    read as a requirement pip resolves, with poetry's ``^``/``~`` turned into ranges and an entry
+    for another Python left out."""
+    from packaging.requirements import Requirement
+
+    from composer_dag.envs.repo_env import _poetry_spec, detect_layout
+
+    assert [_poetry_spec(s) for s in ("^1.2.3", "^0.2.3", "^0.0.3", "~1.2.3", "~1", "2.0", "*", ">=1,<3")] == \
+        [">=1.2.3,<2", ">=0.2.3,<0.3", ">=0.0.3,<0.0.4", ">=1.2.3,<1.3", ">=1,<2", "==2.0", "", ">=1,<3"]
+    root = tmp_path / "proj"
+    (root / "iso").mkdir(parents=True)
+    (root / "iso" / "__init__.py").write_text("")
+    (root / "pyproject.toml").write_text(
+        '[tool.poetry]\nname = "iso"\nversion = "1.0"\n\n'
+        '[tool.poetry.dependencies]\npython = "^3.8"\nattrs = "^23.1"\n'
+        'local = {path = "../local"}\nrich = {version = "^13", optional = true}\n'
+        'old = {version = "1.0", python = "<3.8"}\n\n'
+        '[tool.poetry.group.test.dependencies]\nhypothesis = "^6.0"\npytest-mock = "~3.10"\n'
+        'tomli = [{version = "^1", python = "<3.7"}, {version = "^2", python = ">=3.7"}]\n\n'
+        '[tool.poetry.dev-dependencies]\nsix = "*"\n\n'
+        '[dependency-groups]\nlint = ["ruff"]\ntest = ["coverage>=7", {include-group = "typing"}]\n'
+        'typing = ["typing-extensions"]\n')
+    (root / "tox.ini").write_text("[testenv]\ndeps =\n    freezegun>=1.2  # the clock\n    -rreq/ci.txt\n"
+                                  "    {env:EXTRA_DEP:}\n")
+    (root / "req").mkdir()
+    (root / "req" / "ci.txt").write_text("# ci\npytz\n-r ../requirements-test.txt\n")
+    (root / "requirements-test.txt").write_text("idna==3.10\n--index-url https://example.invalid\n")
+    (root / "tests").mkdir()
+    (root / "tests" / "test_iso.py").write_text("def test_x():\n    pass\n")
+    reqs = detect_layout(root).requires
+    assert reqs == ["attrs>=23.1,<24", "coverage>=7", "typing-extensions", "hypothesis>=6.0,<7",
+                    "pytest-mock>=3.10,<3.11", 'tomli>=2,<3; python_version >= "3.7"', "six", "freezegun>=1.2",
+                    "pytz", "idna==3.10"], reqs
+    assert all(Requirement(r) for r in reqs)  # every line parses as pip reads it

@@ -275,6 +275,118 @@ def _usable_req(req: str) -> bool:
     return True
 
 
+_TEST_GROUPS = ("test", "tests", "testing", "dev")
+
+
+def _poetry_spec(spec: str) -> str:
+    """A poetry version constraint as a PEP 440 specifier: ``^1.2`` is ``>=1.2,<2``, ``~1.2``
+    is ``>=1.2,<1.3``, a bare version is ``==`` it, ``*`` is any."""
+    out = []
+    for part in (p.strip() for p in str(spec).split(",")):
+        if not part or part == "*":
+            continue
+        if part[0] in "^~" and not part.startswith("~="):
+            base = part[1:].strip()
+            nums = [int(x) if x.isdigit() else 0 for x in re.split(r"[.]", re.match(r"[0-9.]*", base).group(0)
+                                                                   .strip(".") or "0")]
+            if part[0] == "^":  # the first nonzero component may not change
+                i = next((k for k, n in enumerate(nums) if n), len(nums) - 1)
+            else:  # tilde: the minor version may not change (the major, when only it is given)
+                i = min(1, len(nums) - 1)
+            upper = nums[:i] + [nums[i] + 1]
+            out += [f">={base}", "<" + ".".join(map(str, upper))]
+        elif part[0].isdigit():
+            out.append(f"=={part}")
+        else:
+            out.append(part)
+    return ",".join(out)
+
+
+def _poetry_reqs(table, runtime: bool = False) -> list[str]:
+    """``[tool.poetry.*dependencies]`` as requirement lines: paths, git and URL sources, and
+    optional runtime entries (extras) left out; a ``python`` or ``markers`` condition kept as a
+    marker, so a requirement for another Python is not installed."""
+    out = []
+    for name, spec in (table or {}).items():
+        if name.lower() == "python":
+            continue
+        for one in spec if isinstance(spec, list) else [spec]:
+            if isinstance(one, dict):
+                if any(k in one for k in ("path", "git", "url", "file")) or (runtime and one.get("optional")):
+                    break
+                marks = []
+                if one.get("python"):
+                    marks += [f'python_version {c.strip()[:2] if c.strip()[1:2] == "=" else c.strip()[:1]} '
+                              f'"{c.strip().lstrip("<>=!~^").strip()}"' for c in str(one["python"]).split(",")
+                              if c.strip() and c.strip()[0] in "<>=!"]
+                if one.get("markers"):
+                    marks.append(f"({one['markers']})")
+                req = name + _poetry_spec(one.get("version", "*")) + (f"; {' and '.join(marks)}" if marks else "")
+            else:
+                req = name + _poetry_spec(one)
+            if _usable_req(req):  # of several entries (one per Python), the first that applies here
+                out.append(req)
+                break
+    return out
+
+
+def _test_requirements(root: Path, pyproject: dict, poetry: dict) -> list[str]:
+    """What the tests need beyond the runtime requirements and the test extra, wherever the
+    project declares it: PEP 735 ``[dependency-groups]``, poetry's test and dev groups (and the
+    old ``dev-dependencies``), tox's ``deps`` (a ``-r FILE`` line read in turn), and test
+    requirements files."""
+    out: list[str] = []
+    groups = pyproject.get("dependency-groups") or {}
+
+    def group(name: str, seen: tuple = ()) -> list[str]:
+        got = []
+        for item in groups.get(name) or []:
+            if isinstance(item, str):
+                got.append(item)
+            elif isinstance(item, dict) and item.get("include-group") and item["include-group"] not in seen:
+                got += group(item["include-group"], seen + (name,))
+        return got
+
+    for k in _TEST_GROUPS:
+        if k in groups:
+            out += group(k)
+    pgroups = poetry.get("group") or {}
+    for k in _TEST_GROUPS:
+        out += _poetry_reqs((pgroups.get(k) or {}).get("dependencies"))
+    out += _poetry_reqs(poetry.get("dev-dependencies"))
+
+    def req_file(f: Path, depth: int = 0) -> list[str]:
+        got = []
+        if depth > 3 or not f.is_file() or root.resolve() not in f.resolve().parents:
+            return got
+        for line in f.read_text(errors="replace").splitlines():
+            line = line.split(" #")[0].strip()
+            m = re.match(r"-r\s*(\S+)$|--requirement[ =]\s*(\S+)$", line)
+            if m:
+                got += req_file(f.parent / (m.group(1) or m.group(2)), depth + 1)
+            elif line and not line.startswith("#"):
+                got.append(line)
+        return got
+
+    if (root / "tox.ini").is_file():
+        tox = configparser.ConfigParser(interpolation=None)
+        try:
+            tox.read_string((root / "tox.ini").read_text(errors="replace"))
+        except configparser.Error:
+            tox = None
+        if tox is not None and tox.has_option("testenv", "deps"):
+            for line in tox.get("testenv", "deps").splitlines():
+                line = line.split(" #")[0].strip()
+                if "{" in line:  # a tox substitution: not a requirement here
+                    continue
+                m = re.match(r"-r\s*(\S+)$", line)
+                out += req_file(root / m.group(1)) if m else [line] if line else []
+    for f in sorted(root.glob("requirements*test*.txt")) + sorted(root.glob("requirements/test*.txt")) + \
+            sorted(root.glob("test-requirements.txt")):
+        out += req_file(f)
+    return out
+
+
 def detect_layout(root: Path) -> Layout:
     pyproject = {}
     if (root / "pyproject.toml").is_file():
@@ -319,6 +431,9 @@ def detect_layout(root: Path) -> Layout:
         reqs = [r for r in pkginfo.get_all("Requires-Dist") or [] if "extra ==" not in r]
     if not reqs and cfg.has_option("options", "install_requires"):
         reqs = [l for l in cfg.get("options", "install_requires").splitlines() if l.strip()]
+    poetry = (pyproject.get("tool") or {}).get("poetry") or {}
+    if not reqs:
+        reqs = _poetry_reqs(poetry.get("dependencies"), runtime=True)
     extras = project.get("optional-dependencies") or {}
     for k in ("test", "tests", "testing", "dev"):
         if k in extras:
@@ -329,9 +444,7 @@ def detect_layout(root: Path) -> Layout:
             if cfg.has_option("options.extras_require", k):
                 reqs += [l for l in cfg.get("options.extras_require", k).splitlines() if l.strip()]
                 break
-    for f in sorted(root.glob("requirements*test*.txt")) + sorted(root.glob("requirements/test*.txt")) + \
-            sorted(root.glob("test-requirements.txt")):
-        reqs += [l.split("#")[0].strip() for l in f.read_text(errors="replace").splitlines()]
+    reqs += _test_requirements(root, pyproject, poetry)
     reqs = list(dict.fromkeys(r.strip() for r in reqs if _usable_req(r)))
     return Layout(name=str(name), version=version, src_dir=src_dir, packages=packages, test_paths=tests,
                   support=support, build_requires=[r for r in build if _usable_req(r)], requires=reqs,
