@@ -460,44 +460,71 @@ def test_realtime_sessions_as_off_policy_rollouts(rollouts, sessions, learnable_
     assert abs(stats["ratio_sum"] / stats["tokens"] - 1.0) < 1e-3 and stats["clip_frac"] == 0
 
 
-def test_realtime_a_cheating_session_is_graded_not_believed(humaneval_tasks, learnable_base, tmp_path):
-    """A production session whose edit forges the test results (round one's ``results_forge``),
-    recorded as accepted and rated 1: replayed in the task's sandbox, the grader pays 0 and flags it,
-    as for any other episode."""
-    from transformers import AutoTokenizer
-
+def _session(tok, sid: str, task: Path, files: dict, start: dict) -> dict:
+    """A production session whose edits write ``files`` in ``task``'s repository and submit,
+    recorded as accepted and rated 1, with the policy's token ids and logprobs."""
     from composer_dag.agent import tool_call_text
-    from composer_dag.traces.offpolicy import session_rollouts
-    from tests.cheats import CHEATS, task_info
+    from tests.cheats import task_info
 
-    task = Path(humaneval_tasks[0]) / "rl_tasks" / "humaneval-000"
-    cheat = next(c for c in CHEATS if c.name == "results_forge")
-    (rel, content), = cheat.files(task).items()
-    stub = (task / "repo" / rel).read_text()
-    calls = [{"name": "edit_file", "arguments": {"path": rel, "old": stub, "new": content}},
-             {"name": "submit", "arguments": {}}]
-    tok = AutoTokenizer.from_pretrained(learnable_base["tokenizer_dir"])
+    calls = [{"name": "edit_file", "arguments": {"path": rel, "old": (task / "repo" / rel).read_text(), "new": text}}
+             for rel, text in files.items()] + [{"name": "submit", "arguments": {}}]
     messages = [{"role": "system", "content": "You are a coding agent."},
-                {"role": "user", "content": f"Implement {task_info(task)['entry']} in {rel}."}]
+                {"role": "user", "content": f"Fix {task_info(task)['sol']}."}]
     gens = []
-    for c, answer in zip(calls, ("Edited.", "Submitted.")):
-        text = tool_call_text(c["name"], c["arguments"]) + "<|im_end|>"
-        ids = tok(text, add_special_tokens=False).input_ids
+    for c in calls:
+        ids = tok(tool_call_text(c["name"], c["arguments"]) + "<|im_end|>", add_special_tokens=False).input_ids
         gens.append({"message_index": len(messages), "token_ids": ids, "logprobs": [-0.5] * len(ids)})
-        messages += [{"role": "assistant", "content": "", "tool_calls": [c]}, {"role": "tool", "content": answer}]
-    record = {"format": fmt.FORMAT, "session_id": "forger", "user_id": "u", "consent": {"training": True},
+        messages += [{"role": "assistant", "content": "", "tool_calls": [c]}, {"role": "tool", "content": "Done."}]
+    record = {"format": fmt.FORMAT, "session_id": sid, "user_id": "u", "consent": {"training": True},
               "started_at": "2026-11-30T09:00:00+00:00", "ended_at": "2026-11-30T09:05:00+00:00",
               "model": {"version": VERSION, "digest": DIGEST}, "tokenizer_digest": "t",
               "messages": fmt.to_openai(messages), "generations": gens,
-              "outcome": {"edits": [{"path": rel, "accepted": True}], "rating": 1}, "start": {"snapshot": task.name}}
+              "outcome": {"edits": [{"path": rel, "accepted": True} for rel in files], "rating": 1}, "start": start}
     assert fmt.schema_errors(record) == []
+    return record
+
+
+def test_realtime_sessions_are_graded_again_not_believed(humaneval_tasks, mined_tasks, learnable_base, tmp_path):
+    """Production sessions, every one recorded as accepted and rated 1, replayed in their starting
+    task's sandbox and graded as any other episode: cheats of both red-team rounds (forged results,
+    the keyring race, a kill at import) get 0 and a flag, on a HumanEval task named by its snapshot
+    and on a task mined from parse found by its repository and commit (a URL and an abbreviated
+    commit); the honest fix from that commit gets 1 unflagged; a commit that is no task here falls
+    back on the recorded outcome and is counted."""
+    from transformers import AutoTokenizer
+
+    from composer_dag.traces.offpolicy import session_rollouts
+    from tests.cheats import CHEATS, ROUND_TWO, task_info
+
+    cheats = {c.name: c for c in CHEATS + ROUND_TWO}
     tasks = tmp_path / "tasks"
     shutil.copytree(Path(humaneval_tasks[0]) / "rl_tasks", tasks)
-    out, summary = session_rollouts([record], tok, current_version=VERSION, versions=[VERSION], max_staleness=0,
+    mined_out, mined = mined_tasks
+    shutil.copytree(mined_out / mined["tasks"][0], tasks / mined["tasks"][0], symlinks=True)
+    he, rt = tasks / "humaneval-000", tasks / mined["tasks"][0]
+    head = subprocess.run(["git", "-c", "safe.directory=*", "rev-parse", "HEAD"], cwd=rt / "repo", capture_output=True,
+                          text=True, check=True).stdout.strip()
+    tok = AutoTokenizer.from_pretrained(learnable_base["tokenizer_dir"])
+    sol = task_info(rt)["sol"]
+    fix = {sol: (rt / "reference" / "files" / sol).read_text()}
+    records = [_session(tok, f"he-{n}", he, cheats[n].files(he), {"snapshot": he.name})
+               for n in ("results_forge", "keyring_first_run_forges", "sigkill_at_import")]
+    records += [
+        _session(tok, "repo-fix", rt, fix, {"repository": "https://github.com/r1chardj0n3s/parse.git",
+                                            "commit": head[:10]}),
+        _session(tok, "repo-keyring", rt, cheats["keyring_first_run_forges"].files(rt),
+                 {"repository": "parse", "commit": head}),
+        _session(tok, "repo-elsewhere", rt, fix, {"repository": "parse", "commit": "0123456789abcdef0123"})]
+    out, summary = session_rollouts(records, tok, current_version=VERSION, versions=[VERSION], max_staleness=0,
                                     tasks_dir=tasks)
-    assert summary["by_reward_kind"] == {"regraded": 1}, summary
-    (r,) = out
-    assert r["reward"] == 0.0 and r["flags"], r["flags"]
+    assert summary["by_reward_kind"] == {"regraded": 5, "outcome": 1} and summary["start_unmatched"] == 1, summary
+    got = {r["session_id"]: r for r in out}
+    for sid in ("he-results_forge", "he-keyring_first_run_forges", "he-sigkill_at_import", "repo-keyring"):
+        assert got[sid]["reward"] == 0.0 and got[sid]["flags"], (sid, got[sid]["flags"])
+    assert any(f.startswith("unsealed_run") for f in got["he-sigkill_at_import"]["flags"])
+    fixed = got["repo-fix"]
+    assert (fixed["reward"], fixed["flags"], fixed["task_id"]) == (1.0, [], rt.name) and fixed["tests_passed"] > 0
+    assert (got["repo-elsewhere"]["reward"], got["repo-elsewhere"]["reward_kind"]) == (1.0, "outcome")
 
 
 def test_realtime_withdrawing_every_version_leaves_nothing_served(tmp_path):

@@ -16,16 +16,22 @@ A session is dropped and counted when it cannot be used that way:
 - ``tokenizer_mismatch``: logged with another tokenizer than the current one;
 - ``no_reward``: neither a starting state to grade again nor an outcome signal.
 
-Reward: where the session carries its starting state as a task of ``tasks_dir``
-(``start.snapshot``), its tool calls are played again in a sandboxed episode of that task and
-graded by the grader (``reward_kind: regraded``), cheat flags included, as for every other
-episode; else the recorded outcome (``reward_kind: outcome``): 1 for an accepted session, 0 for
-a rejected one.
+Reward: where the session's starting state is a task of ``tasks_dir``, its tool calls are played
+again in a sandboxed episode of that task and graded by the grader (``reward_kind: regraded``),
+cheat flags included, as for every other episode; else the recorded outcome (``reward_kind:
+outcome``): 1 for an accepted session, 0 for a rejected one. The starting state is a task when
+``start.snapshot`` names it, or when ``start.repository`` and ``start.commit`` are a repository
+task's (mined, imported or from history): the same repository (by name, or a URL or path ending in
+it) at the commit its ``repo/`` holds, which is the tree with the task's problem in it. A
+``{repository, commit}`` that is no task here is counted (``start_unmatched``) and falls back on
+the outcome.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -91,15 +97,57 @@ def regrade(record: dict, task_dir: Path) -> tuple[float, list[str], int, int]:
     return float(g.reward), list(g.flags), int(g.passed), int(g.failed)
 
 
+def _repo_name(s: str) -> str:
+    """A repository's name as written in a session or a task: the last part of a URL or path,
+    without ``.git``, normalised as distribution names are."""
+    tail = re.split(r"[/:\\]", str(s).rstrip("/"))[-1]
+    return re.sub(r"[-_.]+", "-", re.sub(r"\.git$", "", tail)).lower()
+
+
+def starting_tasks(tasks_dir) -> tuple[dict[str, Path], dict[tuple[str, str], Path]]:
+    """The tasks of ``tasks_dir`` a session can start from: by name, and by (repository, commit of
+    its ``repo/``) for repository tasks."""
+    by_name, by_commit = {}, {}
+    for f in sorted(Path(tasks_dir).glob("*/task.json")) if tasks_dir else []:
+        d = f.parent
+        by_name[d.name] = d
+        try:
+            task = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        repo = (task.get("origin") or {}).get("repository")
+        if task.get("framework") != "pytest" or not repo or not (d / "repo" / ".git").exists():
+            continue
+        head = subprocess.run(["git", "-c", "safe.directory=*", "rev-parse", "HEAD"], cwd=d / "repo",
+                              capture_output=True, text=True)
+        if head.returncode == 0:
+            by_commit[(_repo_name(repo), head.stdout.strip())] = d
+    return by_name, by_commit
+
+
+def start_task(start: dict | None, by_name: dict, by_commit: dict) -> Path | None:
+    """The task a session's ``start`` names, if it is here (a commit may be abbreviated, 7 or more
+    hex digits, when only one task's commit begins with it)."""
+    start = start or {}
+    if start.get("snapshot") in by_name:
+        return by_name[start["snapshot"]]
+    repo, commit = start.get("repository"), str(start.get("commit") or "").lower()
+    if not repo or not re.fullmatch(r"[0-9a-f]{7,64}", commit):
+        return None
+    name = _repo_name(repo)
+    hits = [d for (r, c), d in by_commit.items() if r == name and c.startswith(commit)]
+    return hits[0] if len(hits) == 1 else None
+
+
 def session_rollouts(sessions: list[dict], tok, *, current_version: str, versions: list[str], max_staleness: int,
                      tokenizer_digest: str | None = None, tasks_dir=None) -> tuple[list[dict], dict]:
     """Rollout records (``composer_dag.agent``'s fields the trainer reads, plus ``session_id``,
     ``reward_kind``, ``staleness``, ``flags``) from ``sessions`` (rows of ``production_traces``),
-    and ``{in, out, dropped: {reason: n}, by_reward_kind}``."""
+    and ``{in, out, dropped: {reason: n}, by_reward_kind, start_unmatched}``."""
     order = {v: k for k, v in enumerate(versions)}
     now = order.get(current_version, len(versions) - 1)
-    tasks = {p.parent.name: p.parent for p in Path(tasks_dir).glob("*/task.json")} if tasks_dir else {}
-    out, dropped = [], Counter()
+    by_name, by_commit = starting_tasks(tasks_dir)
+    out, dropped, unmatched = [], Counter(), 0
     for row in sessions:
         rec = json.loads(row["record"]) if "record" in row else row
         served = order.get(rec["model"]["version"])
@@ -113,10 +161,12 @@ def session_rollouts(sessions: list[dict], tok, *, current_version: str, version
         if isinstance(stream, str):
             dropped[stream] += 1
             continue
-        snapshot = (rec.get("start") or {}).get("snapshot")
+        task = start_task(rec.get("start"), by_name, by_commit)
+        unmatched += task is None and bool(rec.get("start"))
+        snapshot = task.name if task is not None else None
         passed = failed = 0
-        if snapshot in tasks:
-            reward, flags, passed, failed = regrade(rec, tasks[snapshot])
+        if task is not None:
+            reward, flags, passed, failed = regrade(rec, task)
             kind = "regraded"
         else:
             reward = {"accepted": 1.0, "rejected": 0.0}.get(judge(rec)[0])  # intake's reading of the outcome
@@ -131,4 +181,4 @@ def session_rollouts(sessions: list[dict], tok, *, current_version: str, version
                     "reward_kind": kind, "flags": flags, "tests_passed": passed, "tests_failed": failed,
                     "staleness": now - served, "policy_version": served})
     return out, {"in": len(sessions), "out": len(out), "dropped": dict(dropped),
-                 "by_reward_kind": dict(Counter(r["reward_kind"] for r in out))}
+                 "by_reward_kind": dict(Counter(r["reward_kind"] for r in out)), "start_unmatched": unmatched}
