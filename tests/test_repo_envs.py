@@ -131,6 +131,11 @@ def test_bootstrap_keeps_only_reliable_tests_and_fails_cleanly(repo_envs, tmp_pa
     assert r["ok"] and r["tests_passing"] == 1, r
     assert load_env(tmp_path / "env9")["store"]["dependencies"] == ["six-1.17.0-py2.py3-none-any.whl"]
     assert (tmp_path / "env9" / "layer" / "site-packages" / "six.py").is_file()
+    # the same dependency again, its wheel in the store already (pip says so indented): still listed
+    r = bootstrap(str(_project(tmp_path / "p10", "import six\nfrom tinylib import add\n\n\ndef test_six():\n"
+                                                     "    assert six.PY2 or add(2, 2) == 4\n",
+                               deps='"six==1.17.0"')), tmp_path / "env10", cfg)
+    assert r["ok"] and load_env(tmp_path / "env10")["store"]["dependencies"] == ["six-1.17.0-py2.py3-none-any.whl"], r
 
 
 def test_mined_tasks_are_sound_and_graded_under_pytest(mined_tasks, repo_envs):
@@ -392,7 +397,8 @@ def test_test_requirements_are_read_wherever_the_project_declares_them(tmp_path)
     """Poetry (runtime table, test and dev groups, the old dev-dependencies), PEP 735 dependency
     groups with an included group, tox's deps with a ``-r`` file, and requirements files: each
     read as a requirement pip resolves, with poetry's ``^``/``~`` turned into ranges and an entry
-    for another Python left out."""
+    for another Python left out; development tools those sources list (black, Sphinx themes,
+    pytest-cov) are not installed."""
     from packaging.requirements import Requirement
 
     from composer_dag.envs.repo_env import _poetry_spec, detect_layout
@@ -409,10 +415,10 @@ def test_test_requirements_are_read_wherever_the_project_declares_them(tmp_path)
         'old = {version = "1.0", python = "<3.8"}\n\n'
         '[tool.poetry.group.test.dependencies]\nhypothesis = "^6.0"\npytest-mock = "~3.10"\n'
         'tomli = [{version = "^1", python = "<3.7"}, {version = "^2", python = ">=3.7"}]\n\n'
-        '[tool.poetry.dev-dependencies]\nsix = "*"\n\n'
+        '[tool.poetry.dev-dependencies]\nsix = "*"\nblack = "*"\nsphinx-rtd-theme = "*"\n\n'
         '[dependency-groups]\nlint = ["ruff"]\ntest = ["coverage>=7", {include-group = "typing"}]\n'
         'typing = ["typing-extensions"]\n')
-    (root / "tox.ini").write_text("[testenv]\ndeps =\n    freezegun>=1.2  # the clock\n    -rreq/ci.txt\n"
+    (root / "tox.ini").write_text("[testenv]\ndeps =\n    freezegun>=1.2  # the clock\n    pytest-cov\n    -rreq/ci.txt\n"
                                   "    {env:EXTRA_DEP:}\n")
     (root / "req").mkdir()
     (root / "req" / "ci.txt").write_text("# ci\npytz\n-r ../requirements-test.txt\n")
@@ -420,7 +426,40 @@ def test_test_requirements_are_read_wherever_the_project_declares_them(tmp_path)
     (root / "tests").mkdir()
     (root / "tests" / "test_iso.py").write_text("def test_x():\n    pass\n")
     reqs = detect_layout(root).requires
-    assert reqs == ["attrs>=23.1,<24", "coverage>=7", "typing-extensions", "hypothesis>=6.0,<7",
+    assert reqs == ["attrs>=23.1,<24", "typing-extensions", "hypothesis>=6.0,<7",
                     "pytest-mock>=3.10,<3.11", 'tomli>=2,<3; python_version >= "3.7"', "six", "freezegun>=1.2",
                     "pytz", "idna==3.10"], reqs
     assert all(Requirement(r) for r in reqs)  # every line parses as pip reads it
+
+
+def test_tests_inside_the_package_import_relatively(repo_envs, tmp_path):
+    """Tests kept inside the package (``tinylib/tests/test_core.py`` with ``from ..core import``,
+    ``tinylib/test_inline.py`` with ``from . import``) run from the recorded tree as the package's
+    submodules, against the workspace's code (the vacuous run, with the code stubbed, fails them),
+    and a task mined from them is sound under the grader."""
+    from composer_dag.envs.repo_env import PACKAGE_SHIM
+    from composer_dag.envs.tasks_repo import mine
+
+    root = _project(tmp_path / "inpkg", "")
+    pkg = root / "tinylib"
+    (pkg / "core.py").write_text('"""Core."""\n\n\ndef mul(a, b):\n    """Product."""\n    return a * b\n\n\n'
+                                 'def neg(a):\n    """Negation."""\n    return -a\n')
+    (pkg / "tests").mkdir()
+    (pkg / "tests" / "__init__.py").write_text("")
+    (pkg / "tests" / "test_core.py").write_text(
+        "from ..core import mul, neg\nfrom .. import add\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n\n\n"
+        "def test_neg():\n    assert neg(4) == -4\n\n\ndef test_add_mul():\n    assert add(mul(2, 2), 1) == 5\n")
+    (pkg / "test_inline.py").write_text("from . import add\n\n\ndef test_inline():\n    assert add(1, 1) == 2\n")
+    r = bootstrap(str(root), tmp_path / "env", BootstrapConfig(store=str(repo_envs["_store"])))
+    assert r["ok"], r
+    rec = load_env(tmp_path / "env")
+    assert sorted(rec["kept"]) == ["tinylib/test_inline.py::test_inline", "tinylib/tests/test_core.py::test_add_mul",
+                                   "tinylib/tests/test_core.py::test_mul", "tinylib/tests/test_core.py::test_neg"], rec
+    assert (tmp_path / "env" / "tests" / "tinylib" / "__init__.py").read_text() == PACKAGE_SHIM
+    assert "tinylib/core.py" not in {p.relative_to(tmp_path / "env" / "tests").as_posix()
+                                     for p in (tmp_path / "env" / "tests").rglob("*.py")}
+    out = tmp_path / "mined"
+    summary = mine(tmp_path / "env", out, max_tasks=1, seed=0, history=False)
+    assert summary["ok"] and len(summary["tasks"]) == 1, summary
+    c = check_task(out / summary["tasks"][0])
+    assert c["ok"], c

@@ -330,11 +330,26 @@ def _poetry_reqs(table, runtime: bool = False) -> list[str]:
     return out
 
 
+# development tools a project's dev groups and tox environments list, which its tests do not
+# import: left out of what those sources add (a test extra or a requirements file keeps them)
+_DEV_TOOLS = {"coverage", "pytest-cov", "codecov", "coveralls", "black", "isort", "ruff", "flake8", "pyflakes",
+              "pycodestyle", "pydocstyle", "pylint", "mccabe", "bandit", "mypy", "pyright", "pre-commit", "nox",
+              "tox", "twine", "build", "wheel", "check-manifest", "bump2version", "bumpversion", "towncrier",
+              "changelog-manager", "docutils", "readme-renderer", "ipython", "ipdb", "pdbpp", "sphinx",
+              "furo", "myst-parser", "mkdocs", "mkdocs-material", "pip-tools", "setuptools-scm", "poetry"}
+
+
+def _dev_tool(req: str) -> bool:
+    name = _req_name(req)
+    return name in _DEV_TOOLS or name.startswith(("sphinx-", "sphinxcontrib-", "flake8-", "types-", "mypy-",
+                                                  "mkdocs-"))
+
+
 def _test_requirements(root: Path, pyproject: dict, poetry: dict) -> list[str]:
     """What the tests need beyond the runtime requirements and the test extra, wherever the
     project declares it: PEP 735 ``[dependency-groups]``, poetry's test and dev groups (and the
     old ``dev-dependencies``), tox's ``deps`` (a ``-r FILE`` line read in turn), and test
-    requirements files."""
+    requirements files. Development tools (``_DEV_TOOLS``) from groups and tox are left out."""
     out: list[str] = []
     groups = pyproject.get("dependency-groups") or {}
 
@@ -381,6 +396,7 @@ def _test_requirements(root: Path, pyproject: dict, poetry: dict) -> list[str]:
                     continue
                 m = re.match(r"-r\s*(\S+)$", line)
                 out += req_file(root / m.group(1)) if m else [line] if line else []
+    out = [r for r in out if not _dev_tool(r)]
     for f in sorted(root.glob("requirements*test*.txt")) + sorted(root.glob("requirements/test*.txt")) + \
             sorted(root.glob("test-requirements.txt")):
         out += req_file(f)
@@ -487,6 +503,60 @@ def _support_files(root: Path, tests: list[str]) -> list[str]:
     return sorted(out - set(tests))
 
 
+PACKAGE_SHIM = '''"""Recorded with the tests: the package under test is the project's own. This file lets
+the tests recorded inside the package import as its subpackages (``from .. import x``): it runs the
+project's ``__init__.py`` as this package, whose modules are the project's and whose tests are the
+recorded ones."""
+import os as _os
+import sys as _sys
+
+_here = _os.path.dirname(_os.path.abspath(__file__))
+for _entry in _sys.path:
+    _dir = _os.path.abspath(_os.path.join(_entry or ".", *__name__.split(".")))
+    if _dir != _here and _os.path.isfile(_os.path.join(_dir, "__init__.py")):
+        break
+else:
+    raise ImportError(f"the package {__name__} is not on sys.path")
+__path__ = [_here, _dir]
+__file__ = _os.path.join(_dir, "__init__.py")
+if __spec__ is not None:
+    __spec__.origin = __file__
+del _entry, _dir, _here
+with open(__file__, "rb") as _f:
+    exec(compile(_f.read(), __file__, "exec"))
+'''
+
+
+def is_package_shim(path: Path) -> bool:
+    """Whether ``path`` is a package shim ``record_tests`` wrote (not a file of the project)."""
+    return path.name == "__init__.py" and path.is_file() and path.read_bytes() == PACKAGE_SHIM.encode()
+
+
+def record_tests(root: Path, layout: Layout, dest: Path) -> None:
+    """The recorded test tree at ``dest``: the test files and their support as ``root`` has them,
+    ``pytest.ini``, and a package shim (``PACKAGE_SHIM``) for every package directory above a
+    test inside the package, so that pytest imports such a test as the package's submodule (its
+    relative imports work) while the package's code stays the workspace's."""
+    for rel in layout.test_paths + layout.support:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / rel, dest / rel)
+    (dest / "pytest.ini").write_text(layout.pytest_ini)
+    base = Path(layout.src_dir) if layout.src_dir else Path()
+    for t in layout.test_paths:
+        rel = Path(t)
+        try:
+            inner = rel.relative_to(base).parts
+        except ValueError:
+            continue
+        if len(inner) < 2 or inner[0] not in layout.packages:
+            continue
+        for k in range(1, len(inner)):
+            d = base.joinpath(*inner[:k])
+            if (root / d / "__init__.py").is_file() and not (dest / d / "__init__.py").exists():
+                (dest / d).mkdir(parents=True, exist_ok=True)
+                (dest / d / "__init__.py").write_text(PACKAGE_SHIM)
+
+
 def _pytest_ini(root: Path, pyproject: dict, cfg) -> tuple[str, list[str]]:
     opts, files = {}, []
     tool = ((pyproject.get("tool") or {}).get("pytest") or {}).get("ini_options")
@@ -564,7 +634,7 @@ def fetch_wheels(reqs: list[str], dest: Path, timeout: float = 600) -> list[Path
     if r.returncode:
         tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [""]
         raise BootstrapError("install_failed", f"no wheel for {', '.join(reqs)}: {tail[0][-300:]}")
-    got = re.findall(r"^(?:Saved|File was already downloaded) (\S+\.whl)\s*$", r.stdout, re.M)
+    got = re.findall(r"^\s*(?:Saved|File was already downloaded) (\S+\.whl)\s*$", r.stdout, re.M)
     return sorted({Path(g) for g in got if _norm(Path(g).name.split("-")[0]) not in PROVIDED})
 
 
@@ -934,10 +1004,7 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
         env = work / "env"
         _git_snapshot(root, env / "repo", persona, origin)
         tests = env / "tests"
-        for rel in layout.test_paths + layout.support:
-            (tests / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(root / rel, tests / rel)
-        (tests / "pytest.ini").write_text(layout.pytest_ini)
+        record_tests(root, layout, tests)
         project = env / "repo"
         kept, left, suite_seconds = reliable_tests(project, tests, layer, persona, layout, cfg, work, log)
         seconds = round(time.monotonic() - t0, 2)

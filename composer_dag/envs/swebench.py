@@ -33,7 +33,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .repo_env import BootstrapConfig, bootstrap, detect_layout, load_env, run_tests
+from .repo_env import BootstrapConfig, bootstrap, detect_layout, is_package_shim, load_env, record_tests, run_tests
 from .rootfs import persona_for
 from .repo_task import add_repo_canaries, write_pytest_task
 from .task_dir import load_task
@@ -102,7 +102,7 @@ def export_tasks(tasks_dir: Path, out_jsonl: Path, mirror_dir: Path | None = Non
             # the hidden tests: every file of the recorded tree that differs from the base
             hidden = d / "hidden_tests"
             changed = sorted(p.relative_to(hidden).as_posix() for p in hidden.rglob("*") if p.is_file()
-                             and p.name != "pytest.ini"
+                             and p.name != "pytest.ini" and not is_package_shim(p)
                              and (not (d / "repo" / p.relative_to(hidden)).is_file()
                                   or (d / "repo" / p.relative_to(hidden)).read_bytes() != p.read_bytes()))
             test_patch = _diff(d / "repo", hidden, sorted(set(changed) | set(tests_added)))
@@ -324,10 +324,7 @@ def history_instances(env_dir: Path, cfg: BootstrapConfig = BootstrapConfig(), m
                     (mixed / f).unlink()
             lay = detect_layout(trees["commit"])
             hidden = tmp / "hidden"
-            for rel in lay.test_paths + lay.support:
-                (hidden / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(trees["commit"] / rel, hidden / rel)
-            (hidden / "pytest.ini").write_text(lay.pytest_ini)
+            record_tests(trees["commit"], lay, hidden)
             paths = sorted({f for f in tests if f in lay.test_paths})
             if not paths:
                 skip("no_test_module_changed")
