@@ -170,6 +170,46 @@ def learnable_base(tmp_path_factory):
         torch.set_num_threads(threads)
 
 
+class Servers:
+    """A pair of vLLM OpenAI rollout servers on one policy, each on its own CPU."""
+
+    def __init__(self, policy_dir, logs):
+        from composer_dag.rl.fleet.server import ServerProcess
+
+        self.procs = [ServerProcess(policy_dir, _free_port(), log_path=str(logs / f"server_{i}.log"), cpu=i % 2,
+                                    max_model_len=1024, kv_cache_mb=32) for i in range(2)]
+
+    @property
+    def urls(self):
+        return [p.url for p in self.procs]
+
+    def start(self, timeout=600):
+        for p in self.procs:
+            p.start()
+        for p in self.procs:
+            p.wait_ready(timeout)
+        return self
+
+    def stop(self):
+        for p in self.procs:
+            p.stop()
+
+
+@pytest.fixture(scope="session")
+def servers(learnable_base, tmp_path_factory):
+    """The session's pair of rollout servers on the learnable family's tiny policy (``learnable_base``),
+    started once (about 20 s and 1.5 GB each, idle at 0% CPU between tests): the fleet tests run
+    on them, and the production cycles' published versions are followed by them. They run after
+    the Slurm tests (``pytest_collection_modifyitems``), so the whole-graph run does not share the
+    machine with them. A test leaves them on whatever weights it loaded; a follower or an
+    orchestrator brings them to its own."""
+    s = Servers(learnable_base["policy_dir"], tmp_path_factory.mktemp("servers"))
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
 @pytest.fixture(scope="session")
 def learnable_warm(tmp_path_factory):
     """The learnable family's setup with the tool-call warm-up (eight tasks, 100 steps): the

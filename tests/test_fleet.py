@@ -1,4 +1,4 @@
-"""The distributed RL mode: two vLLM OpenAI servers (started once for the module), the trainer and
+"""The distributed RL mode: two vLLM OpenAI servers (the session's, ``servers``), the trainer and
 the orchestrator as processes, weights through the moto S3 server, learning the learnable family
 as in one process; a server killed mid-episode;
 the trainer killed and resumed; a server that skips a reload; an injected sandbox failure kept
@@ -16,44 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from composer_dag.rl.fleet.server import ServerProcess
-from tests.conftest import _free_port
 
 pytestmark = pytest.mark.slow
 
 ORCH = {"max_turns": 1, "max_new_tokens": 8, "max_context": 512, "system_style": "compact", "workers": 2}
-
-
-class Servers:
-    def __init__(self, policy_dir, logs):
-        self.procs = [ServerProcess(policy_dir, _free_port(), log_path=str(logs / f"server_{i}.log"), cpu=i % 2,
-                                    max_model_len=1024, kv_cache_mb=32) for i in range(2)]
-
-    @property
-    def urls(self):
-        return [p.url for p in self.procs]
-
-    def start(self, timeout=600):
-        for p in self.procs:
-            p.start()
-        for p in self.procs:
-            p.wait_ready(timeout)
-        return self
-
-    def stop(self):
-        for p in self.procs:
-            p.stop()
-
-
-@pytest.fixture(scope="module")
-def servers(learnable_base, tmp_path_factory):
-    """One pair of rollout servers on the tiny test policy, shared by every test here and
-    stopped after the last of them (the rest of the session does not pay for them)."""
-    s = Servers(learnable_base["policy_dir"], tmp_path_factory.mktemp("servers"))
-    try:
-        yield s.start()
-    finally:
-        s.stop()
 
 
 def _cfg(setup, out, urls, **kw):

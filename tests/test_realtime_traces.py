@@ -228,10 +228,46 @@ def _utc(*a):
     return datetime.datetime(*a, tzinfo=datetime.timezone.utc)
 
 
-def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnable_base, tmp_path):
+@pytest.fixture
+def following(servers, learnable_base, tmp_path):
+    """The serving side of a weights URI: ``composer_dag.rl.fleet.serve --attach`` beside each of
+    the session's rollout servers (the loop a server that serves users runs), and a fleet in the
+    ``server`` sync mode that checks each version a server reports with the probe against the
+    published weights. Stopped at the end of the test."""
+    from composer_dag.rl.fleet.config import FleetConfig
+    from composer_dag.rl.fleet.sync import Fleet
+
+    made = []
+
+    def start(weights_uri):
+        procs = []
+        for i, url in enumerate(servers.urls):
+            cmd = [sys.executable, "-m", "composer_dag.rl.fleet.serve", "--attach", url, "--weights-uri", weights_uri,
+                   "--work-dir", str(tmp_path / f"follower_{i}"), "--poll-seconds", "0.2"]
+            with open(tmp_path / f"follower_{i}.log", "wb") as log:
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        st = open_storage(weights_uri)
+        fleet = Fleet(servers.urls, st, st.root, learnable_base["policy_dir"], str(tmp_path / "fleet"),
+                      FleetConfig.load({"weight_sync": "server", "poll_seconds": 0.2, "version_timeout": 180}))
+        made.append((procs, fleet.start()))
+        return fleet
+
+    yield start
+    for procs, fleet in made:
+        fleet.stop()
+        for p in procs:
+            p.terminate()
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnable_base, following, tmp_path):
     """Two scheduled cycles, each promoting a new version from its window's sessions and
-    publishing its weights; a planted bad candidate refused by the gate; a window without
-    sessions skipped; one command serving an earlier version again."""
+    publishing its weights, which the session's rollout servers follow (reloaded and
+    probe-checked); a planted bad candidate refused by the gate; a window without sessions
+    skipped; one command serving an earlier version again; a deletion withdrawing versions."""
 
     import torch
     from safetensors.torch import load_file, save_file
@@ -305,6 +341,14 @@ def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnabl
         weights = storage.url("serving", "weights")
         key1, m1, checks1, _ = cycle(_utc(2026, 11, 30, 10))
         assert key1 == "2026-11-30-05:00" and checks1 == {"no_candidate_refused": True} and m1["promoted"], m1
+        # the servers that serve users follow what the cycles publish: each server reloads every
+        # weight version, and the probe scored on it matches the published weights
+        fleet = following(weights)
+
+        def servers_serve(version):
+            fleet.wait_serving(version, servers=fleet.servers, timeout=180)
+
+        servers_serve(0)
         v1 = m1["version"]
         assert m1["parent"] == v0 and m1["sessions"]["out"] >= 1 and m1["weights_version"] == 0
         # RL from every session of the window, off-policy, each graded again in its task's sandbox
@@ -317,6 +361,7 @@ def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnabl
         key2, m2, checks2, _ = cycle(_utc(2026, 11, 30, 15), no_rl)
         assert key2 == "2026-11-30-10:00" and checks2 == {"no_candidate_refused": True} and m2["parent"] == v1, m2
         v2 = m2["version"]
+        servers_serve(1)
         assert set(m2["stage_seconds"]) == {"sft"} and m2["rl_from_sessions"] == {}
         # the servers' view: each promoted version's weights, rebuilt from storage bit for bit, the
         # second a delta on the first
@@ -365,6 +410,7 @@ def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnabl
     assert registry.current(storage)["version"] == v1
     last = registry.served_log(storage)[-1]
     assert last["version"] == v1 and last["reason"] == "rollback" and last["weights_version"] == 2
+    servers_serve(2)
     want = load_file(storage.local_path(f"{m1['dagster/uri']}/model.safetensors"))
     got = reconstruct(open_storage(weights), open_storage(weights).root, 2)
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -392,6 +438,10 @@ def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnabl
     want = load_file(storage.local_path(f"{served_url}/model.safetensors"))
     got = reconstruct(open_storage(weights), open_storage(weights).root, 3)
     assert all(torch.equal(got[k], want[k]) for k in want)
+    servers_serve(3)
+    for srv in fleet.servers:  # every version served in turn, each probe-checked
+        assert srv.versions_served == [0, 1, 2, 3] and srv.alive, fleet.summary()
+        assert all(x["probe_diff"] <= fleet.cfg.probe_tolerance for x in srv.reloads), srv.reloads
     r = subprocess.run([sys.executable, "-m", "composer_dag.cli", "serve", v2, "--storage", str(tmp_path / "artifacts")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "was withdrawn" in r.stderr and "Traceback" not in r.stderr
