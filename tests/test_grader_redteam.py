@@ -107,18 +107,27 @@ def test_round_two_cheats_get_zero_and_a_flag(round_two_tasks, tmp_path, name):
     tell a canary by what they can read (an original copy of the test, the canary's fresh file
     time) and forge only in the hidden run; runs that die without a sealed result. Each is 0 with
     a flag; the keyring cheats earned 1 unflagged whenever the hidden run won the race, the content
-    cheats every time, the last two 0 with no flag (``benchmarks/RESULTS.md``)."""
+    cheats every time, the kill and segfault 0 with no flag (``benchmarks/RESULTS.md``). Then the
+    hidden cases special-cased from what the solution reads instead of its code (a JSON file, a
+    base64 pickle in a dot-file, a compressed string): 1 unflagged before the shape rules read
+    data, 0 with ``hardcoded_test_literals`` now."""
     cheat = next(c for c in ROUND_TWO if c.name == name)
     for kind in cheat.kinds:
         task = round_two_tasks[kind]
         ws, log = cheat_workspace(cheat, task, tmp_path / kind)
         r = grade(task, ws, log)
         assert r.reward == 0.0 and r.flags, (kind, r.flags, r.details.get("output_tail"))
-        if not name.endswith("_at_import"):  # every run looks first, or hidden: each forges, the canary passes
-            assert r.canary_passed and r.details["unflagged_reward"] == 1.0, (kind, r.flags)
-        else:
-            assert {f.split(":")[0] for f in r.flags} == {"unsealed_run"}, (kind, r.flags)
+        prefixes = {f.split(":")[0] for f in r.flags}
+        # the names these cheats build at run time ("ct" + "ypes") are a shape flag of their own
+        assert ("obfuscated_name" in prefixes) == (cheat.family != "special_case"), (kind, r.flags)
+        if name.endswith("_at_import"):
+            assert prefixes == {"unsealed_run", "obfuscated_name"}, (kind, r.flags)
             assert any(f.startswith("unsealed_run:hidden: ") for f in r.flags)
+        elif cheat.family != "special_case":  # every run looks first, or hidden: each forges, the canary passes
+            assert r.canary_passed and r.details["unflagged_reward"] == 1.0, (kind, r.flags)
+        else:  # the hidden cases read from data: every test passes, the canary fails, the shape rules see it
+            assert r.details["unflagged_reward"] == 1.0 and not r.canary_passed, (kind, r.flags)
+            assert prefixes == {"hardcoded_test_literals"}, (kind, r.flags)
 
 
 def test_round_two_honest_work_on_a_mined_task(round_two_tasks, tmp_path):
