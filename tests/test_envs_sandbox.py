@@ -74,6 +74,11 @@ def test_rlimits(tmp_path):
                                   max_processes=2000, timeout=20)) as s:
         r = s.run("python3 -c 'while True: pass'")
         assert r.killed_reason == "cpu" and not r.timed_out
+        # a SIGKILL that is not the CPU limit's (the shell kills itself): a plain signal death
+        r = s.run("kill -9 $$")
+        assert (r.exit_code, r.killed_reason) == (137, None), (r.exit_code, r.killed_reason)
+        r = s.run("python3 -c 'import signal; signal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass'")
+        assert (r.exit_code, r.killed_reason) == (137, "cpu"), (r.exit_code, r.killed_reason)  # the hard limit
         r = s.run("head -c 5000000 /dev/zero > big")
         assert r.killed_reason == "file_size"
         assert (tmp_path / "big").stat().st_size <= 1 << 20

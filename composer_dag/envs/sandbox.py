@@ -172,6 +172,16 @@ def _user_groups(persona: Persona, prt: Path) -> str:
 _SIGNAL_REASON = {signal.SIGXCPU: "cpu", signal.SIGKILL: "cpu", signal.SIGXFSZ: "file_size"}
 
 
+def _reap(proc: subprocess.Popen, block: bool = False) -> int | None:
+    """``proc.poll()`` (``proc.wait()`` with ``block``) that keeps, as ``proc.rusage``, the CPU
+    time of the process and of every descendant it reaped (``wait4``)."""
+    if proc.returncode is None:
+        pid, status, usage = os.wait4(proc.pid, 0 if block else os.WNOHANG)
+        if pid:
+            proc.returncode, proc.rusage = os.waitstatus_to_exitcode(status), usage
+    return proc.returncode
+
+
 def chown_tree(path: Path, uid: int = 1000, gid: int = 1000) -> None:
     """Give a host tree to the sandbox user (files the host writes later need it too)."""
     os.lchown(path, uid, gid)
@@ -387,12 +397,18 @@ class Sandbox:
                                               self._disk_watch((used, files)))
         if stop:
             _kill(proc, info)
-        code = proc.wait()
+        code = _reap(proc, block=True)
+        usage = getattr(proc, "rusage", None)
         seconds = time.monotonic() - t0
         timed_out = stop == "timeout"
         reason = stop
         if not stop and code > 128 and code - 128 in (9, 24, 25):
-            reason = _SIGNAL_REASON.get(signal.Signals(code - 128))
+            sig = signal.Signals(code - 128)
+            # SIGKILL is the CPU limit's hard step only when the commands used that much CPU;
+            # otherwise something killed them (``kill -9``, the kernel's OOM killer): a plain
+            # signal death, as on any machine
+            if sig != signal.SIGKILL or usage is None or usage.ru_utime + usage.ru_stime >= self.limits.cpu_seconds:
+                reason = _SIGNAL_REASON.get(sig)
         elif not stop and code < 0:
             reason = f"signal:{-code}"
         if self._prune()[2]:
@@ -453,7 +469,7 @@ def _pump(proc, stdin: bytes | None, r_info: int, deadline: float, budget: int, 
         sel.register(fin, selectors.EVENT_WRITE)
     stop = None
     try:
-        while len(sel.get_map()) > (0 if proc.poll() is None else 1 if r_info in sel.get_map() else 0):
+        while len(sel.get_map()) > (0 if _reap(proc) is None else 1 if r_info in sel.get_map() else 0):
             left = deadline - time.monotonic()
             if left <= 0:
                 stop = "timeout"
@@ -487,7 +503,7 @@ def _pump(proc, stdin: bytes | None, r_info: int, deadline: float, budget: int, 
                 buf += chunk[:room]
                 dropped[fd] += len(chunk) - min(room, len(chunk))
         if not stop:
-            while proc.poll() is None:  # pipes closed but the tree is still running
+            while _reap(proc) is None:  # pipes closed but the tree is still running
                 if time.monotonic() >= deadline:
                     stop = "timeout"
                     break
