@@ -42,18 +42,27 @@ TRACES_FRESHNESS = dg.FreshnessPolicy.time_window(warn_window=datetime.timedelta
 """The UI warns when no hour of sessions was taken in for two hours (and fails after six)."""
 
 
-def _earlier(cat, hour: str) -> tuple[dict, dict]:
-    """The other hours' session ids and conversation digests, and file digest -> hour."""
+def _earlier(cat, hour: str, file_digests: list[str]):
+    """What the other hours hold, asked of the catalog for this hour's own sessions and files
+    only: a lookup ``(session ids, conversation digests) -> {"session_ids", "conversations"}``
+    for the intake, and file digest -> hour for ``file_digests``."""
     tables = cat.tables()
-    earlier = {"session_ids": set(), "conversations": set()}
-    if "traces" in tables:
-        for sid, conv in cat.query("SELECT session_id, conversation_digest FROM traces WHERE hour <> ?", [hour]):
-            earlier["session_ids"].add(sid)
-            earlier["conversations"].add(conv)
+
+    def lookup(ids: list[str], convs: list[str]) -> dict:
+        seen = {"session_ids": set(), "conversations": set()}
+        if "traces" in tables:
+            for sid, conv in cat.query("SELECT session_id, conversation_digest FROM traces WHERE hour <> ? AND "
+                                       "(list_contains(?, session_id) OR list_contains(?, conversation_digest))",
+                                       [hour, ids, convs]):
+                seen["session_ids"].add(sid)
+                seen["conversations"].add(conv)
+        return seen
+
     taken = {}
-    if "trace_files" in tables:
-        taken = dict(cat.query("SELECT digest, hour FROM trace_files WHERE hour <> ? AND kept >= 0", [hour]))
-    return earlier, taken
+    if "trace_files" in tables and file_digests:
+        taken = dict(cat.query("SELECT digest, hour FROM trace_files WHERE hour <> ? AND kept >= 0 "
+                               "AND list_contains(?, digest)", [hour, file_digests]))
+    return lookup, taken
 
 
 @dg.asset(
@@ -79,8 +88,8 @@ def production_traces(context: dg.AssetExecutionContext, config: TraceParams, ar
     incoming = engine.incoming_url(storage, cfg.incoming)
     files = list_incoming(storage, incoming).get(hour, [])
     context.log.info(f"{hour}: {len(files)} session files under {incoming}")
-    earlier, taken = _earlier(cat, hour)
     data = [(f, storage.read_bytes(f)) for f in files]
+    earlier, taken = _earlier(cat, hour, sorted({engine.file_digest(b) for _, b in data}))
     decontaminate = cfg.decontaminate and latest_metadata(context.instance, "eval_tasks") is not None
     with (local_copy(storage, latest_uri(context.instance, "eval_tasks")) if decontaminate
           else contextlib.nullcontext()) as ev:

@@ -168,19 +168,18 @@ def _text(record: dict) -> str:
 
 
 def intake(files: Iterable[tuple[str, bytes]], hour: str, cfg: TraceConfig | dict | None = None, *,
-           known_models: dict[str, str], earlier: dict[str, set[str]] | None = None,
+           known_models: dict[str, str], earlier=None,
            deleted_users: set[str] = frozenset(), taken_elsewhere: dict[str, str] | None = None,
            eval_tasks_dir=None) -> tuple[list[dict], dict]:
     """Take in one hour (partition key ``hour``) from ``files`` (``(name, bytes)``).
 
-    ``known_models``: promoted version -> checkpoint digest. ``earlier``: ``{"session_ids",
-    "conversations"}`` of every other partition. ``deleted_users``: ``user_hash`` of each user
-    with a deletion request. ``taken_elsewhere``: file digest -> the hour it was taken in for.
+    ``known_models``: promoted version -> checkpoint digest. ``earlier``: the session ids and
+    conversation digests other partitions hold, as ``{"session_ids", "conversations"}``, or a
+    function ``(ids, conversations) -> that dict`` asked once for this hour's candidates only (so
+    that the earlier partitions are never read whole). ``deleted_users``: ``user_hash`` of each
+    user with a deletion request. ``taken_elsewhere``: file digest -> the hour it was taken in for.
     Returns ``(rows, summary)``."""
     cfg = TraceConfig.load(cfg)
-    earlier = earlier or {}
-    seen_ids = set(earlier.get("session_ids") or ())
-    seen_conv = set(earlier.get("conversations") or ())
     taken_elsewhere = taken_elsewhere or {}
     dropped: Counter = Counter()
     redactions: Counter = Counter()
@@ -209,9 +208,14 @@ def intake(files: Iterable[tuple[str, bytes]], hour: str, cfg: TraceConfig | dic
             candidates.append((name, digest, line, clean, counts))
             kept_file += 1
         per_file.append({"file": name, "digest": digest, "records": n_file, "kept": kept_file, "skipped": None})
+    convs = [conversation_digest(rec) for _, _, _, rec, _ in candidates]
+    if callable(earlier):
+        earlier = earlier(sorted({c[3]["session_id"] for c in candidates}), sorted(set(convs))) if candidates else {}
+    earlier = earlier or {}
+    seen_ids = set(earlier.get("session_ids") or ())
+    seen_conv = set(earlier.get("conversations") or ())
     rows = []
-    for name, digest, line, rec, counts in candidates:
-        conv = conversation_digest(rec)
+    for (name, digest, line, rec, counts), conv in zip(candidates, convs):
         if rec["session_id"] in seen_ids or conv in seen_conv:
             dropped["duplicate_session"] += 1
             continue
