@@ -325,8 +325,9 @@ def parse_history(repo_envs, tmp_path_factory):
 
 def test_history_tasks_follow_swebench_recipe(parse_history, tmp_path):
     """A release whose new tests fail on the previous release's code becomes a task: the commit
-    message says nothing ("Release 1.20.2"), so the changelog's entry is the problem statement;
-    the checkout holds nothing after the base commit."""
+    message says nothing ("Release 1.20.2"), so the changelog's entry, rewritten as a user's
+    report with the new test's failure on the old code, is the problem statement; the checkout
+    holds nothing after the base commit."""
     from composer_dag.envs.tasks_repo import mine
 
     r = mine(parse_history, tmp_path / "t", max_tasks=0)
@@ -335,7 +336,10 @@ def test_history_tasks_follow_swebench_recipe(parse_history, tmp_path):
     task = load_task(tmp_path / "t" / hist[0])
     assert task["source"] == "swe-instances" and task["reference"]["files"] == ["parse.py"]
     assert "tests/test_parse.py::test_hyphen_inside_field_name" in task["tests"]["FAIL_TO_PASS"]
-    assert "hyphen" in task["instructions"].lower() and "Release" not in task["instructions"], task["instructions"]
+    # the changelog's entry turned into a user's report, with what the new test shows on the old code
+    inst = task["instructions"]
+    assert "hyphen" in inst.lower() and "Release" not in inst and "should be able to" in inst, inst
+    assert "test_hyphen_inside_field_name" not in inst and "/var/tmp" not in inst and "```" in inst, inst
     repo = tmp_path / "t" / hist[0] / "repo"
     log = subprocess.run(["git", "-c", "safe.directory=*", "log", "--all", "--format=%s"], cwd=repo, capture_output=True,
                          text=True).stdout.split("\n")

@@ -18,9 +18,11 @@ other tasks are counted as skipped. With ``mirror_dir`` it also makes a bare mir
 repository holding every exported base commit, so the file can be imported back.
 
 ``history_instances`` reads an environment's git history: every commit that changes code and
-tests together, whose new tests fail on the parent and pass on the commit, is an instance (the
-commit message as the problem statement, or the changelog's entry when the message says
-nothing), ready for ``import_instances``.
+tests together, whose new tests fail on the parent and pass on the commit, is an instance,
+ready for ``import_instances``. Its problem statement is a user's report (``user_report``): the
+commit message's first sentence (or the changelog's entry when the message says nothing) turned
+from the fixer's words into the reporter's, and the new tests' failure on the parent; the
+message itself is kept as ``hints_text``.
 """
 
 from __future__ import annotations
@@ -275,6 +277,35 @@ def _changelog_entry(tree: Path, version: str | None) -> str:
     return ""
 
 
+_FIX_LEAD = re.compile(r"^(?:bug\s*)?fix(?:ed|es|ing)?\s*:?\s+(?:(?:a|an|the)\s+)?(?:(?:bug|issue|problem|regression|crash)"
+                       r"\s+)?(?:(?:with|in|where|when|that|for|on)\s+)?", re.I)
+_ADD_LEAD = re.compile(r"^(?:add(?:ed|s)?|implement(?:ed|s)?)\s+(?:support\s+for\s+)?", re.I)
+
+
+def user_report(package: str, version: str | None, summary: str, failure: str, hidden_names: list[str]) -> str:
+    """A history task's instructions as its user would report the problem: what goes wrong, never
+    how it was fixed. The first sentence of the commit message or changelog entry is turned from
+    the fixer's words into the reporter's ("Fix handling of X" -> "there is a problem with
+    handling of X", "Add support for X" -> "it does not support X", "X can now Y" -> "X should be
+    able to Y"; anything else is left out, since it may name the fix), then what the new tests
+    show on the code before the fix (their failure, with test names and paths left out)."""
+    first = re.split(r"(?<!i\.e\.)(?<!e\.g\.)(?<=[.!?])\s|\n", summary.strip(), maxsplit=1)[0].strip().rstrip(".!")
+    first = re.sub(r"\s*\((?:#|gh-|closes |fixes )?\d+\)|\s*#\d+\b", "", first, flags=re.I).strip()
+    lead = ""
+    if _FIX_LEAD.match(first) and _FIX_LEAD.sub("", first).strip():
+        lead = f"There is a problem with {_FIX_LEAD.sub('', first).strip()}."
+    elif _ADD_LEAD.match(first) and _ADD_LEAD.sub("", first).strip():
+        lead = f"`{package}` does not support {_ADD_LEAD.sub('', first).strip()}."
+    elif re.search(r"\bcan now\b", first, re.I):
+        lead = re.sub(r"\bcan now\b", "should be able to", first, flags=re.I) + ", but it cannot."
+    lines = [l for l in failure.splitlines() if l.strip() and not any(h in l for h in hidden_names)
+             and "/var/tmp/" not in l and not re.search(r"\btest_\w+", l)]
+    shown = "\n".join(lines[:6])[:700] or "an exception"
+    where = f"`{package}` {version}" if version else f"`{package}`"
+    return (f"{lead + ' ' if lead else ''}Here is what I get with {where}:\n\n```\n{shown}\n```\n\n"
+            f"Please fix it without changing the public API.")
+
+
 _EMPTY_MESSAGE = re.compile(r"^(release|version|bump|v?\d+(\.\d+)*|update|wip|\.)\b.{0,30}$", re.I)
 
 
@@ -329,7 +360,7 @@ def history_instances(env_dir: Path, cfg: BootstrapConfig = BootstrapConfig(), m
             if not paths:
                 skip("no_test_module_changed")
                 continue
-            before, _ = run_tests(mixed, hidden, env_dir / "layer", persona, paths, cfg.test_timeout)
+            before, before_details = run_tests(mixed, hidden, env_dir / "layer", persona, paths, cfg.test_timeout)
             after, _ = run_tests(trees["commit"], hidden, env_dir / "layer", persona, paths, cfg.test_timeout)
             f2p = sorted(t for t, v in after.items() if v == "passed" and before.get(t) in ("failed", "error", None)
                          and "::" in t)
@@ -341,10 +372,17 @@ def history_instances(env_dir: Path, cfg: BootstrapConfig = BootstrapConfig(), m
             version = lay.version
             if not message or _EMPTY_MESSAGE.match(message.splitlines()[0]) and len(message.splitlines()) <= 2:
                 message = _changelog_entry(trees["commit"], version) or message
+            failure = "\n".join((before_details.get("messages") or {}).get(t, "") for t in f2p)
+            try:
+                base_version = detect_layout(trees["parent"]).version
+            except Exception:  # noqa: BLE001 - a layout the parent's tree does not declare: no version named
+                base_version = None
+            report = user_report(env["name"], base_version, message, failure,
+                                 sorted({t.split("::")[-1].split("[")[0] for t in f2p}))
             patch = _diff(trees["parent"], trees["commit"], code)
             test_patch = _diff(trees["parent"], trees["commit"], tests)
         out.append({"instance_id": f"history-{env['name']}-{c[:10]}", "repo": env["name"], "base_commit": p,
-                    "patch": patch, "test_patch": test_patch, "problem_statement": message,
+                    "patch": patch, "test_patch": test_patch, "problem_statement": report, "hints_text": message,
                     "FAIL_TO_PASS": json.dumps(f2p), "PASS_TO_PASS": json.dumps(p2p), "version": version,
                     "created_at": _git(repo, "log", "-1", "--format=%cI", c).stdout.strip(),
                     "environment_setup_commit": p})
