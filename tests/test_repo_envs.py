@@ -467,3 +467,35 @@ def test_tests_inside_the_package_import_relatively(repo_envs, tmp_path):
     assert summary["ok"] and len(summary["tasks"]) == 1, summary
     c = check_task(out / summary["tasks"][0])
     assert c["ok"], c
+
+
+def test_expected_values_in_a_parametrize_table_get_canaries(repo_envs, tmp_path):
+    """A mined task whose FAIL_TO_PASS tests take their expected values from a ``parametrize``
+    table (no literal in any assertion) gets a canary: a row's expected value changed, the row
+    whose call the README shows left alone; the reference fails it and the task is sound."""
+    from composer_dag.envs.tasks_repo import mine
+
+    tests = ("import pytest\nfrom tinylib import add, mul\n\n\n"
+             "@pytest.mark.parametrize('a, b, expected', [\n    (1, 2, 3),\n    (2, 5, 7),\n"
+             "    pytest.param(10, 20, 30, id='tens'),\n    (-4, 4, 0),\n])\n"
+             "def test_add(a, b, expected):\n    assert add(a, b) == expected\n\n\n"
+             "@pytest.mark.parametrize('a, b, expected', [(2, 3, 6), (4, 5, 20), (7, 0, 0)])\n"
+             "def test_mul(a, b, expected):\n    assert expected == mul(a, b)\n")
+    root = _project(tmp_path / "p", tests)
+    (root / "README.md").write_text("# tinylib\n\n```python\n>>> add(1, 2)\n3\n```\n")
+    with open(root / "tinylib" / "__init__.py", "a") as f:
+        f.write('\n\ndef mul(a, b):\n    """Product."""\n    return a * b\n')
+    r = bootstrap(str(root), tmp_path / "env", BootstrapConfig(store=str(repo_envs["_store"])))
+    assert r["ok"], r
+    summary = mine(tmp_path / "env", tmp_path / "mined", max_tasks=1, seed=0, history=False)
+    assert summary["ok"] and len(summary["tasks"]) == 1, summary
+    d = tmp_path / "mined" / summary["tasks"][0]
+    c = check_task(d)
+    assert c["ok"] and c["canaries"] >= 1 and c["reference_fails_canaries"], c
+    task = load_task(d)
+    (name,) = task["checks"]["canaries"]
+    canary = (d / "canaries" / name).read_text()
+    hidden = (d / "hidden_tests" / "tests" / "test_tiny.py").read_text()
+    changed = [(a, b) for a, b in zip(hidden.splitlines(), canary.splitlines()) if a != b]
+    assert changed and all(a.lstrip().startswith(("(", "pytest.param(", "@pytest.mark.parametrize(")) for a, _ in changed)
+    assert "(1, 2, 3)" in canary, canary  # the README shows add(1, 2): that row stays as it is

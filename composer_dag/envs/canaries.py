@@ -2,7 +2,9 @@
 solution passes them.
 
 A site is an expected value in an assertion: the literal side of ``assert <expr> == <literal>``
-(also ``!=``, ``is``, ``in``) or a literal argument of ``self.assertEqual`` and its relatives.
+(also ``!=``, ``is``, ``in``), a literal argument of ``self.assertEqual`` and its relatives, or an
+expected value written in a ``pytest.mark.parametrize`` table (the row's value of the argument
+the test compares its call with).
 A canary changes one or two sites, in place in the source text (everything else, comments and
 formatting included, stays byte for byte), to a different value of the same type: an integer or
 float plus one, a boolean negated, one character of a string or bytes changed, the last element
@@ -97,7 +99,68 @@ def sites(source: str) -> list[tuple[ast.Constant, str]]:
             c = _target_constant(lit)
             if c is not None:
                 out.append((c, ast.unparse(other)))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out += _parametrize_sites(node)
     return sorted(out, key=lambda s: (s[0].lineno, s[0].col_offset))
+
+
+class _Substitute(ast.NodeTransformer):
+    def __init__(self, values: dict):
+        self.values = values
+
+    def visit_Name(self, node):
+        return self.values.get(node.id, node)
+
+
+def _param_names(node) -> list[str] | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [n.strip() for n in node.value.split(",") if n.strip()]
+    if isinstance(node, (ast.List, ast.Tuple)) and all(isinstance(e, ast.Constant) and isinstance(e.value, str)
+                                                       for e in node.elts):
+        return [e.value for e in node.elts]
+    return None
+
+
+def _parametrize_sites(fn) -> list[tuple[ast.Constant, str]]:
+    """Expected values written in a ``parametrize`` table: for each argument the test compares
+    (``assert f(a, b) == expected``; ``expected`` not among the call's names), that argument's
+    literal in every row, with the call as that row would make it (``f(1, 2)``) for the check
+    against visible text."""
+    import copy
+
+    out = []
+    for dec in fn.decorator_list:
+        if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute) and dec.func.attr == "parametrize"
+                and len(dec.args) >= 2 and isinstance(dec.args[1], (ast.List, ast.Tuple))):
+            continue
+        names = _param_names(dec.args[0])
+        if not names:
+            continue
+        compared = {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1 \
+                    and isinstance(node.test.ops[0], _CMP_OPS):
+                for side, other in ((node.test.comparators[0], node.test.left), (node.test.left, node.test.comparators[0])):
+                    if isinstance(side, ast.Name) and side.id in names and not _is_literal(other) and not any(
+                            isinstance(n, ast.Name) and n.id == side.id for n in ast.walk(other)):
+                        compared.setdefault(side.id, other)
+        for name, other in compared.items():
+            k = names.index(name)
+            for row in dec.args[1].elts:
+                if isinstance(row, ast.Call) and getattr(row.func, "attr", "") == "param":
+                    elts = row.args
+                elif len(names) > 1:
+                    elts = row.elts if isinstance(row, (ast.Tuple, ast.List)) else []
+                else:
+                    elts = [row]
+                if len(elts) != len(names) or not _is_literal(elts[k]):
+                    continue
+                c = _target_constant(elts[k])
+                if c is None:
+                    continue
+                call = _Substitute({n: elts[i] for i, n in enumerate(names) if i != k}).visit(copy.deepcopy(other))
+                out.append((c, ast.unparse(call)))
+    return out
 
 
 def truth_sites(source: str) -> list[tuple[ast.AST, str, str]]:
@@ -209,14 +272,24 @@ def make_canaries(source: str, seed: str, visible: str = "", n: int = 2, per_can
     return out
 
 
+_TEXT_SUFFIXES = {".py", ".pyi", ".md", ".rst", ".txt", ".cfg", ".toml", ".ini", ".json", ".yaml", ".yml", ".csv", ""}
+
+
 def _visible_text(repo: Path) -> str:
+    """Every text the policy can read in the repository: the code, its docstrings and comments,
+    and the README, the docs and the other text files (up to 1 MB each), so that no canary
+    changes an expected value some example shows."""
     parts = []
-    for p in sorted(repo.rglob("*.py")):
-        if ".git" not in p.relative_to(repo).parts and p.is_file():
-            try:
+    for p in sorted(repo.rglob("*")):
+        rel = p.relative_to(repo).parts
+        if ".git" in rel or not p.is_file() or p.is_symlink() or p.suffix.lower() not in _TEXT_SUFFIXES \
+                and not p.name.upper().startswith(("README", "CHANGE", "HISTORY", "NEWS")):
+            continue
+        try:
+            if p.stat().st_size <= 1 << 20:
                 parts.append(p.read_text())
-            except (UnicodeDecodeError, OSError):
-                continue
+        except (UnicodeDecodeError, OSError):
+            continue
     return "\n".join(parts)
 
 
