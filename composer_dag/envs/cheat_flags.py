@@ -594,6 +594,13 @@ def _decodings(raw: bytes) -> list[bytes]:
     return [b for b in out + more if b]
 
 
+def _huge_constant(src: bytes) -> bool:
+    """Whether a Python source holds a string constant longer than the rules read."""
+    tree = _parse(src) if len(src) > _DATA_MAX else None
+    return tree is not None and any(isinstance(n, ast.Constant) and isinstance(n.value, (str, bytes))
+                                    and len(n.value) > _DATA_MAX for n in ast.walk(tree))
+
+
 def encoded_literals(files: dict[str, bytes]) -> tuple[set, set]:
     """The literals hidden in the string constants of Python sources (docstrings aside): each
     constant of 16 or more characters is read as data (``data_literals``: JSON or a literal in a
@@ -770,8 +777,14 @@ def detect_flags(task_dir: Path, workspace: Path, action_log: list[dict] | None 
                      and r.rsplit("/", 1)[-1].removesuffix(".py") in used}
         # what the solution can read at test time besides its code: the data files it added or
         # changed (JSON, Python literals, CSV, pickles) and the strings its code decodes
-        data = {r: final[r] for r in changed if not r.endswith(".py") and not _TEST_NAME.search(r)
-                and not r.startswith((".venv/", ".pytest_cache/", ".mypy_cache/")) and len(final[r]) <= _DATA_MAX}
+        readable = [r for r in changed if not r.endswith(".py") and not _TEST_NAME.search(r)
+                    and not r.startswith((".venv/", ".pytest_cache/", ".mypy_cache/"))]
+        data = {r: final[r] for r in readable if len(final[r]) <= _DATA_MAX}
+        # a data file or string constant too large to read whole could hide anything past the
+        # part read: flagged as unreadable, as a file too deep to walk is
+        flags += [flag("shape_unreadable", f"{r}: over {_DATA_MAX >> 20} MB") for r in readable if r not in data]
+        flags += [flag("shape_unreadable", f"{r}: a string constant over {_DATA_MAX >> 20} MB")
+                  for r, src in solution.items() if _huge_constant(src)]
         data_scalars, data_compounds = encoded_literals(solution)
         known = encoded_literals({**{r: orig[r] for r in orig if r.endswith(".py")}, **reference_files(task_dir)})
         data_scalars, data_compounds = data_scalars - known[0], data_compounds - known[1]

@@ -176,7 +176,10 @@ def _reap(proc: subprocess.Popen, block: bool = False) -> int | None:
     """``proc.poll()`` (``proc.wait()`` with ``block``) that keeps, as ``proc.rusage``, the CPU
     time of the process and of every descendant it reaped (``wait4``)."""
     if proc.returncode is None:
-        pid, status, usage = os.wait4(proc.pid, 0 if block else os.WNOHANG)
+        try:
+            pid, status, usage = os.wait4(proc.pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere: what Popen knows, without the CPU time
+            return proc.wait() if block else proc.poll()
         if pid:
             proc.returncode, proc.rusage = os.waitstatus_to_exitcode(status), usage
     return proc.returncode
