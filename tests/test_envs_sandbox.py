@@ -3,7 +3,6 @@
 import os
 import statistics
 import time
-from pathlib import Path
 
 import pytest
 
