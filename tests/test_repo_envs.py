@@ -499,3 +499,17 @@ def test_expected_values_in_a_parametrize_table_get_canaries(repo_envs, tmp_path
     changed = [(a, b) for a, b in zip(hidden.splitlines(), canary.splitlines()) if a != b]
     assert changed and all(a.lstrip().startswith(("(", "pytest.param(", "@pytest.mark.parametrize(")) for a, _ in changed)
     assert "(1, 2, 3)" in canary, canary  # the README shows add(1, 2): that row stays as it is
+
+
+def test_a_value_checked_by_a_helper_gets_a_canary_from_its_own_statement():
+    """When the sites are too few for the canaries asked, a site is given another number of its own
+    statement: idna's helper checks ``[2, 3, 68, 3893]`` against ``range(10, 20)``, so 3893 -> 3894
+    changes nothing the reference fails, and 3893 -> 10 does."""
+    from composer_dag.envs.canaries import make_canaries
+
+    src = ("import unittest\n\n\nclass T(unittest.TestCase):\n    def _check(self, r, outside):\n"
+           "        for x in outside:\n            assert x not in r\n\n"
+           "    def test_simple(self):\n        self._check(range(10, 20), [2, 3, 68, 3893])\n")
+    out = make_canaries(src, seed="s", n=2)
+    changed = sorted(next(b for a, b in zip(src.splitlines(), c.splitlines()) if a != b).strip() for c in out)
+    assert changed == ["self._check(range(10, 20), [2, 3, 68, 10])", "self._check(range(10, 20), [2, 3, 68, 3894])"], changed

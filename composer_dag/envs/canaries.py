@@ -269,7 +269,43 @@ def make_canaries(source: str, seed: str, visible: str = "", n: int = 2, per_can
             continue
         if new != source:
             out.append(new)
+    # too few sites for n canaries: the sites again, each given another value of its own statement
+    # (a helper that checks `[2, 3, 68, 3893]` against `range(10, 20)` ignores 3893 -> 3894, not 10)
+    for node, _, _ in pool:
+        if len(out) >= n:
+            break
+        text = _swapped_text(source, node)
+        if text is None:
+            continue
+        lines = source.splitlines(keepends=True)
+        _replace(lines, node, text)
+        new = "".join(lines)
+        try:
+            ast.parse(new)
+        except SyntaxError:
+            continue
+        if new != source and new not in out:
+            out.append(new)
     return out
+
+
+def _swapped_text(source: str, node: ast.Constant) -> str | None:
+    """Another number of the statement on ``node``'s line, of the same type, that is not an element
+    of the literal holding ``node`` (the first in source order), as source text."""
+    value = node.value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    tree = ast.parse(source)
+    holder: set = set()
+    for n in ast.walk(tree):
+        elts = n.values if isinstance(n, ast.Dict) else getattr(n, "elts", None)
+        if elts and any(e is node or (isinstance(e, ast.Constant) and (e.lineno, e.col_offset) == (node.lineno, node.col_offset))
+                        for e in elts):
+            holder = {e.value for e in elts if isinstance(e, ast.Constant)}
+    same = sorted((c for c in ast.walk(tree) if isinstance(c, ast.Constant) and c.lineno == node.lineno
+                   and type(c.value) is type(value) and c.value != value and c.value not in holder),
+                  key=lambda c: c.col_offset)
+    return repr(same[0].value) if same else None
 
 
 _TEXT_SUFFIXES = {".py", ".pyi", ".md", ".rst", ".txt", ".cfg", ".toml", ".ini", ".json", ".yaml", ".yml", ".csv", ""}
