@@ -195,6 +195,31 @@ class Servers:
             p.stop()
 
 
+def start_followers(urls, weights_uri, work, skip=None) -> list:
+    """``composer_dag.rl.fleet.serve --attach`` beside each server of ``urls`` on ``weights_uri``
+    (the loop a server that shares no disk with the orchestrator runs), rebuilding versions in
+    ``work/follower_<i>``; ``skip``: [server index, version] it reports without reloading."""
+    procs = []
+    for i, url in enumerate(urls):
+        cmd = [sys.executable, "-m", "composer_dag.rl.fleet.serve", "--attach", url, "--weights-uri", weights_uri,
+               "--work-dir", str(work / f"follower_{i}"), "--poll-seconds", "0.2"]
+        if skip and skip[0] == i:
+            cmd += ["--skip-reload", str(skip[1])]
+        with open(work / f"follower_{i}.log", "wb") as log:
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def stop_processes(procs) -> None:
+    for p in procs:
+        p.terminate()
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 @pytest.fixture(scope="session")
 def servers(learnable_base, tmp_path_factory):
     """The session's pair of rollout servers on the learnable family's tiny policy (``learnable_base``),

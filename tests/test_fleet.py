@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from tests.conftest import start_followers, stop_processes
 
 pytestmark = pytest.mark.slow
 
@@ -332,23 +333,11 @@ def followers(servers, tmp_path):
     procs = []
 
     def start(weights_uri, skip=None):
-        for i, url in enumerate(servers.urls):
-            cmd = [sys.executable, "-m", "composer_dag.rl.fleet.serve", "--attach", url, "--weights-uri", weights_uri,
-                   "--work-dir", str(tmp_path / f"follower_{i}"), "--poll-seconds", "0.2"]
-            if skip and skip[0] == i:
-                cmd += ["--skip-reload", str(skip[1])]
-            with open(tmp_path / f"follower_{i}.log", "wb") as log:
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.extend(start_followers(servers.urls, weights_uri, tmp_path, skip))
         return procs
 
     yield start
-    for p in procs:
-        p.terminate()
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    stop_processes(procs)
 
 
 def test_fleet_servers_reload_by_themselves(orchestrator, followers, tmp_path):

@@ -237,15 +237,12 @@ def following(servers, learnable_base, tmp_path):
     from composer_dag.rl.fleet.config import FleetConfig
     from composer_dag.rl.fleet.sync import Fleet
 
+    from tests.conftest import start_followers, stop_processes
+
     made = []
 
     def start(weights_uri):
-        procs = []
-        for i, url in enumerate(servers.urls):
-            cmd = [sys.executable, "-m", "composer_dag.rl.fleet.serve", "--attach", url, "--weights-uri", weights_uri,
-                   "--work-dir", str(tmp_path / f"follower_{i}"), "--poll-seconds", "0.2"]
-            with open(tmp_path / f"follower_{i}.log", "wb") as log:
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs = start_followers(servers.urls, weights_uri, tmp_path)
         st = open_storage(weights_uri)
         fleet = Fleet(servers.urls, st, st.root, learnable_base["policy_dir"], str(tmp_path / "fleet"),
                       FleetConfig.load({"weight_sync": "server", "poll_seconds": 0.2, "version_timeout": 180}))
@@ -255,12 +252,7 @@ def following(servers, learnable_base, tmp_path):
     yield start
     for procs, fleet in made:
         fleet.stop()
-        for p in procs:
-            p.terminate()
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
 
 
 def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnable_base, following, tmp_path):

@@ -259,15 +259,8 @@ def make_canaries(source: str, seed: str, visible: str = "", n: int = 2, per_can
         if not chosen:
             break
         used_lines |= {c[0].lineno for c in chosen}
-        lines = source.splitlines(keepends=True)
-        for node, text, _ in sorted(chosen, key=lambda c: (c[0].lineno, c[0].col_offset), reverse=True):
-            _replace(lines, node, text)
-        new = "".join(lines)
-        try:
-            ast.parse(new)
-        except SyntaxError:
-            continue
-        if new != source:
+        new = _edited(source, [(node, text) for node, text, _ in chosen])
+        if new is not None:
             out.append(new)
     # too few sites for n canaries: the sites again, each given another value of its own statement
     # (a helper that checks `[2, 3, 68, 3893]` against `range(10, 20)` ignores 3893 -> 3894, not 10)
@@ -275,18 +268,24 @@ def make_canaries(source: str, seed: str, visible: str = "", n: int = 2, per_can
         if len(out) >= n:
             break
         text = _swapped_text(source, node)
-        if text is None:
-            continue
-        lines = source.splitlines(keepends=True)
-        _replace(lines, node, text)
-        new = "".join(lines)
-        try:
-            ast.parse(new)
-        except SyntaxError:
-            continue
-        if new != source and new not in out:
+        new = _edited(source, [(node, text)]) if text is not None else None
+        if new is not None and new not in out:
             out.append(new)
     return out
+
+
+def _edited(source: str, edits: list) -> str | None:
+    """``source`` with each (node, text) replaced, or None when the result does not parse or
+    changes nothing."""
+    lines = source.splitlines(keepends=True)
+    for node, text in sorted(edits, key=lambda e: (e[0].lineno, e[0].col_offset), reverse=True):
+        _replace(lines, node, text)
+    new = "".join(lines)
+    try:
+        ast.parse(new)
+    except SyntaxError:
+        return None
+    return new if new != source else None
 
 
 def _swapped_text(source: str, node: ast.Constant) -> str | None:
