@@ -45,8 +45,10 @@ TINY_RUN_CONFIG = {
             # a step's 16 episodes at once, so that each server batches its requests
             # RL on a mix: the learnable family and the tasks mined from a repository (parse),
             # drawn source by source with equal weights
-            # one server on each node, addressed by the node's name
-            "rl_run": {"config": {"steps": 2, "tasks_per_step": 4, "group_size": 4,
+            # one server on each node, addressed by the node's name. Four steps: about a fifth of the
+            # SFT model's learnable episodes earn reward, and at two steps (16 learnable episodes) one
+            # run in the suite had every reward 0, so no advantage; each later step takes about 4 s
+            "rl_run": {"config": {"steps": 4, "tasks_per_step": 4, "group_size": 4,
                                   "task_sources": ["learnable", "repo-mined"],
                                   "source_weights": {"learnable": 1.0, "repo-mined": 1.0},
                                   "fleet": {"servers": 2, "max_sandboxes": 16, "nodes": ["node1", "node2"]}}},
@@ -205,7 +207,7 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
                         "WHERE t.source = 'repo-mined' AND t.side = 'rl_tasks'")[0][0]
     assert trained > 0, "RL drew no mined task"
     rollouts = meta("rl_rollouts")
-    assert rollouts["dagster/row_count"] == 2 * 4 * 4  # steps x tasks per step x group size
+    assert rollouts["dagster/row_count"] == 4 * 4 * 4  # steps x tasks per step x group size
     assert cat.query("SELECT count(*) FROM rollouts WHERE reward IS NOT NULL")[0][0] == rollouts["dagster/row_count"]
     # RL in the distributed mode: the rollout servers were the step's Slurm services, took the
     # model from S3, served every published version (digest and probe checked) and were stopped
@@ -227,7 +229,7 @@ def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     assert cat.query("SELECT count(*) FROM rollouts WHERE attempts > 1 AND server_id <> ?", [kept])[0][0] == 0
     row = next(l for l in rollouts["rollout_servers"].splitlines() if l.startswith(f"| {lost} |"))
     assert "| no | 1 |" in row, rollouts["rollout_servers"]  # down at the end, one death
-    assert len(meta("rl_checkpoint")["published_weights"].splitlines()) == 2 + 3  # versions 0-2
+    assert len(meta("rl_checkpoint")["published_weights"].splitlines()) == 2 + 5  # versions 0-4
 
     # The GPU stages ran as Slurm jobs that share no disk with this process: every output is on
     # S3 under the root, and what each job reported is what is there, file by file.
