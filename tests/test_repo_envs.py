@@ -436,6 +436,43 @@ def test_test_requirements_are_read_wherever_the_project_declares_them(tmp_path)
     assert all(Requirement(r) for r in reqs)  # every line parses as pip reads it
 
 
+def test_a_suite_written_for_an_older_pytest_gets_one_in_its_layer(repo_envs, tmp_path):
+    """A conftest with a hook argument pytest 9 no longer has (``pytest_ignore_collect(path,
+    config)``, as boltons') stops the suite before any test under the sandbox's pytest; the
+    bootstrap then installs the previous major into the project's layer, where the project's
+    interpreter finds it first, and the suite runs under it. A project that pins an older pytest
+    gets it without the first try; one without either keeps the sandbox's."""
+    from importlib.metadata import version
+
+    from composer_dag.envs.repo_env import _older_pytest, BootstrapError
+
+    store = BootstrapConfig(store=str(repo_envs["_store"]))
+    major = int(version("pytest").split(".")[0])
+    root = _project(tmp_path / "old", "from tinylib import add\n\n\ndef test_add():\n    assert add(1, 2) == 3\n")
+    (root / "tests" / "conftest.py").write_text("def pytest_ignore_collect(path, config):\n    return None\n")
+    lines = []
+    r = bootstrap(str(root), tmp_path / "env-old", store, log=lines.append)
+    assert r["ok"] and r["tests_passing"] == 1, r
+    rec = load_env(tmp_path / "env-old")
+    assert int(rec["pytest"].split(".")[0]) == major - 1, rec["pytest"]
+    assert any(f"again with pytest<{major}" in l for l in lines), lines
+    assert any(w.startswith(f"pytest-{major - 1}.") for w in rec["store"]["dependencies"]), rec["store"]
+    assert f"- pytest: {rec['pytest']}" in (tmp_path / "env-old" / "report.md").read_text()
+    # the same suite, its pytest pinned by the project: one resolution, no retry
+    pinned = _project(tmp_path / "pinned", "from tinylib import add\n\n\ndef test_add():\n    assert add(1, 2) == 3\n",
+                      deps=f'"pytest<{major}"')
+    shutil.copy(root / "tests" / "conftest.py", pinned / "tests" / "conftest.py")
+    lines = []
+    r = bootstrap(str(pinned), tmp_path / "env-pinned", store, log=lines.append)
+    assert r["ok"] and load_env(tmp_path / "env-pinned")["pytest"] == rec["pytest"], r
+    assert not any("again with" in l for l in lines), lines
+    # a suite that stops for another reason is not retried, and the steps end two majors down
+    assert _older_pytest(BootstrapError("suite_does_not_start", "ImportError: no module named x"), None) is None
+    err = BootstrapError("suite_does_not_start", "PluginValidationError: ...")
+    assert [_older_pytest(err, p) for p in (None, f"pytest<{major}", f"pytest<{major - 1}", "pytest==7.4")] == \
+        [f"pytest<{major}", f"pytest<{major - 1}", None, None]
+
+
 def test_tests_inside_the_package_import_relatively(repo_envs, tmp_path):
     """Tests kept inside the package (``tinylib/tests/test_core.py`` with ``from ..core import``,
     ``tinylib/test_inline.py`` with ``from . import``) run from the recorded tree as the package's

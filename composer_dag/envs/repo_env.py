@@ -622,10 +622,37 @@ def store_root(cfg: BootstrapConfig) -> Path:
     return Path(os.environ.get("COMPOSER_HOME") or Path.home() / ".composer") / "wheel-store"
 
 
+def _provided_version(name: str) -> str | None:
+    """The version of a ``PROVIDED`` distribution inside the sandbox (a copy of this
+    interpreter's, ``rootfs.TOOLING``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def own_tooling(req: str) -> bool:
+    """A requirement on a ``PROVIDED`` distribution (pytest, pluggy, ...) that the sandbox's
+    version does not satisfy (``pytest<9``): the layer gets that version, ahead of the sandbox's."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        r = Requirement(req)
+    except InvalidRequirement:
+        return False
+    have = _provided_version(r.name) if _norm(r.name) in PROVIDED and r.specifier else None
+    return have is not None and not r.specifier.contains(have, prereleases=True)
+
+
 def fetch_wheels(reqs: list[str], dest: Path, timeout: float = 600) -> list[Path]:
     """Wheels only (nothing is built), with their requirements, into ``dest``: pip resolves
-    from the wheels' metadata. Returns the wheels of this resolution."""
-    reqs = [r for r in reqs if _req_name(r) not in PROVIDED]
+    from the wheels' metadata. Returns the wheels of this resolution. What the sandbox provides
+    is left out, unless a requirement asks for another version of it (``own_tooling``): then the
+    resolution's wheels of the provided distributions are kept too, for that version's needs."""
+    own = any(own_tooling(r) for r in reqs)
+    reqs = [r for r in reqs if _req_name(r) not in PROVIDED or own_tooling(r)]
     if not reqs:
         return []
     dest.mkdir(parents=True, exist_ok=True)
@@ -635,7 +662,7 @@ def fetch_wheels(reqs: list[str], dest: Path, timeout: float = 600) -> list[Path
         tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [""]
         raise BootstrapError("install_failed", f"no wheel for {', '.join(reqs)}: {tail[0][-300:]}")
     got = re.findall(r"^\s*(?:Saved|File was already downloaded) (\S+\.whl)\s*$", r.stdout, re.M)
-    return sorted({Path(g) for g in got if _norm(Path(g).name.split("-")[0]) not in PROVIDED})
+    return sorted({Path(g) for g in got if own or _norm(Path(g).name.split("-")[0]) not in PROVIDED})
 
 
 def _digest_files(paths) -> str:
@@ -1006,7 +1033,21 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
         tests = env / "tests"
         record_tests(root, layout, tests)
         project = env / "repo"
-        kept, left, suite_seconds = reliable_tests(project, tests, layer, persona, layout, cfg, work, log)
+        pytest_pin = next((r for r in layout.requires if _req_name(r) == "pytest" and own_tooling(r)), None)
+        while True:
+            try:
+                kept, left, suite_seconds = reliable_tests(project, tests, layer, persona, layout, cfg, work, log)
+                break
+            except BootstrapError as e:
+                older = _older_pytest(e, pytest_pin)
+                if older is None:
+                    raise
+                log(f"the suite does not start under pytest {_provided_version('pytest')} "
+                    f"({_OLD_PYTEST.search(str(e)).group(0)}): again with {older} in the layer")
+                pytest_pin = older
+                base = [] if wheel is None else layout.requires + _wheel_requires(wheel)
+                deps = fetch_wheels(base + [older], store / "fetched", cfg.install_timeout)
+                layer_digest, layer, layer_hit = make_layer(deps, layout, store, persona, cfg)
         seconds = round(time.monotonic() - t0, 2)
         env_digest = hashlib.sha256(json.dumps([tree_digest(project), tree_digest(tests), layer_digest, kept],
                                                sort_keys=True).encode()).hexdigest()[:32]
@@ -1016,7 +1057,8 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
                   "left_out_counts": _counts(left.values()), "layer": layer_digest,
                   "store": {"wheel": wheel.name if wheel else None, "wheel_hit": wheel_hit, "layer_hit": layer_hit,
                             "dependencies": [w.name for w in deps]},
-                  "persona_seed": _norm(layout.name), "suite_seconds": suite_seconds}
+                  "persona_seed": _norm(layout.name), "suite_seconds": suite_seconds,
+                  "pytest": _layer_pytest(deps) or _provided_version("pytest")}
         shutil.copytree(layer, env / "layer", symlinks=True)
         (env / "env.json").write_text(json.dumps(record, indent=2, sort_keys=True))
         (env / "report.md").write_text(_report(record))
@@ -1032,6 +1074,34 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
         shutil.rmtree(work, ignore_errors=True)
     summary["seconds"] = round(time.monotonic() - t0, 2)
     return summary
+
+
+# what a pytest newer than the project's refuses before any test runs: a hook argument it no
+# longer has (``pytest_ignore_collect(path, config)``), a name it no longer exports
+_OLD_PYTEST = re.compile(r"PluginValidationError|are declared in the hookimpl but can not be found in the hookspec|"
+                         r"module 'pytest' has no attribute '\w+'")
+
+
+def _older_pytest(e: BootstrapError, pin: str | None) -> str | None:
+    """The next older pytest major to try when the suite stopped on something only newer pytests
+    refuse (``_OLD_PYTEST``): ``pytest<9`` under pytest 9, then ``pytest<8``; None otherwise, or
+    after two steps, or when the project pins its pytest already."""
+    if e.reason not in ("suite_does_not_start", "no_tests_found") or not _OLD_PYTEST.search(str(e)):
+        return None
+    have = int((_provided_version("pytest") or "0").split(".")[0])
+    if pin is None:
+        return f"pytest<{have}"
+    m = re.fullmatch(r"pytest<(\d+)", pin)
+    return f"pytest<{int(m.group(1)) - 1}" if m and int(m.group(1)) - 1 > have - 2 else None
+
+
+def _layer_pytest(wheels: list[Path]) -> str | None:
+    """The version of the pytest wheel a layer installs (None: the sandbox's own)."""
+    for w in wheels:
+        parts = w.name.split("-")
+        if _norm(parts[0]) == "pytest" and len(parts) > 1:
+            return parts[1]
+    return None
 
 
 def _wheel_requires(wheel: Path) -> list[str]:
@@ -1056,7 +1126,7 @@ def _report(rec: dict) -> str:
              f"- source: {json.dumps(rec['origin'])}", f"- licence: {rec['licence']}",
              f"- test command: `{rec['test_command']}`", f"- environment digest: `{rec['env_digest']}`",
              f"- layer: `{rec['layer']}` ({len(rec['store']['dependencies'])} dependencies)",
-             f"- bootstrap: {rec['seconds']} s", "",
+             f"- pytest: {rec.get('pytest')}", f"- bootstrap: {rec['seconds']} s", "",
              f"## Tests: {rec['tests_passing']} kept of {rec['tests_total']}", "",
              "| left out because | tests |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in rec["left_out_counts"].items()]
