@@ -550,3 +550,24 @@ def test_a_value_checked_by_a_helper_gets_a_canary_from_its_own_statement():
     out = make_canaries(src, seed="s", n=2)
     changed = sorted(next(b for a, b in zip(src.splitlines(), c.splitlines()) if a != b).strip() for c in out)
     assert changed == ["self._check(range(10, 20), [2, 3, 68, 10])", "self._check(range(10, 20), [2, 3, 68, 3894])"], changed
+
+
+def test_an_expected_value_bound_to_a_name_or_checked_by_a_helper_function_is_a_site():
+    """tabulate's tests write the expected value one line above the check and compare through a
+    helper of their own (``expected = [...]``, ``result = T._align(...)``,
+    ``assert_equal(expected, result)``): the literal is a site, compared with the call (so the
+    visible-text rule reads the call, not the name). A name bound twice, or a message argument of
+    ``assertTrue``, is not a site."""
+    from composer_dag.envs.canaries import make_canaries, sites
+
+    src = ("from common import assert_equal\nimport tabulate as T\n\n\n"
+           "def test_center():\n    text = ['just', 'one ']\n    result = T._align(text, 4, 'center')\n"
+           "    expected = ['    ', 'just', 'one ', '    ']\n    assert_equal(expected, result)\n\n\n"
+           "def test_plain():\n    expected = T.plain('a')\n    assert expected == 'a'\n\n\n"
+           "def test_twice():\n    expected = [1]\n    expected = [2]\n    assert T.f() == expected\n\n\n"
+           "def test_message(self):\n    self.assertTrue(T.g(), 'g holds')\n")
+    found = [(n.lineno, n.value, other) for n, other in sites(src)]
+    assert found == [(8, "    ", "T._align(text, 4, 'center')"), (14, "a", "T.plain('a')")], found
+    out = make_canaries(src, seed="s", n=1, per_canary=1, visible="T._align(text, 4, 'center')  # a doc example")
+    changed = [(a.strip(), b.strip()) for c in out for a, b in zip(src.splitlines(), c.splitlines()) if a != b]
+    assert changed == [("assert expected == 'a'", "assert expected == 'b'")], changed  # the call shown: avoided

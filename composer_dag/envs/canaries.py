@@ -61,11 +61,47 @@ def _target_constant(node):
     return None
 
 
+def _assert_helper(func) -> bool:
+    """A function that compares its first two arguments by its name: ``assert_equal``,
+    ``np.testing.assert_array_equal``, ``assert_in`` (not ``assertTrue`` or ``assertRaises``)."""
+    name = (func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else "")
+    name = name.lower().replace("_", "")
+    return name.startswith("assert") and ("equal" in name or name == "assertin")
+
+
+def _bindings(tree) -> dict[int, dict[str, ast.AST]]:
+    """For every node inside a function, keyed by ``id(node)``: the names that function binds
+    exactly once, by a plain assignment (``expected = [...]``, ``result = f(x)``), and their values;
+    an expected value written one line above its assertion is still a site."""
+    owner: dict[int, dict[str, ast.AST]] = {}
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        stores: dict[str, int] = {}
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+                stores[n.id] = stores.get(n.id, 0) + 1
+        env = {n.targets[0].id: n.value for n in ast.walk(fn)
+               if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+               and stores.get(n.targets[0].id) == 1}
+        for n in ast.walk(fn):  # inner functions come later in the walk and take their own nodes
+            owner[id(n)] = env
+    return owner
+
+
 def sites(source: str) -> list[tuple[ast.Constant, str]]:
-    """(constant node to change, source of the expression it is compared with), in source order."""
+    """(constant node to change, source of the expression it is compared with), in source order.
+    A name the test function binds once stands for its value on either side (``expected = [...]``
+    then ``assert_equal(expected, result)``, with ``result = f(x)``)."""
     tree = ast.parse(source)
+    owner = _bindings(tree)
     out = []
     for node in ast.walk(tree):
+        env = owner.get(id(node)) or {}
+
+        def val(x, env=env):
+            return env.get(x.id, x) if isinstance(x, ast.Name) else x
+
         pairs = []
         tests = [] if not isinstance(node, ast.Assert) else node.test.values if (
             isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.And)) else [node.test]
@@ -78,21 +114,21 @@ def sites(source: str) -> list[tuple[ast.Constant, str]]:
                 if _is_literal(right) and not _is_literal(left):
                     pairs.append((right, left))
             if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], _CMP_OPS):
-                left, right = test.left, test.comparators[0]
+                left, right = val(test.left), val(test.comparators[0])
                 if _is_literal(right) and not _is_literal(left):
                     pairs.append((right, left))
                 elif _is_literal(left) and not _is_literal(right):
                     pairs.append((left, right))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _ASSERT_METHODS \
-                and len(node.args) >= 2:
-            a, b = node.args[0], node.args[1]
+        if isinstance(node, ast.Call) and len(node.args) >= 2 and (
+                isinstance(node.func, ast.Attribute) and node.func.attr in _ASSERT_METHODS or _assert_helper(node.func)):
+            a, b = val(node.args[0]), val(node.args[1])
             if _is_literal(b) and not _is_literal(a):
                 pairs.append((b, a))
             elif _is_literal(a) and not _is_literal(b):
                 pairs.append((a, b))
         if not pairs and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and isinstance(node.func.value, ast.Name) and node.func.value.id == "self" \
-                and node.func.attr not in _ASSERT_METHODS and node.args and _is_literal(node.args[-1]) \
+                and not node.func.attr.startswith("assert") and node.args and _is_literal(node.args[-1]) \
                 and not all(_is_literal(a) for a in node.args[:-1] or [None]):
             pairs.append((node.args[-1], ast.Call(node.func, node.args[:-1], [])))  # self.check(x, expected)
         for lit, other in pairs:
