@@ -52,6 +52,22 @@ SFT_GRIDS = {
         "r25-lr2e-3-warm10": {"pretrain_share": 0.25, "lr": 2e-3, "min_lr": 2e-3, "warmup_steps": 10},
         "r25-lr2e-3-w1": {"pretrain_share": 0.25, "lr": 2e-3, "min_lr": 2e-3, "pretrain_windows": 1},
     },
+    # round three, at the default (run with --set to its warm-up, validation and patience): the
+    # learning rate decayed (cosine) instead of constant, longer with the decay, a higher peak
+    "sweep4": {
+        "default": {},
+        "cos2e-4": {"min_lr": 2e-4},
+        "cos2e-4-120": {"min_lr": 2e-4, "max_steps": 120},
+        "lr3e-3-cos3e-4": {"lr": 3e-3, "min_lr": 3e-4},
+    },
+    # the same settings with other seeds (the order of the transcripts, the replayed windows, the
+    # initial state of nothing else): is the decay's gain a property of the schedule or of one draw
+    "sweep5": {
+        "default-s1": {"seed": 1},
+        "cos2e-4-s1": {"min_lr": 2e-4, "seed": 1},
+        "cos2e-4-s2": {"min_lr": 2e-4, "seed": 2},
+        "cos2e-4-120-s1": {"min_lr": 2e-4, "max_steps": 120, "seed": 1},
+    },
 }
 SFT_COMMON = {"max_steps": 80, "warmup_steps": 3, "eval_every": 10, "save_every": 10, "early_stop_patience": 2}
 RL_GRIDS = {
@@ -68,6 +84,28 @@ RL_GRIDS = {
         "steps12": {"steps": 12},
         "lr5e-4-warm3": {"trainer": {"lr": 5e-4, "kl_coef": 0.1, "warmup_steps": 3}},
         "group8": {"group_size": 8},
+    },
+    # after the SFT sample by task (SFT 0.615, RL +0.080 at 8 samples): more updates, more tasks
+    # an update, a higher rate, each at the default's groups of 8 (evaluated at 16 samples)
+    "sweep3": {
+        "default": {},
+        "steps12": {"steps": 12},
+        "tasks6": {"tasks_per_step": 6},
+        "lr4e-4": {"trainer": {"lr": 4e-4, "kl_coef": 0.1, "warmup_steps": 3}},
+    },
+    # from the decayed SFT (0.575), where the default lost 0.03 and its training reward fell after
+    # the third update: smaller steps, more tasks an update, both
+    "sweep4": {
+        "lr1e-4": {"trainer": {"lr": 1e-4, "kl_coef": 0.1, "warmup_steps": 3}},
+        "tasks8": {"tasks_per_step": 8},
+        "lr1e-4-tasks8": {"tasks_per_step": 8, "trainer": {"lr": 1e-4, "kl_coef": 0.1, "warmup_steps": 3}},
+    },
+    # from the SFT decayed over 120 steps (0.755): the default, a weaker KL term (sharpening what SFT
+    # left spread), twice the updates at a third of the rate
+    "sweep5": {
+        "default": {},
+        "kl0.02": {"trainer": {"lr": 3e-4, "kl_coef": 0.02, "warmup_steps": 3}},
+        "lr1e-4-steps16": {"steps": 16, "trainer": {"lr": 1e-4, "kl_coef": 0.1, "warmup_steps": 3}},
     },
 }
 RL_COMMON = {"steps": 8}

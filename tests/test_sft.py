@@ -190,6 +190,7 @@ def test_sft_job_teaches_the_call_format(learnable_base, tmp_path):
     shards = _code_shards(learnable_base["tokenizer_dir"], tmp_path / "shards")
     cfg = {"trajectories_dir": str(out), "model_dir": learnable_base["base_dir"], "out_dir": str(tmp_path / "run"),
            "seq_len": 512, "max_steps": 30, "eval_every": 15, "save_every": 15, "log_every": 5,
+           "min_lr": 2e-3,  # constant: the resumed run (60 steps) continues at the rate the first stopped at
            "format_samples": 16, "min_format_share": 0.1, "pretrain_dir": str(shards)}
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     env = {**os.environ, "PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
