@@ -98,10 +98,7 @@ def sites(source: str) -> list[tuple[ast.Constant, str]]:
     out = []
     for node in ast.walk(tree):
         env = owner.get(id(node)) or {}
-
-        def val(x, env=env):
-            return env.get(x.id, x) if isinstance(x, ast.Name) else x
-
+        val = lambda x: env.get(x.id, x) if isinstance(x, ast.Name) else x  # noqa: E731
         pairs = []
         tests = [] if not isinstance(node, ast.Assert) else node.test.values if (
             isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.And)) else [node.test]

@@ -1024,7 +1024,7 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
         else:
             wheel, wheel_hit = build_wheel(root, layout, store, persona, cfg, key)
             log(f"wheel {wheel.name} ({'store hit' if wheel_hit else 'built'})")
-            deps = fetch_wheels(layout.requires + _wheel_requires(wheel), store / "fetched", cfg.install_timeout)
+            deps = fetch_wheels(_all_requires(layout, wheel), store / "fetched", cfg.install_timeout)
         layer_digest, layer, layer_hit = make_layer(deps, layout, store, persona, cfg)
         log(f"layer {layer_digest}: {len(deps)} wheel(s) ({'hit' if layer_hit else 'installed'})")
 
@@ -1045,8 +1045,7 @@ def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log
                 log(f"the suite does not start under pytest {_provided_version('pytest')} "
                     f"({_OLD_PYTEST.search(str(e)).group(0)}): again with {older} in the layer")
                 pytest_pin = older
-                base = [] if wheel is None else layout.requires + _wheel_requires(wheel)
-                deps = fetch_wheels(base + [older], store / "fetched", cfg.install_timeout)
+                deps = fetch_wheels(_all_requires(layout, wheel) + [older], store / "fetched", cfg.install_timeout)
                 layer_digest, layer, layer_hit = make_layer(deps, layout, store, persona, cfg)
         seconds = round(time.monotonic() - t0, 2)
         env_digest = hashlib.sha256(json.dumps([tree_digest(project), tree_digest(tests), layer_digest, kept],
@@ -1093,6 +1092,12 @@ def _older_pytest(e: BootstrapError, pin: str | None) -> str | None:
         return f"pytest<{have}"
     m = re.fullmatch(r"pytest<(\d+)", pin)
     return f"pytest<{int(m.group(1)) - 1}" if m and int(m.group(1)) - 1 > have - 2 else None
+
+
+def _all_requires(layout: Layout, wheel: Path | None) -> list[str]:
+    """What the layer resolves: the project's runtime and test requirements and its built wheel's
+    (none for a project installed from its wheel already)."""
+    return [] if wheel is None else layout.requires + _wheel_requires(wheel)
 
 
 def _layer_pytest(wheels: list[Path]) -> str | None:
