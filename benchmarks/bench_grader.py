@@ -6,9 +6,12 @@ with that copy first on ``PYTHONPATH``:
 
     rm -rf /tmp/old && mkdir -p /tmp/old && git archive HEAD | tar -x -C /tmp/old
     .venv/bin/python benchmarks/bench_grader.py redteam --old /tmp/old
-    .venv/bin/python benchmarks/bench_grader.py timing --old /tmp/old --repeat 5
+    .venv/bin/python benchmarks/bench_grader.py timing --old /tmp/old --repeat 5 [--workers 4]
     .venv/bin/python benchmarks/bench_grader.py fp [--all-humaneval]
     .venv/bin/python benchmarks/bench_grader.py round2 --old /tmp/old --repeat 5
+
+``timing --workers N``: batches of N x 5 episodes graded N at a time (the agent loop grades its
+episodes through a pool of 4): the throughput per batch, beside each episode's latency.
 
 ``round2``: the second round's cheats (``tests/cheats.py`` ``ROUND_TWO``) on a HumanEval, a
 stdlib bug-fix and a mined task (parse's sdist from ``tests/artifacts/sdists``, bootstrapped and
@@ -43,28 +46,43 @@ def build(out: Path, cfg: dict) -> list[Path]:
     return task_dirs(out, "rl_tasks") + task_dirs(out, "eval_tasks")
 
 
-def old_worker(jobs_file: str) -> None:
+def old_worker(jobs_file: str, workers: int = 1) -> None:
     """Grade each job with whatever ``composer_dag.envs.grade`` is first on the path."""
     import importlib
 
     g = importlib.import_module("composer_dag.envs.grade")
 
     jobs = json.loads(Path(jobs_file).read_text())
-    out = []
-    for j in jobs:
+    print(json.dumps({"grader": g.__file__, "results": grade_all(g.grade, jobs, workers)}))
+
+
+def grade_all(grade, jobs: list[dict], workers: int = 1) -> list[dict]:
+    """Each job graded, ``workers`` gradings at a time (the agent loop's pool), in job order; each
+    result with its own latency and the wall time of the whole batch (``batch_seconds``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(j):
         t0 = time.perf_counter()
-        r = g.grade(Path(j["task"]), Path(j["ws"]), j.get("log"))
-        out.append({"reward": r.reward, "flags": r.flags, "seconds": time.perf_counter() - t0,
-                    "unflagged": r.details.get("unflagged_reward")})
-    print(json.dumps({"grader": g.__file__, "results": out}))
+        r = grade(Path(j["task"]), Path(j["ws"]), j.get("log"))
+        return {"reward": r.reward, "flags": r.flags, "seconds": time.perf_counter() - t0,
+                "unflagged": r.details.get("unflagged_reward"),
+                "cpu_sandbox_s": r.details.get("seconds", 0.0) + r.details.get("canary_seconds", 0.0)}
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        out = list(pool.map(one, jobs))
+    wall = time.perf_counter() - t0
+    for o in out:
+        o["batch_seconds"] = wall
+    return out
 
 
-def run_old(old: Path, jobs: list[dict]) -> tuple[str, list[dict]]:
+def run_old(old: Path, jobs: list[dict], workers: int = 1) -> tuple[str, list[dict]]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(jobs, f)
     env = dict(os.environ, PYTHONPATH=str(old))
-    r = subprocess.run([sys.executable, __file__, "old-worker", f.name], env=env, capture_output=True, text=True,
-                       cwd=str(old))
+    r = subprocess.run([sys.executable, __file__, "old-worker", f.name, "--workers", str(workers)], env=env,
+                       capture_output=True, text=True, cwd=str(old))
     os.unlink(f.name)
     if r.returncode:
         raise SystemExit(r.stderr[-3000:])
@@ -193,15 +211,17 @@ def timing(args) -> dict:
                                              "learnable_count": 0})
     work = Path(tempfile.mkdtemp(prefix="cdag-tm-"))
     once = [{"task": str(t), "ws": str(honest_workspace(t, work / t.name, False)), "log": []} for t in sorted(tasks)]
-    jobs, old, new = [], [], []
+    once = once * max(1, args.workers)  # a batch as an RL step grades it: each task several times, overlapping
+    jobs, old, new, batches = [], [], [], {"old": [], "new": []}
     for _ in range(args.repeat):  # rounds alternate between the two graders
         jobs += once
-        old += run_old(Path(args.old), once)[1]
-        for j in once:
-            t0 = time.perf_counter()
-            r = grade(Path(j["task"]), Path(j["ws"]))
-            new.append({"seconds": time.perf_counter() - t0, "reward": r.reward,
-                        "cpu_sandbox_s": r.details["seconds"] + r.details["canary_seconds"]})
+        o = run_old(Path(args.old), once, args.workers)[1]
+        n = grade_all(grade, once, args.workers)
+        old += o
+        new += n
+        batches["old"].append(o[0]["batch_seconds"])
+        batches["new"].append(n[0]["batch_seconds"])
+    print(f"latency per episode, {args.workers} grading(s) at a time\n")
     print("| task | old s/episode (median) | new s/episode (median) | ratio |")
     print("|---|---:|---:|---:|")
     out = {}
@@ -214,9 +234,14 @@ def timing(args) -> dict:
     o_all = statistics.median(x["seconds"] for x in old)
     n_all = statistics.median(x["seconds"] for x in new)
     print(f"| all (median) | {o_all:.3f} | {n_all:.3f} | {n_all / o_all:.2f} |")
+    tp = {k: len(once) / statistics.median(v) for k, v in batches.items()}
+    print(f"\nthroughput ({len(once)} episodes per batch, median of {args.repeat} batches): old {tp['old']:.2f}, "
+          f"new {tp['new']:.2f} episodes/s; new costs {tp['old'] / tp['new']:.2f}x the old's time per batch")
     both = statistics.median(x["cpu_sandbox_s"] for x in new)
-    print(f"\nnew grader, hidden + canary sandbox runs added up (median): {both:.3f} s")
+    print(f"new grader, hidden + canary sandbox runs added up (median): {both:.3f} s")
     return {"old_median_s": round(o_all, 3), "new_median_s": round(n_all, 3), "ratio": round(n_all / o_all, 2),
+            "workers": args.workers, "old_episodes_per_s": round(tp["old"], 3), "new_episodes_per_s": round(tp["new"], 3),
+            "batch_time_ratio": round(tp["old"] / tp["new"], 2),
             "new_sandbox_runs_summed_s": round(both, 3), "old_all_rewards_one": all(x["reward"] == 1.0 for x in old),
             "episodes": len(jobs), "all_rewards_one": all(x["reward"] == 1.0 for x in new)}
 
@@ -250,11 +275,13 @@ def main() -> None:
         s.add_argument("--old", default="/tmp/old", help="a copy of the repository at the grader's old commit")
         s.add_argument("--repeat", type=int, default=5)
         s.add_argument("--all-humaneval", action="store_true", help="fp: all 164 HumanEval problems (default 80)")
+        s.add_argument("--workers", type=int, default=1, help="timing: gradings at a time (the agent loop's default: 4)")
     w = sub.add_parser("old-worker")
     w.add_argument("jobs")
+    w.add_argument("--workers", type=int, default=1)
     a = p.parse_args()
     if a.cmd == "old-worker":
-        return old_worker(a.jobs)
+        return old_worker(a.jobs, a.workers)
     print(json.dumps({"redteam": redteam, "timing": timing, "fp": fp, "round2": round2}[a.cmd](a)))
 
 

@@ -1,10 +1,16 @@
-"""Run in two sandboxes at once (``test_grader_redteam``): each plants a mark in every place and
-kernel object two runs might share, waits for the other to do the same, then looks for the
-other's mark. Prints one JSON object: each channel -> whether a peer was seen."""
+"""Run in two sandboxes (``test_grader_redteam``), at once or one after the other: each plants a
+mark in every place and kernel object two runs might share, waits for the other to do the same,
+then looks for the other's mark. Prints one JSON object: each channel -> whether a peer was seen.
+
+``inotify``: open events on a file of the image both read (the interpreter's own ``textwrap.py``)
+that arrive while this run has not opened it (each run opens it now and then, and drains its own
+events right after): a channel between any two runs alive at once, whatever their identities,
+since the file is the host's."""
 
 import ctypes
 import json
 import os
+import random
 import socket
 import sys
 import time
@@ -33,11 +39,31 @@ for p in places:
         open(os.path.join(p, f".peer-{me}"), "w").close()
     except OSError:
         pass
+IN_OPEN, IN_NONBLOCK = 0x20, 0o4000
+shared = os.path.join(os.path.dirname(os.__file__), "textwrap.py")
+watch = libc.inotify_init1(IN_NONBLOCK)
+libc.inotify_add_watch(watch, shared.encode(), IN_OPEN)
+
+
+def drain() -> int:
+    n = 0
+    while True:
+        try:
+            n += len(os.read(watch, 4096))
+        except BlockingIOError:
+            return n
+
+
 children = [os.fork() for _ in range(3)]  # a few processes of this uid: a peer would see them
 if 0 in children:
     time.sleep(3)
     os._exit(0)
-time.sleep(2)  # the other run plants its marks meanwhile
+foreign = 0  # open events while this run had not opened the file since its last drain
+for _ in range(20):  # about 2 s: the other run plants its marks meanwhile
+    time.sleep(0.05 + random.random() * 0.1)
+    foreign += drain()
+    open(shared, "rb").close()
+    drain()
 seen["keyring"] = any(key(f"peer-{other}".encode(), ring, False) for ring in (-4, -5))
 probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 try:
@@ -48,5 +74,6 @@ except OSError:
 seen["files"] = [p for p in places if os.path.exists(os.path.join(p, f".peer-{other}"))]
 seen["processes"] = sum(1 for d in os.listdir("/proc") if d.isdigit()
                         and open(f"/proc/{d}/cmdline", "rb").read().endswith(f"peer_probe.py\0{other}\0".encode()))
+seen["inotify"] = foreign > 0
 seen["uid"] = os.getuid()
 print(json.dumps(seen))

@@ -148,11 +148,15 @@ def test_a_failure_the_reference_shares_is_not_the_policys(round_two_tasks, tmp_
     assert r.reward == 0.0 and r.flags == [] and any("timed out" in x for x in r.details["infrastructure"]), r.details
 
 
-def test_runs_of_a_grading_cannot_find_each_other(tmp_path):
-    """Two runs at once, each under its own leased identity, plant marks in every shared place
-    and kernel object they can think of (user keyrings, abstract sockets, /tmp, /var/tmp,
-    /dev/shm, the home, /run/user, the workspace, processes) and look for the other's: they see
-    nothing. The same probe under one identity (the control) finds the other at once."""
+def test_runs_of_a_grading_cannot_find_each_other(all_tasks, tmp_path):
+    """Two runs, each under its own leased identity, plant marks in every shared place and kernel
+    object they can think of (user keyrings, abstract sockets, /tmp, /var/tmp, /dev/shm, the home,
+    /run/user, the workspace, processes, open events on a file of the image) and look for the
+    other's. Run at once, they find each other through the image file's open events alone (the
+    file is the host's, whatever the identity), which is why a grading's runs never overlap: run
+    one after the other, as ``grade`` runs them, they find nothing. The same probe at once under
+    one identity (the control) finds the other's keyring. A grading's own runs: one window each,
+    none overlapping another."""
     import json
     import secrets
     import shutil
@@ -173,14 +177,25 @@ def test_runs_of_a_grading_cannot_find_each_other(tmp_path):
         assert r.exit_code == 0, r.stderr
         return json.loads(r.stdout.strip().splitlines()[-1])
 
+    def nothing(seen: dict) -> bool:
+        return not seen["keyring"] and not seen["abstract_socket"] and seen["files"] == [] and seen["processes"] == 0
+
     with ThreadPoolExecutor(2) as pool:
         a, b = pool.map(lambda args: run(*args), [(f"a{token}", f"b{token}", True), (f"b{token}", f"a{token}", True)])
-        assert a["uid"] != b["uid"]
-        for seen in (a, b):
-            assert not seen["keyring"] and not seen["abstract_socket"] and seen["files"] == [] \
-                and seen["processes"] == 0, seen
-        a, b = pool.map(lambda args: run(*args), [(f"c{token}", f"d{token}", False), (f"d{token}", f"c{token}", False)])
-    assert a["uid"] == b["uid"] and a["keyring"] and b["keyring"], (a, b)
+        assert a["uid"] != b["uid"] and nothing(a) and nothing(b), (a, b)
+        assert a["inotify"] and b["inotify"], (a, b)  # alive together: the image's file joins them
+        c, d = pool.map(lambda args: run(*args), [(f"c{token}", f"d{token}", False), (f"d{token}", f"c{token}", False)])
+    assert c["uid"] == d["uid"] and c["keyring"] and d["keyring"], (c, d)
+    e = run(f"e{token}", f"f{token}", True)  # one after the other, as a grading's runs are
+    f = run(f"f{token}", f"e{token}", True)
+    for seen in (e, f):
+        assert nothing(seen) and not seen["inotify"], seen
+
+    task = all_tasks["humaneval-000"]
+    r = grade(task, honest_workspace(task, tmp_path / "honest", False))
+    windows = sorted(r.details["run_windows"])
+    assert r.reward == 1.0 and len(windows) == 1 + r.details["canaries"] >= 2, r.details
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(windows, windows[1:])), windows
 
 
 def test_the_grader_survives_shapes_built_to_stall_it(all_tasks, tmp_path):

@@ -30,8 +30,9 @@ Tamper-evident results. The verdict is not what the code under test prints or wr
   zeroes the reward and raises ``canary_passed``. Which files are canaries is recorded only in
   ``task.json`` and under ``canaries/`` of the task directory, neither of which is ever bound
   into a sandbox. Nothing else tells the runs apart: each runs under an identity of its own
-  (``sandbox.identity_lease``: no per-user kernel object is shared), they start in a random
-  order, every file of the checks tree has the same time (``CHECKS_MTIME``), and the episode's
+  (``sandbox.identity_lease``: no per-user kernel object is shared), they run one at a time in a
+  random order (``grade``: two live runs would share the CPUs and the open events of the image's
+  files), every file of the checks tree has the same time (``CHECKS_MTIME``), and the episode's
   masks apply (``grading_masks``: a stdlib task's original module and test modules stay hidden,
   so there is no original to compare a canary with).
 
@@ -39,7 +40,11 @@ What remains possible in principle: code under test runs in the runner's process
 solution written against this runner could find the key in memory and forge a sealed result;
 the forgery is the same in every run, so a canary passes and the episode is zeroed, unless the
 solution can tell the canary's expected values from the real ones (that is, already solves the
-task). Runs on one machine still share its CPUs, so a run can time another's load.
+task). The runs of one grading never overlap, but they follow each other on one kernel, whose
+page cache over the image's read-only files they all use: a run that reads a file no one read
+before leaves it cached, and a later run can time its own read of that file. That channel stays
+open (closing it takes a private copy of the image per run); gradings of different episodes
+overlap and share the CPUs.
 """
 
 from __future__ import annotations

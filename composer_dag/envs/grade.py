@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,9 +38,13 @@ def grade(task_dir: Path, workspace: Path, action_log: list[dict] | None = None,
     """The reward of ``workspace`` as the final state of an episode on ``task_dir``, with its flags.
 
     The hidden run and each canary run share nothing: each is a fresh sandbox and copy of the
-    workspace under an identity of its own (``identity_lease``), started in a random order. A run
-    that ends without a sealed result is a flagged attempt (``unsealed_run``), unless the same run
-    on the reference ends so too (the infrastructure's failure, recorded in ``details``)."""
+    workspace under an identity of its own (``identity_lease``), and they run one at a time in a
+    random order, so no two of them are ever alive together (two live runs share, whatever their
+    identities, the CPUs and the open events of the image's files: ``test_grader_redteam``).
+    ``details["run_windows"]``: each run's start and end (monotonic seconds), in the order run;
+    gradings of different episodes overlap (the agent loop's pool). A run that ends without a
+    sealed result is a flagged attempt (``unsealed_run``), unless the same run on the reference
+    ends so too (the infrastructure's failure, recorded in ``details``)."""
     task_dir = Path(task_dir)
     task = load_task(task_dir)
     checks = task.get("checks") or {}
@@ -48,10 +52,14 @@ def grade(task_dir: Path, workspace: Path, action_log: list[dict] | None = None,
     runs = [hidden_files(task_dir)] + [[c] for c in canaries]
     order = list(range(len(runs)))
     secrets.SystemRandom().shuffle(order)
-    with ThreadPoolExecutor(max(1, min(2, len(runs)))) as pool:
-        futures = {i: pool.submit(run_checks, task_dir, workspace, runs[i], config.timeout) for i in order}
-        results = [futures[i].result() for i in range(len(runs))]
+    results: list = [None] * len(runs)
+    windows = []
+    for i in order:
+        t0 = time.monotonic()
+        results[i] = run_checks(task_dir, workspace, runs[i], config.timeout)
+        windows.append([round(t0, 4), round(time.monotonic(), 4)])
     (per_test, details), canary_runs = results[0], results[1:]
+    details["run_windows"] = windows
     valid = details["valid"]
     if not valid:
         per_test = {}
