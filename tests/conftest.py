@@ -28,9 +28,14 @@ LONG_FIRST = ("tests.test_fleet", "tests.test_rl_learn", "tests.test_ui_browser"
               "tests.test_train_midtrain", "tests.test_sft")
 
 
+# Modules that read the whole-graph run (the session's ``graph``) without running Slurm jobs of
+# their own: they keep their place after the Slurm group.
+READ_GRAPH = ("tests.test_realtime_traces",)
+
+
 def _group(item) -> str:
     names = getattr(item, "fixturenames", ())
-    return "slurm" if "two_node_cluster" in names else item.module.__name__
+    return "slurm" if "two_node_cluster" in names and item.module.__name__ not in READ_GRAPH else item.module.__name__
 
 
 def pytest_collection_modifyitems(config, items):
@@ -140,6 +145,16 @@ def composer_home(tmp_path, monkeypatch):
     home.mkdir()
     monkeypatch.setenv("COMPOSER_HOME", str(home))
     return home
+
+
+@pytest.fixture(scope="session")
+def graph(tmp_path_factory, two_node_cluster, repo_sdists):
+    """The whole graph materialized once per session on the tiny configuration, on S3 and the
+    two-node Slurm cluster (``tests/test_graph_full.py``: ``materialize_graph``); the production
+    cycles (``tests/test_realtime_traces.py``) continue from its promoted model."""
+    from tests.test_graph_full import materialize_graph
+
+    yield from materialize_graph(tmp_path_factory, two_node_cluster, repo_sdists)
 
 
 @pytest.fixture(scope="session")

@@ -66,9 +66,17 @@ GPU_STAGES = {"midtrained_checkpoint": "midtrain", "sft_checkpoint": "sft", "rl_
               "evaluated_model": "eval"}
 
 
-@pytest.fixture(scope="module")
-def graph(tmp_path_factory, two_node_cluster, repo_sdists):
-    """The whole graph materialized once on the tiny configuration (every job of ``make run``),
+@pytest.fixture(autouse=True)
+def graph_env(graph, monkeypatch):
+    """The environment the whole graph ran in (S3 endpoint, Slurm, the fake secrets), for this
+    module's tests: the session's ``graph`` fixture sets it only while it materializes."""
+    for k, v in graph["env"].items():
+        monkeypatch.setenv(k, v)
+
+
+def materialize_graph(tmp_path_factory, two_node_cluster, repo_sdists):
+    """The session's ``graph`` fixture (``tests/conftest.py``; the production cycles continue from
+    its promoted model): the whole graph materialized once on the tiny configuration (every job of ``make run``),
     with every artifact on S3 (the two-node cluster's moto server, on its bridge) and the GPU
     stages (mid-training, SFT, RL, evaluation) run as jobs on the two-node Slurm cluster, each
     under bubblewrap: a job sees its node's scratch directory, the Python environment and the
@@ -90,35 +98,34 @@ def graph(tmp_path_factory, two_node_cluster, repo_sdists):
     # Known fake credentials in the environment of every step, subprocess, job and sandbox (they
     # are the S3 server's): the scans prove none reaches logs, metadata, artifacts or the catalog.
     secrets = {"AWS_ACCESS_KEY_ID": FAKE_KEY, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET, "HF_TOKEN": "hf_fakeFAKEfake0123456789"}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("COMPOSER_HOME", str(tmp_path / "home"))
-        mp.setenv("COMPOSER_S3_ENDPOINT_URL", s3_server)
-        mp.setenv("SLURM_CONF", str(cluster.conf))
-        for k, v in secrets.items():
-            mp.setenv(k, v)
-        make_source(tmp_path / "src")
-        sources = tmp_path / "sources.yaml"
-        sources.write_text(
-            f"sources:\n  - name: local\n    kind: local\n    uri: {tmp_path / 'src'}\n"
-            "  - name: python\n    kind: python\n    max_total_mb: 2\n"
-            # the repository made into an environment and mined: parse's sdist (the session's
-            # download), four tasks
-            f"environments:\n  - name: parse\n    src: {repo_sdists['parse']}\n    tasks: 4\n"
-        )
-        storage = ArtifactStorage(root=root, endpoint_url=s3_server, aws_access_key_id=FAKE_KEY,
-                                  aws_secret_access_key=FAKE_SECRET)
-        resources = {
-            "artifacts": storage,
-            "catalog": CatalogResource(storage=storage, path=str(tmp_path / "catalog.duckdb")),
-            "sources": SourceRegistry(storage=storage, sources_file=str(sources)),
-            "model_settings": ModelSettings(config_name="tiny", vocab_size=8192, tokenizer_train_mb=2),
-            # service and array-task logs copied to S3 as they end: the nodes share no disk with this process
-            "cluster": ClusterResource(backend="slurm", nproc_per_node=1, isolate=True, scratch_dir=cluster.scratch,
-                                       log_uri=f"{root}/logs",
-                                       poll_seconds=0.5),
-        }
-        (tmp_path / "dagster_home").mkdir()
-        with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
+    env = {"COMPOSER_HOME": str(tmp_path / "home"), "COMPOSER_S3_ENDPOINT_URL": s3_server,
+           "SLURM_CONF": str(cluster.conf), **secrets}
+    make_source(tmp_path / "src")
+    sources = tmp_path / "sources.yaml"
+    sources.write_text(
+        f"sources:\n  - name: local\n    kind: local\n    uri: {tmp_path / 'src'}\n"
+        "  - name: python\n    kind: python\n    max_total_mb: 2\n"
+        # the repository made into an environment and mined: parse's sdist (the session's
+        # download), four tasks
+        f"environments:\n  - name: parse\n    src: {repo_sdists['parse']}\n    tasks: 4\n"
+    )
+    storage = ArtifactStorage(root=root, endpoint_url=s3_server, aws_access_key_id=FAKE_KEY,
+                              aws_secret_access_key=FAKE_SECRET)
+    resources = {
+        "artifacts": storage,
+        "catalog": CatalogResource(storage=storage, path=str(tmp_path / "catalog.duckdb")),
+        "sources": SourceRegistry(storage=storage, sources_file=str(sources)),
+        "model_settings": ModelSettings(config_name="tiny", vocab_size=8192, tokenizer_train_mb=2),
+        # service and array-task logs copied to S3 as they end: the nodes share no disk with this process
+        "cluster": ClusterResource(backend="slurm", nproc_per_node=1, isolate=True, scratch_dir=cluster.scratch,
+                                   log_uri=f"{root}/logs",
+                                   poll_seconds=0.5),
+    }
+    (tmp_path / "dagster_home").mkdir()
+    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
+        with pytest.MonkeyPatch.context() as mp:  # the environment of the materialization only
+            for k, v in env.items():
+                mp.setenv(k, v)
             defs = build_defs(resources)
             printed = []
             with ServerNodeLoss(cluster) as loss:
@@ -136,11 +143,11 @@ def graph(tmp_path_factory, two_node_cluster, repo_sdists):
                 if loss.victim:
                     cluster.restart_node(loss.victim[0])
             st = open_storage(root)
-            yield {"instance": instance, "defs": defs, "results": results, "tmp": tmp_path, "secrets": secrets,
-                   "printed": printed,
-                   "root": root, "scratch_left": left, "node_leaks": leaks, "loss": loss, "cluster": cluster,
-                   "storage": st,
-                   "catalog": Catalog(str(tmp_path / "catalog.duckdb"), st)}
+        yield {"instance": instance, "defs": defs, "results": results, "tmp": tmp_path, "secrets": secrets,
+               "printed": printed, "env": env, "artifacts": storage,
+               "root": root, "scratch_left": left, "node_leaks": leaks, "loss": loss, "cluster": cluster,
+               "storage": st,
+               "catalog": Catalog(str(tmp_path / "catalog.duckdb"), st)}
 
 
 def print_step_times(instance, results) -> None:

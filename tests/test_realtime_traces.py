@@ -35,16 +35,58 @@ def rollouts(learnable_base):
 @pytest.fixture(scope="module")
 def sessions(rollouts, learnable_base):
     """The episodes as sessions (the simulated user accepts the reference's edits)."""
+    return as_sessions(rollouts, learnable_base["tokenizer_dir"], VERSION, DIGEST)
+
+
+def as_sessions(rollouts, tokenizer_dir, version, digest) -> list[dict]:
+    """Harness episodes as the sessions their users had: two users, both consenting."""
     from composer_dag.envs.rootfs import task_persona
 
-    tdig = tokenizer_digest(learnable_base["tokenizer_dir"])
+    tdig = tokenizer_digest(tokenizer_dir)
     out = []
     for k, r in enumerate(rollouts):
         task = json.loads((Path(r["task_dir"]) / "task.json").read_text())
         out.append(session_from_rollout(
             r, session_id=f"s{k}", user_id=f"user-{k % 2}", consent=True, ended_at=_dt("2026-11-30T09:30:00+00:00"),
-            model_version=VERSION, model_digest=DIGEST, tokenizer_digest=tdig, persona=task_persona(task)))
+            model_version=version, model_digest=digest, tokenizer_digest=tdig, persona=task_persona(task)))
     return out
+
+
+@pytest.fixture(scope="module")
+def promoted_base(graph, tmp_path_factory):
+    """The model users are served when the cycles start: the whole-graph run's promoted model
+    (the session's ``graph``), its registry entry and a local copy of its checkpoint (weights and
+    tokenizer, verified against its manifest)."""
+    from composer_dag.traces import registry
+
+    entry = registry.current(graph["storage"])
+    assert entry and entry.get("checkpoint_uri"), entry
+    out = tmp_path_factory.mktemp("promoted") / "model"
+    digest = graph["storage"].fetch_dir(entry["checkpoint_uri"], str(out))
+    (out / "manifest.json").unlink()
+    return {"version": registry.model_version(entry), "digest": digest, "dir": str(out)}
+
+
+@pytest.fixture(scope="module")
+def promoted_sessions(promoted_base, learnable_base):
+    """Production, stood in for: the promoted model serves three tasks through the harness (its
+    sampled ids and logprobs) and a model writing the reference three more; the simulated user
+    accepts the edits whose tests pass."""
+    tasks = [p.parent for p in sorted(Path(learnable_base["tasks_dir"]).glob("*/task.json"))]
+    rollouts = serve_episodes(promoted_base["dir"], promoted_base["dir"], tasks[:6], 3, reference_calls)
+    return as_sessions(rollouts, promoted_base["dir"], promoted_base["version"], promoted_base["digest"])
+
+
+@pytest.fixture(scope="module")
+def promoted_servers(promoted_base, tmp_path_factory):
+    """A pair of vLLM rollout servers on the promoted model: the serving side of the cycles."""
+    from tests.conftest import Servers
+
+    s = Servers(promoted_base["dir"], tmp_path_factory.mktemp("promoted-servers"))
+    try:
+        yield s.start()
+    finally:
+        s.stop()
 
 
 def _dt(s):
@@ -215,11 +257,14 @@ def test_realtime_traces_validate_cli(sessions, tmp_path):
     assert any("session_id" in e for e in out["errors"])
 
 
+# Quick settings: 4 SFT steps, an evaluation of 2 tasks x 1 sample. At that size pass@1 measures
+# nothing (a parent that solved both against a candidate that solved neither has a standard error
+# of 0), so the cycles here gate on perplexity and cheat flags; the refusal below is on perplexity.
 QUICK_CYCLE = {"sft": {"max_steps": 4, "eval_every": 4, "save_every": 4, "log_every": 2, "micro_batch": 2,
                        "format_samples": 1, "seq_len": 384},
                "eval": {"samples_per_task": 1, "ks": [1], "max_tasks": 2, "every_task_of": [], "humaneval_ids": [],
                         "ppl_max_batches": 2, "agent": {"max_turns": 2, "max_new_tokens": 32},
-                        "inference": {"engine": "hf"}, "gate": {"max_ppl_increase": 0.5}}}
+                        "inference": {"engine": "hf"}, "gate": {"max_ppl_increase": 0.5, "noise_sigmas": None}}}
 
 
 def _utc(*a):
@@ -229,9 +274,9 @@ def _utc(*a):
 
 
 @pytest.fixture
-def following(servers, learnable_base, tmp_path):
+def following(promoted_servers, promoted_base, tmp_path):
     """The serving side of a weights URI: ``composer_dag.rl.fleet.serve --attach`` beside each of
-    the session's rollout servers (the loop a server that serves users runs), and a fleet in the
+    the promoted model's rollout servers (the loop a server that serves users runs), and a fleet in the
     ``server`` sync mode that checks each version a server reports with the probe against the
     published weights. Stopped at the end of the test."""
     from composer_dag.rl.fleet.config import FleetConfig
@@ -242,9 +287,9 @@ def following(servers, learnable_base, tmp_path):
     made = []
 
     def start(weights_uri):
-        procs = start_followers(servers.urls, weights_uri, tmp_path)
+        procs = start_followers(promoted_servers.urls, weights_uri, tmp_path)
         st = open_storage(weights_uri)
-        fleet = Fleet(servers.urls, st, st.root, learnable_base["policy_dir"], str(tmp_path / "fleet"),
+        fleet = Fleet(promoted_servers.urls, st, st.root, promoted_base["dir"], str(tmp_path / "fleet"),
                       FleetConfig.load({"weight_sync": "server", "poll_seconds": 0.2, "version_timeout": 180}))
         made.append((procs, fleet.start()))
         return fleet
@@ -255,8 +300,9 @@ def following(servers, learnable_base, tmp_path):
         stop_processes(procs)
 
 
-def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnable_base, following, tmp_path):
-    """Two scheduled cycles, each promoting a new version from its window's sessions and
+def test_realtime_cycles_promote_publish_refuse_and_roll_back(promoted_base, promoted_sessions, learnable_base, following,
+                                                               tmp_path):
+    """Two scheduled cycles continuing from the whole-graph run's promoted model, each promoting a new version from its window's sessions and
     publishing its weights, which the session's rollout servers follow (reloaded and
     probe-checked); a planted bad candidate refused by the gate; a window without sessions
     skipped; one command serving an earlier version again; a deletion withdrawing versions."""
@@ -286,14 +332,15 @@ def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnabl
         url = storage.url(*parts)
         return url, storage.publish_dir(str(local), url)
 
-    # the served model (the policy), the held-out tasks and replay shards, as earlier runs left them
-    served_url, served_digest = publish(learnable_base["policy_dir"], "rl_checkpoint", "seed")
-    v0 = registry.new_version(served_digest, _utc(2026, 11, 30, 4))
+    # the served model (the whole-graph run's promoted one), the held-out tasks and replay shards
+    served_url, served_digest = publish(promoted_base["dir"], "rl_checkpoint", "seed")
+    assert served_digest == promoted_base["digest"]
+    v0 = promoted_base["version"]
     registry.promote(storage, {"version": v0, "checkpoint_uri": served_url, "checkpoint_digest": served_digest}, v0)
     import json as _json
 
     docs = [(f"d{i}", p.read_text(), "python", "python") for i, p in enumerate(sorted(Path(_json.__file__).parent.glob("*.py")))]
-    pack_documents(docs, learnable_base["tokenizer_dir"], str(tmp_path / "shards"), val_fraction=0.3, seed=0)
+    pack_documents(docs, promoted_base["dir"], str(tmp_path / "shards"), val_fraction=0.3, seed=0)
     with dg.instance_for_test() as instance:
         # held-out tasks of other words than the sessions' (their instructions share no long n-gram)
         build_learnable_tasks(tmp_path / "eval_tasks", 4, seed=1, words=("green", "yellow"), request_file=False)
@@ -310,7 +357,8 @@ def test_realtime_cycles_promote_publish_refuse_and_roll_back(sessions, learnabl
 
         hours = ["2026-11-30-06:00", "2026-11-30-11:00"]
         for w, h in enumerate(hours):
-            write_hours(storage, storage.url("traces", "incoming"), [h], [renamed(s, w) for s in sessions], bad=False)
+            write_hours(storage, storage.url("traces", "incoming"), [h], [renamed(s, w) for s in promoted_sessions],
+                        bad=False)
         traces_job = defs.resolve_job_def("take_in_traces")
         for h in hours:
             assert traces_job.execute_in_process(instance=instance, partition_key=h).success

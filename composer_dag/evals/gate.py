@@ -32,7 +32,8 @@ class GateConfig(StageConfig):
     gating). ``required_gain`` (default None: the noise rule alone) asks for a pass@1 gain over
     the parent on top."""
 
-    noise_sigmas: float = Field(2.0, description="pass@1 over every task: standard errors the candidate may lose")
+    noise_sigmas: Optional[float] = Field(2.0, description="pass@1 over every task: standard errors the candidate may "
+                                                           "lose (None: reported, not gating)")
     source_sigmas: Optional[float] = Field(2.0, description="each task source's pass@1 (sources with >= min_tasks)")
     humaneval_sigmas: Optional[float] = Field(2.0, description="HumanEval function-completion pass@1")
     min_tasks: int = Field(10, description="a task source with fewer eval tasks is reported and does not gate")
