@@ -212,6 +212,13 @@ def test_realtime_traces_sensor_partitions_deletion_and_sft(sessions, tmp_path, 
         assert "duplicate_session" in metas[HOURS[1]]["dropped"].value
         assert cat.query("SELECT count(*) FROM traces")[0][0] == distinct
         assert tick(cursor)[0] == []
+        # a backfill over the hours (a run per hour partition, as Dagster's backfill launches them)
+        # rebuilds a cycle's inputs from the incoming files: the same sessions, hour by hour
+        before = sorted(cat.query("SELECT session_id, hour, good FROM traces"))
+        for h in HOURS:
+            result = job.execute_in_process(instance=instance, partition_key=h, tags={"dagster/backfill": "rebuild"})
+            assert result.success and result.dagster_run.tags["dagster/backfill"] == "rebuild"
+        assert sorted(cat.query("SELECT session_id, hour, good FROM traces")) == before
 
     # good sessions become SFT trajectories (harness messages, at most the configured share)
     rows = [r for u in sorted({u for (u,) in cat.query("SELECT DISTINCT uri FROM traces")})
