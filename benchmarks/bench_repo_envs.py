@@ -4,6 +4,7 @@ the layers' hit rates (a second pass over the same store), then the map's fixed 
 repository over many small generated repositories. Prints markdown sections.
 
     .venv/bin/python benchmarks/bench_repo_envs.py --out /tmp/bench-repos [--small 100] [--workers 2]
+        [--packages NAME==VERSION,...]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from composer_dag.envs.repo_map import map_repos
 from composer_dag.storage import open_storage
 
 PACKAGES = (("more-itertools", "10.5.0"), ("toolz", "1.0.0"), ("boltons", "24.1.0"), ("six", "1.16.0"),
-            ("idna", "3.10"), ("tabulate", "0.9.0"), ("iso8601", "2.1.0"), ("text-unidecode", "1.3"),
+            ("idna", "3.10"), ("tabulate", "0.9.0"), ("iso8601", "2.1.0"), ("humanize", "4.11.0"),
             ("pathspec", "0.12.1"), ("jmespath", "1.0.1"))
 
 
@@ -51,7 +52,9 @@ def main() -> None:
     ap.add_argument("--small", type=int, default=100)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--mine", type=int, default=3)
+    ap.add_argument("--packages", default=None, help="NAME==VERSION,... instead of the ten (PACKAGES)")
     args = ap.parse_args()
+    packages = [tuple(x.split("==", 1)) for x in args.packages.split(",")] if args.packages else PACKAGES
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -60,7 +63,7 @@ def main() -> None:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"## Repository environments ({when}, {platform.node()}, {args.workers} workers)\n")
 
-    sources = [f"pypi:{n}=={v}" for n, v in PACKAGES]
+    sources = [f"pypi:{n}=={v}" for n, v in packages]
     t0 = time.monotonic()
     first = map_repos(sources, str(out / "storage" / "pass1"), storage, cfg, mine_max=args.mine, workers=args.workers,
                       progress=print)
