@@ -239,7 +239,8 @@ def stop_processes(procs) -> None:
 def servers(learnable_base, tmp_path_factory):
     """The session's pair of rollout servers on the learnable family's tiny policy (``learnable_base``),
     started once (about 20 s and 1.5 GB each, idle at 0% CPU between tests): the fleet tests run
-    on them, and the production cycles' published versions are followed by them. They run after
+    on them (the production cycles, which continue from the whole-graph run's model and its own
+    vocabulary, have a pair on that model: ``promoted_servers``). They run after
     the Slurm tests (``pytest_collection_modifyitems``), so the whole-graph run does not share the
     machine with them. A test leaves them on whatever weights it loaded; a follower or an
     orchestrator brings them to its own."""
