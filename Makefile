@@ -29,6 +29,8 @@ system-deps:
 	  if [ "$$(id -u)" != 0 ]; then echo "need root (or sudo) to apt-get install $(SYSTEM_PKGS)" >&2; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PKGS) >/dev/null; \
 	fi
+	@# the sandbox binds its init at /usr/lib/systemd (composer_dag/envs/sandbox.py): the directory must exist
+	@test -d /usr/lib/systemd || mkdir -p /usr/lib/systemd || { echo "need root to mkdir /usr/lib/systemd" >&2; exit 1; }
 	@have="$$(locale -a 2>/dev/null)"; for l in $(PERSONA_LOCALES); do \
 	  echo "$$have" | grep -qx "$$l.utf8" && continue; echo "generating the locale $$l.UTF-8"; \
 	  localedef -i $$l -c -f UTF-8 $$l.UTF-8 || locale -a | grep -qx "$$l.utf8" || exit 1; done

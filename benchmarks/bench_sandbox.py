@@ -1,14 +1,24 @@
-"""Sandbox benchmark: start latency vs plain spawn, tool round trip, 64 concurrent sandboxes,
-and the sandbox overhead of a 50-action episode. Prints a markdown section.
+"""Sandbox benchmark: the start of an episode's sandbox against a plain spawn, a command in a
+running sandbox, the tool round trip, 64 concurrent sandboxes, and the sandbox overhead of a
+50-action episode on the HumanEval repository and on a repository with thousands of files.
+Prints a markdown section.
 
-    .venv/bin/python benchmarks/bench_sandbox.py
+    .venv/bin/python benchmarks/bench_sandbox.py [N]
+    .venv/bin/python benchmarks/bench_sandbox.py --baseline OLD_TREE [--rounds K] [N]
+
+``--baseline`` runs the measures of this tree's code and of ``OLD_TREE`` (a checkout of an earlier
+commit: ``git worktree add /tmp/old <commit>``), each in its own process, alternating ``K`` rounds,
+and prints both with their ratios (p50s and overheads are medians over the rounds).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -17,11 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from composer_dag.envs import sandbox as sandbox_mod
-from composer_dag.envs.sandbox import HAS_INIT, Sandbox
-from composer_dag.envs.task_format import task_dirs
-from composer_dag.envs.tasks import build_tasks
-from composer_dag.envs.tools import Episode, EpisodeConfig
+HERE = Path(__file__).resolve().parent.parent
 
 
 def pct(xs, q):
@@ -38,32 +44,61 @@ def timed(fn, n):
     return out
 
 
-def main(n: int = 200) -> None:
+def big_repo(task: Path, dest: Path) -> Path:
+    """The HumanEval task with the interpreter's standard library (its tests too, no caches or
+    site-packages) added to its repository: a project of a few thousand files."""
+    shutil.copytree(task, dest, symlinks=True)
+    lib = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    shutil.copytree(lib, dest / "repo" / "vendor" / "stdlib", symlinks=True,
+                    ignore=shutil.ignore_patterns("site-packages", "__pycache__", "*.pyc", "lib-dynload", "config-*"))
+    return dest
+
+
+def episode_overhead(task: Path, cfg) -> tuple[float, float]:
+    """(total, inside the commands) of a 50-action episode: reads, searches, edits, commands."""
+    from composer_dag.envs.tools import Episode
+
+    with Episode(task, cfg) as ep:
+        actions = []
+        for k in range(50):
+            if k % 5 == 0:
+                actions.append({"name": "read_file", "arguments": {"path": "has_close_elements.py"}})
+            elif k % 5 == 1:
+                actions.append({"name": "search", "arguments": {"pattern": "def has_close", "path": "has_close_elements.py"}})
+            elif k % 5 == 2:
+                actions.append({"name": "edit_file", "arguments": {"path": f"notes{k}.txt", "old": "", "new": "x\n"}})
+            else:
+                actions.append({"name": "run_terminal_cmd", "arguments": {"command": "s=$(date +%s%N); ls >/dev/null; git status >/dev/null; e=$(date +%s%N); echo inner=$((e-s))"}})
+        inner = 0.0
+        t0 = time.perf_counter()
+        for a in actions:
+            obs = ep.step(a)
+            assert not obs.is_error, obs.content
+            if "inner=" in obs.content:
+                inner += int(obs.content.split("inner=")[1].split()[0]) / 1e9
+        total = time.perf_counter() - t0
+    return total, inner
+
+
+def measure(n: int) -> dict:
+    from composer_dag.envs.sandbox import Sandbox
+    from composer_dag.envs.task_format import task_dirs
+    from composer_dag.envs.tasks import build_tasks
+    from composer_dag.envs.tools import Episode, EpisodeConfig
+
     tmp = Path(tempfile.mkdtemp(prefix="cdag-bench-"))
-    rows = []
+    res: dict = {}
     ws = tmp / "proj"
     ws.mkdir()
     with Sandbox(ws) as sb:
         sb.run(["/bin/true"])
-        plain = timed(lambda: subprocess.run(["/bin/true"]), n)
-        boxed = timed(lambda: sb.run(["/bin/true"]), n)
-    # the baseline in the same run: the command as process 1, no init and no session (blocks of
-    # 20 alternating with the default, so that drift in the machine's load hits both)
-    with_init, without = [], []
-    for _ in range(max(1, n // 40)):
-        for flag, acc in ((True, with_init), (False, without)):
-            sandbox_mod.HAS_INIT = flag and HAS_INIT
-            sandbox_mod._BASE_ARGS.clear()
-            with Sandbox(ws) as sb:
-                acc += timed(lambda: sb.run(["/bin/true"]), 20)
-    sandbox_mod.HAS_INIT = HAS_INIT
-    sandbox_mod._BASE_ARGS.clear()
-    rows.append(("sandbox start `/bin/true` p50 / p95", f"{pct(boxed, .5) * 1e3:.1f} / {pct(boxed, .95) * 1e3:.1f} ms"))
-    rows.append(("plain subprocess spawn p50 / p95", f"{pct(plain, .5) * 1e3:.1f} / {pct(plain, .95) * 1e3:.1f} ms"))
-    rows.append(("ratio (p50)", f"{pct(boxed, .5) / pct(plain, .5):.1f}x"))
-    rows.append(("start p50 with the laptop's init and session / with the command as process 1",
-                 f"{pct(with_init, .5) * 1e3:.1f} / {pct(without, .5) * 1e3:.1f} ms "
-                 f"({pct(with_init, .5) / pct(without, .5):.2f}x)"))
+        res["plain"] = timed(lambda: subprocess.run(["/bin/true"]), n)
+        res["command"] = timed(lambda: sb.run(["/bin/true"]), n)
+
+    def first_command():
+        with Sandbox(ws) as sb:
+            sb.run(["/bin/true"])
+    res["start"] = timed(first_command, max(10, n // 5))  # a new sandbox and its first command
 
     out = tmp / "tasks"
     build_tasks(out, {"humaneval_limit": 1, "bugfix_count": 0, "eval_fraction": 0.0})
@@ -71,10 +106,8 @@ def main(n: int = 200) -> None:
     task = next(t for t in task_dirs(out, "rl_tasks") if t.name.startswith("humaneval"))
     cfg = EpisodeConfig(max_turns=1000)
     with Episode(task, cfg) as ep:
-        rt_cmd = timed(lambda: ep.step({"name": "run_terminal_cmd", "arguments": {"command": "echo hi"}}), 50)
-        rt_read = timed(lambda: ep.step({"name": "read_file", "arguments": {"path": "README.md"}}), 50)
-    rows.append(("tool round trip p50: run_terminal_cmd `echo hi`", f"{pct(rt_cmd, .5) * 1e3:.1f} ms"))
-    rows.append(("tool round trip p50: read_file", f"{pct(rt_read, .5) * 1e3:.2f} ms"))
+        res["rt_cmd"] = timed(lambda: ep.step({"name": "run_terminal_cmd", "arguments": {"command": "echo hi"}}), 50)
+        res["rt_read"] = timed(lambda: ep.step({"name": "read_file", "arguments": {"path": "README.md"}}), 50)
 
     # 64 sandboxes at once, each writes and reads its own marker (workspace and /tmp)
     def one(i):
@@ -86,42 +119,90 @@ def main(n: int = 200) -> None:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(64) as pool:
         results = list(pool.map(one, range(64)))
-    wall = time.perf_counter() - t0
-    ok = all(r.exit_code == 0 and r.stdout.split() == [f"m{i}", f"t{i}", "1"]
-             and (tmp / f"c{i}" / "proj" / "marker").read_text() == f"m{i}\n" for i, r in results)
-    rows.append(("64 concurrent sandboxes (each `sleep 0.5`)", f"wall {wall:.2f} s, no cross-talk: {ok}"))
+    res["concurrent_wall"] = time.perf_counter() - t0
+    res["concurrent_ok"] = all(r.exit_code == 0 and r.stdout.split()[:2] == [f"m{i}", f"t{i}"]
+                               and (tmp / f"c{i}" / "proj" / "marker").read_text() == f"m{i}\n" for i, r in results)
 
-    # a 50-action episode: overhead = wall time minus time spent inside the commands
-    with Episode(task, cfg) as ep:
-        actions = []
-        for k in range(50):
-            if k % 5 == 0:
-                actions.append({"name": "read_file", "arguments": {"path": "has_close_elements.py"}})
-            elif k % 5 == 1:
-                actions.append({"name": "search", "arguments": {"pattern": "def "}})
-            elif k % 5 == 2:
-                actions.append({"name": "edit_file", "arguments": {"path": f"notes{k}.txt", "old": "", "new": "x\n"}})
-            else:
-                actions.append({"name": "run_terminal_cmd", "arguments": {"command": "s=$(date +%s%N); ls >/dev/null; git status >/dev/null; e=$(date +%s%N); echo inner=$((e-s))"}})
-        inner = 0.0
-        t0 = time.perf_counter()
-        for a in actions:
-            obs = ep.step(a)
-            if "inner=" in obs.content:
-                inner += int(obs.content.split("inner=")[1].split()[0]) / 1e9
-        total = time.perf_counter() - t0
-    rows.append(("50-action episode: total / in commands / overhead", f"{total:.2f} s / {inner:.2f} s / {total - inner:.2f} s"))
-
-    date = datetime.date.today().isoformat()
-    print("## Sandbox\n")
-    print(f"`.venv/bin/python benchmarks/bench_sandbox.py` on {date}, {os.cpu_count()} cores, "
-          f"{platform.system()} {platform.release()}, Python {platform.python_version()}, "
-          f"{subprocess.run(['bwrap', '--version'], capture_output=True, text=True).stdout.strip()}.\n")
-    print("| measure | result |\n|---|---|")
-    for k, v in rows:
-        print(f"| {k} | {v} |")
+    res["episode"] = episode_overhead(task, cfg)
+    big = big_repo(task, tmp / "big-task")
+    res["big_files"] = sum(len(f) for _, _, f in os.walk(big / "repo"))
+    res["episode_big"] = episode_overhead(big, cfg)
     subprocess.run(["rm", "-rf", str(tmp)])
+    return res
+
+
+def table(runs: list[dict], label: str) -> dict:
+    """The medians over rounds of each measure, in the units of the table."""
+    med = lambda key, f: statistics.median(f(r) for r in runs)
+    return {
+        "label": label,
+        "start_p50": med("start", lambda r: pct(r["start"], .5) * 1e3),
+        "start_p95": med("start", lambda r: pct(r["start"], .95) * 1e3),
+        "plain_p50": med("plain", lambda r: pct(r["plain"], .5) * 1e3),
+        "command_p50": med("command", lambda r: pct(r["command"], .5) * 1e3),
+        "rt_cmd": med("rt_cmd", lambda r: pct(r["rt_cmd"], .5) * 1e3),
+        "rt_read": med("rt_read", lambda r: pct(r["rt_read"], .5) * 1e3),
+        "concurrent": med("c", lambda r: r["concurrent_wall"]),
+        "concurrent_ok": all(r["concurrent_ok"] for r in runs),
+        "ep_total": med("e", lambda r: r["episode"][0]), "ep_inner": med("e", lambda r: r["episode"][1]),
+        "ep_over": med("e", lambda r: r["episode"][0] - r["episode"][1]),
+        "big_total": med("b", lambda r: r["episode_big"][0]), "big_inner": med("b", lambda r: r["episode_big"][1]),
+        "big_over": med("b", lambda r: r["episode_big"][0] - r["episode_big"][1]),
+        "big_files": runs[0]["big_files"],
+    }
+
+
+ROWS = (
+    ("sandbox start: a new sandbox and its first command (`/bin/true`), p50 / p95", lambda t: f"{t['start_p50']:.1f} / {t['start_p95']:.1f} ms", "start_p50"),
+    ("a command in a running sandbox (`/bin/true`), p50", lambda t: f"{t['command_p50']:.2f} ms", "command_p50"),
+    ("plain subprocess spawn p50", lambda t: f"{t['plain_p50']:.2f} ms", None),
+    ("tool round trip p50: run_terminal_cmd `echo hi`", lambda t: f"{t['rt_cmd']:.1f} ms", "rt_cmd"),
+    ("tool round trip p50: read_file", lambda t: f"{t['rt_read']:.2f} ms", None),
+    ("64 concurrent sandboxes (each `sleep 0.5`)", lambda t: f"wall {t['concurrent']:.2f} s, no cross-talk: {t['concurrent_ok']}", "concurrent"),
+    ("50-action episode, HumanEval repository: total / in commands / overhead",
+     lambda t: f"{t['ep_total']:.2f} / {t['ep_inner']:.2f} / {t['ep_over']:.2f} s", "ep_over"),
+    ("50-action episode, the same with the standard library added: total / in commands / overhead",
+     lambda t: f"{t['big_total']:.2f} / {t['big_inner']:.2f} / {t['big_over']:.2f} s", "big_over"),
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("n", nargs="?", type=int, default=200)
+    ap.add_argument("--baseline", help="a checkout of an earlier commit, measured in the same run")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="(internal) measure once, print JSON")
+    a = ap.parse_args()
+    if a.json:
+        print(json.dumps(measure(a.n)))
+        return
+    trees = [("this tree", HERE)] + ([("baseline", Path(a.baseline).resolve())] if a.baseline else [])
+    runs: dict[str, list] = {name: [] for name, _ in trees}
+    for k in range(a.rounds if a.baseline else 1):
+        for name, tree in trees:
+            env = dict(os.environ, PYTHONPATH=str(tree))
+            r = subprocess.run([sys.executable, str(HERE / "benchmarks" / "bench_sandbox.py"), "--json", str(a.n)],
+                               cwd=tree, env=env, capture_output=True, text=True)
+            if r.returncode:
+                sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
+            runs[name].append(json.loads(r.stdout.strip().splitlines()[-1]))
+            print(f"round {k + 1}: {name} done", file=sys.stderr)
+    tabs = [table(runs[name], name) for name, _ in trees]
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    bw = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
+    print(f"`.venv/bin/python benchmarks/bench_sandbox.py {' '.join(sys.argv[1:])}` on {date}, {os.cpu_count()} cores, "
+          f"{platform.system()} {platform.release()}, Python {platform.python_version()}, {bw}; "
+          f"the large repository has {tabs[0]['big_files']:,} files.\n")
+    if len(tabs) == 1:
+        print("| measure | result |\n|---|---|")
+        for label, fmt, _ in ROWS:
+            print(f"| {label} | {fmt(tabs[0])} |")
+        return
+    print(f"| measure | this tree | baseline | ratio |\n|---|---|---|---|")
+    for label, fmt, key in ROWS:
+        ratio = f"{tabs[0][key] / tabs[1][key]:.2f}x" if key and tabs[1][key] else ""
+        print(f"| {label} | {fmt(tabs[0])} | {fmt(tabs[1])} | {ratio} |")
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200)
+    main()

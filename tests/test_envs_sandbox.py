@@ -2,6 +2,8 @@
 
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import pytest
@@ -48,7 +50,9 @@ def test_private_tmp_between_sandboxes(tmp_path):
     with Sandbox(a) as s1, Sandbox(b) as s2:
         s1.run("echo secret > /tmp/x")
         assert s2.run("cat /tmp/x").exit_code != 0
-        assert s1.run("cat /tmp/x").exit_code != 0  # each run gets a fresh /tmp
+        assert s1.run("cat /tmp/x").stdout == "secret\n"  # one sandbox an episode: its /tmp stays
+        s1.stop()  # a fresh sandbox, as after a reboot: /tmp empty, the home and workspace kept
+        assert s1.run("cat /tmp/x").exit_code != 0
 
 
 def test_timeout_kills_the_whole_tree(sb):
@@ -66,6 +70,38 @@ def test_timeout_kills_the_whole_tree(sb):
         if b"sleep\x0097.5" in cmd or b"sleep\x0098.5" in cmd or b"sleep\x0099.5" in cmd:
             left.append(pid)
     assert not left
+
+
+def test_sandbox_ends_with_the_process_holding_it(tmp_path):
+    """The session ends when the host's end of its control socket closes: a process that holds a
+    sandbox and dies (SIGKILL, no clean-up) leaves nothing running, daemons included."""
+    tag = f"{os.getpid()}.{time.monotonic_ns() % 10**6}"
+    script = ("import sys\nfrom pathlib import Path\nfrom composer_dag.envs.sandbox import Sandbox\n"
+              f"sb = Sandbox(Path({str(tmp_path)!r}))\n"
+              f"print(sb.run('setsid sleep 4242.{tag} >/dev/null 2>&1 & echo up').stdout, flush=True)\n"
+              "sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        assert _procs(f"4242.{tag}")
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 5
+    while _procs(f"4242.{tag}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _procs(f"4242.{tag}")
+
+
+def _procs(marker: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
 
 
 def test_rlimits(tmp_path):

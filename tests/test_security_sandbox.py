@@ -414,9 +414,10 @@ def test_setuid_and_setgid_binaries_gain_nothing(task, host_guard):
     assert out.rstrip().endswith("on-suid-mounts []"), out
 
 
-def test_daemons_do_not_outlive_the_command(task, host_guard):
-    """PID namespace with the laptop's init: setsid/nohup/double-forked daemons, one of
-    them holding stdout, are gone as soon as the command returns (no wait for the timeout)."""
+def test_daemons_end_with_the_episode(task, host_guard):
+    """One sandbox an episode, as a laptop's session: setsid/nohup/double-forked daemons, one of
+    them holding stdout, do not hold the command up (it returns at once), run on through the
+    episode's next commands, and end with the episode (none left once it is graded)."""
     ep = host_guard(task, command_timeout=30)
     t0 = time.monotonic()
     out, entry = term(ep, "setsid nohup sleep 3011.5 >/dev/null 2>&1 & disown; (sleep 3012.5 &); "
@@ -425,9 +426,13 @@ def test_daemons_do_not_outlive_the_command(task, host_guard):
                           "sleep 0.3; echo started")
     assert entry["exit_code"] == 0 and "started" in out
     assert time.monotonic() - t0 < 10
+    out, _ = term(ep, "ps -e -o args | grep -c '[3]01[1-4][.]5'")
+    assert out.split()[-1] == "4", out  # the next command sees them
+    assert len([c for _, c in tagged_processes(host_guard.tag) if b"301" in c]) == 4
+    ep.grade()  # grading ends the sandbox first: nothing the episode left runs while it is graded
+    assert not ep.sandbox.running and ep.result is not None
+    time.sleep(0.1)
     assert tagged_processes(host_guard.tag) == []
-    out, _ = term(ep, "ps -e -o args | grep -c '[s]leep 301'")
-    assert out.split()[-1] == "0"  # and the next command starts on a clean machine
 
 
 def test_fork_bomb_is_capped_and_cleaned_up(task, host_guard):
@@ -492,7 +497,8 @@ def test_endless_output_and_oversleeping(task, host_guard):
 def test_disk_filling_loop_is_stopped(task, host_guard):
     """Disk cap on the workspace and home: a loop writing files is killed ("disk") shortly after
     the cap, files can still be deleted once over it but not grown, a file-count flood is killed
-    the same way, and the host's free space comes back."""
+    the same way, a writer left running between commands ends the sandbox, and the host's free
+    space comes back."""
     cap = 48 << 20
     free0 = shutil.disk_usage(tempfile.gettempdir()).free
     ep = host_guard(task, Limits(max_disk_bytes=cap, max_file_bytes=16 << 20, max_disk_files=3000),
@@ -511,6 +517,20 @@ def test_disk_filling_loop_is_stopped(task, host_guard):
                           "open(f\"many/{i}\", \"w\").close()'")
     assert "killed: disk" in out
     assert ep.sandbox.disk_usage()[1] < 100000
+    # a writer left running in the background, filling the disk between commands: the sandbox
+    # is ended once it passes the cap (the next command gets a fresh one, over the cap: no room)
+    term(ep, "rm -rf many")
+    out, entry = term(ep, "(for i in $(seq 100); do head -c 8M /dev/zero > bg$i; sleep 0.05; done) "
+                          ">/dev/null 2>&1 & echo started")
+    assert entry["exit_code"] == 0 and "started" in out and ep.sandbox.running
+    deadline = time.monotonic() + 30
+    while ep.sandbox.running and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not ep.sandbox.running
+    used = ep.sandbox.disk_usage()[0]
+    assert cap < used < cap + (400 << 20), used
+    out, entry = term(ep, "ls bg* | wc -l; echo more > more.txt")
+    assert "killed: file_size" in out, out
     ep.close()
     assert shutil.disk_usage(tempfile.gettempdir()).free > free0 - (256 << 20)
 

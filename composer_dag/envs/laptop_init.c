@@ -9,7 +9,21 @@
  *   11xx  /lib/systemd/systemd --user      (the user's manager, a child subreaper)
  *           (sd-pam), pipewire, ...        (the session's services, as the user)
  *           /usr/libexec/gnome-terminal-server
- *             the command                  (as the user, with the caller's environment)
+ *             bash                         (one a command: a child subreaper)
+ *               the command                (as the user, with the caller's environment)
+ *
+ * The sandbox lives for a whole episode: the terminal serves the episode's commands, one at a
+ * time, from a control socket the host holds (LAPTOP_INIT_CTL, a stream socket). A request is
+ * a 4-byte length and that many bytes of NUL-terminated fields, with the command's stdin,
+ * stdout and stderr passed along it (SCM_RIGHTS):
+ *   R  cpu-soft cpu-hard as nproc fsize nofile cwd argc argv... envc env...   run
+ *   K                                             kill the running command's whole tree
+ * The terminal says "R\n" once the session is up; each command's bash says
+ * "D <wait status> <user us> <system us> <left>\n" when the command returns (left: 1 if
+ * processes it started still run). bash outlives its
+ * command while the command's orphans (its daemons) live, reaping them; a kill takes every
+ * process under it. When the host closes the socket the terminal exits, and with it the
+ * session and process 1: the kernel then ends everything left in the namespace.
  *
  * Every process but the command is a fork of this one, titled with the command line a
  * laptop's process has (so /proc/N/cmdline reads like one) and named with PR_SET_NAME; it
@@ -26,16 +40,16 @@
  *                                     comm is the title's program's base name unless the
  *                                     title starts with "comm=NAME "
  *   LAPTOP_INIT_MANAGER, LAPTOP_INIT_TERMINAL       a line each, the same format
- *   LAPTOP_INIT_CMD_PID             the pid the command should get
- *   LAPTOP_INIT_ARGC, LAPTOP_INIT_ARG0..   the command's argv
- *   LAPTOP_INIT_PATH                the command's PATH (process 1's own is /usr/lib/systemd)
+ *   LAPTOP_INIT_CMD_PID             the pid the first command's bash should get
+ *   LAPTOP_INIT_CTL                 the control socket's descriptor
  *   LAPTOP_INIT_DEV                 the laptop's /dev entries to make (see make_dev)
  * A pid is a hint: the next pid is set through /proc/sys/kernel/ns_last_pid where the kernel
  * allows it, so the tree's numbers look like those of a machine that has been up a while.
  *
- * Exit status: the command's, or 128 + the signal that killed it.
+ * Exit status: 0 once the host has closed the socket.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -45,10 +59,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <stdint.h>
 #include <unistd.h>
 
 extern char **environ;
@@ -112,13 +129,17 @@ static void quiet_fds(void) {
  * A title at least as long as argv's strings ends past them, and the kernel then reads it up
  * to its NUL (as it does for every daemon that sets its title this way); bwrap starts this
  * binary as "systemd" (found on PATH) so that argv's strings are 8 bytes. */
-static char *title_start, *title_end;
+static char *title_start, *title_end, *args_end;
 
 static void set_title(const char *title) {
     size_t n = strlen(title), room = (size_t)(title_end - title_start);
     if (n >= room) n = room - 1;
     memcpy(title_start, title, n);
     memset(title_start + n, 0, room - n);
+    /* a title shorter than argv's strings: the kernel would read all of them, the title and
+     * NULs after it; with their last byte set it reads the title up to its NUL, as it does
+     * for a longer one */
+    if (title_start + n + 1 < args_end) args_end[-1] = ' ';
 }
 
 struct proc_line {
@@ -160,8 +181,7 @@ static struct {
     gid_t gid;
     char *groups, *services, *session, *manager, *terminal;
     long cmd_pid;
-    char **argv;      /* the command */
-    char **env;       /* the command's environment */
+    int ctl;          /* the control socket */
 } spec;
 
 static void read_spec(void) {
@@ -173,29 +193,11 @@ static void read_spec(void) {
     spec.manager = strdup(need("LAPTOP_INIT_MANAGER"));
     spec.terminal = strdup(need("LAPTOP_INIT_TERMINAL"));
     spec.cmd_pid = getenv("LAPTOP_INIT_CMD_PID") ? atol(getenv("LAPTOP_INIT_CMD_PID")) : 0;
-    int argc = atoi(need("LAPTOP_INIT_ARGC"));
-    if (argc < 1 || argc > 100000) {
-        fprintf(stderr, "systemd: bad LAPTOP_INIT_ARGC\n");
+    spec.ctl = atoi(need("LAPTOP_INIT_CTL"));
+    if (spec.ctl < 3 || fcntl(spec.ctl, F_GETFD) < 0) {
+        fprintf(stderr, "systemd: LAPTOP_INIT_CTL is not an open descriptor\n");
         _exit(126);
     }
-    spec.argv = calloc(argc + 1, sizeof(char *));
-    for (int i = 0; i < argc; i++) {
-        char key[32];
-        snprintf(key, sizeof key, "LAPTOP_INIT_ARG%d", i);
-        spec.argv[i] = strdup(need(key));
-    }
-    size_t n = 0;
-    for (char **e = environ; *e; e++) n++;
-    spec.env = calloc(n + 2, sizeof(char *));
-    size_t k = 0;
-    for (char **e = environ; *e; e++) {
-        if (strncmp(*e, "LAPTOP_INIT_PATH=", 17) == 0) {
-            if (asprintf(&spec.env[k++], "PATH=%s", *e + 17) < 0) die("asprintf");
-        } else if (strncmp(*e, "LAPTOP_INIT_", 12) != 0 && strncmp(*e, "PATH=", 5) != 0) {
-            spec.env[k++] = strdup(*e);
-        }
-    }
-    if (!spec.argv[0] || !spec.env) die("calloc");
 }
 
 /* The laptop's /dev entries (LAPTOP_INIT_DEV, one a line: "c|b|d MODE UID GID MAJOR MINOR PATH"
@@ -301,21 +303,263 @@ static void spawn_sleepers(const char *lines) {
     free(copy);
 }
 
-static int run_terminal(void) {
-    /* root until the command's pid is set, then the user, then the command */
-    set_next_pid(spec.cmd_pid);
-    become(spec.uid, spec.gid, spec.groups);
-    syscall(SYS_close_range, 3, ~0U, 0);
-    pid_t pid = fork();
-    if (pid < 0) die("fork");
-    if (pid == 0) {
-        environ = spec.env;
-        execvp(spec.argv[0], spec.argv);
+static int read_full(int fd, void *buf, size_t n) {
+    char *p = buf;
+    while (n) {
+        ssize_t r = read(fd, p, n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        p += r;
+        n -= (size_t)r;
+    }
+    return 0;
+}
+
+static void say(int fd, const char *msg, size_t n) {
+    while (n) {
+        ssize_t r = write(fd, msg, n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return;
+        msg += r;
+        n -= (size_t)r;
+    }
+}
+
+struct pp {
+    pid_t pid, ppid;
+};
+
+static int by_pid(const void *a, const void *b) {
+    pid_t x = ((const struct pp *)a)->pid, y = ((const struct pp *)b)->pid;
+    return (x > y) - (x < y);
+}
+
+static long find_pid(const pid_t *pid, size_t n, pid_t want) {
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (pid[mid] < want) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < n && pid[lo] == want ? (long)lo : -1;
+}
+
+/* SIGKILL every process under ``root`` (not ``root``), round after round until none is left
+ * alive: a process forking meanwhile is caught in a later round (RLIMIT_NPROC bounds them).
+ * Orphans cannot leave the tree: ``root`` is their subreaper. */
+static void kill_tree(pid_t root) {
+    size_t cap = 4096;
+    pid_t *pid = malloc(cap * sizeof *pid), *ppid = malloc(cap * sizeof *ppid);
+    char *in = malloc(cap);
+    if (!pid || !ppid || !in) return;
+    for (int round = 0; round < 20000; round++) {
+        size_t n = 0;
+        DIR *d = opendir("/proc");
+        if (!d) break;
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+            char path[300], buf[512];
+            snprintf(path, sizeof path, "/proc/%s/stat", e->d_name);
+            int fd = open(path, O_RDONLY | O_CLOEXEC);
+            if (fd < 0) continue;
+            ssize_t r = read(fd, buf, sizeof buf - 1);
+            close(fd);
+            if (r <= 0) continue;
+            buf[r] = 0;
+            char *close_paren = strrchr(buf, ')');
+            if (!close_paren || close_paren[1] == 0) continue;
+            char state = close_paren[2];
+            if (state == 'Z' || state == 'X') continue;  /* dead: its parent reaps it */
+            if (n == cap) {
+                cap *= 2;
+                pid = realloc(pid, cap * sizeof *pid);
+                ppid = realloc(ppid, cap * sizeof *ppid);
+                in = realloc(in, cap);
+                if (!pid || !ppid || !in) { closedir(d); return; }
+            }
+            pid[n] = (pid_t)atol(e->d_name);
+            ppid[n] = (pid_t)atol(close_paren + 4);
+            n++;
+        }
+        closedir(d);
+        /* the descendants of root, by parent links: sorted by pid, each chain walked up once */
+        struct pp *v = malloc(n * sizeof *v + 1);
+        if (!v) break;
+        for (size_t i = 0; i < n; i++) v[i] = (struct pp){pid[i], ppid[i]};
+        qsort(v, n, sizeof *v, by_pid);
+        for (size_t i = 0; i < n; i++) pid[i] = v[i].pid, ppid[i] = v[i].ppid;
+        free(v);
+        memset(in, 0, n);  /* 0 unknown, 1 under root, 2 not */
+        int found = 0;
+        for (size_t i = 0; i < n; i++) {
+            size_t k = i, depth = 0;
+            char verdict = 0;
+            while (!verdict && depth++ < n) {  /* up to a known answer */
+                if (in[k]) verdict = in[k];
+                else if (ppid[k] == root) verdict = 1;
+                else {
+                    long j = find_pid(pid, n, ppid[k]);
+                    if (j < 0) verdict = 2;
+                    else k = (size_t)j;
+                }
+            }
+            if (!verdict) verdict = 2;
+            for (k = i; !in[k];) {  /* the chain gets the answer */
+                in[k] = verdict;
+                if (ppid[k] == root) break;
+                long j = find_pid(pid, n, ppid[k]);
+                if (j < 0) break;
+                k = (size_t)j;
+            }
+        }
+        for (size_t i = 0; i < n; i++)
+            if (in[i] == 1) {
+                kill(pid[i], SIGKILL);
+                found = 1;
+            }
+        if (!found) break;
+        usleep(round < 10 ? 200 : 2000);
+    }
+    free(pid);
+    free(ppid);
+    free(in);
+}
+
+#define MAX_FIELDS 200000
+
+/* One command: a bash (titled so, a child subreaper) that runs it, says how it ended, and
+ * stays while the command's orphans live. ``f`` are the request's fields after "R". */
+static void run_command(char **f, int nf, int fds[3]) {
+    signal(SIGCHLD, SIG_DFL);
+    set_title("bash");
+    prctl(PR_SET_NAME, "bash", 0, 0, 0);
+    prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    int argc = nf > 7 ? atoi(f[7]) : -1;
+    int envc = argc >= 1 && 8 + argc < nf ? atoi(f[8 + argc]) : -1;
+    if (argc < 1 || envc < 0 || 9 + argc + envc > nf) {
+        say(spec.ctl, "E bad request\n", 14);
+        _exit(1);
+    }
+    pid_t c = fork();
+    if (c == 0) {
+        dup2(fds[0], 0);
+        dup2(fds[1], 1);
+        dup2(fds[2], 2);
+        syscall(SYS_close_range, 3, ~0U, 0);
+        static const int res[6] = {RLIMIT_CPU, RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE};
+        struct rlimit cur;
+        for (int i = 0; i < 6; i++) {
+            if (i == 1) continue;
+            getrlimit(res[i], &cur);
+            rlim_t want = (rlim_t)strtoull(f[i], NULL, 10);
+            rlim_t hard = i == 0 ? (rlim_t)strtoull(f[1], NULL, 10) : want;
+            if (cur.rlim_max != RLIM_INFINITY && hard > cur.rlim_max) hard = cur.rlim_max;
+            if (want > hard) want = hard;
+            struct rlimit r = {want, hard};
+            setrlimit(res[i], &r);
+        }
+        struct rlimit core = {0, 0};
+        setrlimit(RLIMIT_CORE, &core);
+        char **argv = calloc((size_t)argc + 1, sizeof(char *)), **env = calloc((size_t)envc + 1, sizeof(char *));
+        if (!argv || !env) _exit(126);
+        for (int i = 0; i < argc; i++) argv[i] = f[8 + i];
+        for (int i = 0; i < envc; i++) env[i] = f[9 + argc + i];
+        if (chdir(f[6]) != 0) {
+            fprintf(stderr, "bash: line 1: cd: %s: %s\n", f[6], strerror(errno));
+            _exit(1);
+        }
+        environ = env;
+        execvp(argv[0], argv);
         int e = errno;
-        fprintf(stderr, "%s: %s\n", spec.argv[0], strerror(e));
+        fprintf(stderr, "%s: %s\n", argv[0], strerror(e));
         _exit(e == ENOENT ? 127 : 126);
     }
-    return reap_until(pid);
+    for (int i = 0; i < 3; i++) close(fds[i]);
+    if (c < 0) {
+        say(spec.ctl, "E fork\n", 7);
+        _exit(1);
+    }
+    int st = 0;
+    struct rusage ru;
+    memset(&ru, 0, sizeof ru);
+    while (wait4(c, &st, 0, &ru) < 0 && errno == EINTR) {}
+    int left = 0;  /* whether the command left processes running */
+    for (;;) {
+        pid_t w = waitpid(-1, NULL, WNOHANG);
+        if (w > 0) continue;
+        left = w == 0;
+        break;
+    }
+    char msg[128];
+    int n = snprintf(msg, sizeof msg, "D %d %lld %lld %d\n", st,
+                     (long long)ru.ru_utime.tv_sec * 1000000 + ru.ru_utime.tv_usec,
+                     (long long)ru.ru_stime.tv_sec * 1000000 + ru.ru_stime.tv_usec, left);
+    say(spec.ctl, msg, (size_t)n);
+    close(spec.ctl);
+    while (wait(NULL) > 0 || errno == EINTR) {}  /* the command's orphans, until none is left */
+    _exit(0);
+}
+
+static int run_terminal(void) {
+    /* root until the first command's pid is set, then the user; serves the host's requests */
+    set_next_pid(spec.cmd_pid);
+    become(spec.uid, spec.gid, spec.groups);
+    if (spec.ctl != 3) {
+        if (dup2(spec.ctl, 3) < 0) die("dup2");
+        spec.ctl = 3;
+    }
+    int null = open("/dev/null", O_RDWR);
+    if (null >= 0) {
+        dup2(null, 0);
+        dup2(null, 1);
+        dup2(null, 2);
+    }
+    syscall(SYS_close_range, 4, ~0U, 0);
+    signal(SIGCHLD, SIG_IGN);  /* each command's bash is reaped by the kernel */
+    say(spec.ctl, "R\n", 2);
+    pid_t current = 0;
+    for (;;) {
+        uint32_t len = 0;
+        int fds[3] = {-1, -1, -1};
+        char cbuf[CMSG_SPACE(3 * sizeof(int))];
+        struct iovec iov = {&len, sizeof len};
+        struct msghdr m = {0};
+        m.msg_iov = &iov;
+        m.msg_iovlen = 1;
+        m.msg_control = cbuf;
+        m.msg_controllen = sizeof cbuf;
+        ssize_t r = recvmsg(spec.ctl, &m, MSG_CMSG_CLOEXEC);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return 0;  /* the host closed the socket: the episode is over */
+        int nfds = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
+            if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+                nfds = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+                memcpy(fds, CMSG_DATA(c), (nfds > 3 ? 3 : nfds) * sizeof(int));
+            }
+        if (r < (ssize_t)sizeof len && read_full(spec.ctl, (char *)&len + r, sizeof len - (size_t)r) != 0) return 0;
+        if (len > (64u << 20)) return 1;
+        char *buf = malloc((size_t)len + 1);
+        if (!buf || read_full(spec.ctl, buf, len) != 0) return 0;
+        buf[len] = 0;
+        char **f = calloc(MAX_FIELDS, sizeof(char *));
+        int nf = 0;
+        for (char *p = buf; p < buf + len && nf < MAX_FIELDS; p += strlen(p) + 1) f[nf++] = p;
+        if (nf >= 1 && strcmp(f[0], "K") == 0) {
+            if (current > 0) kill_tree(current);
+        } else if (nf >= 1 && strcmp(f[0], "R") == 0 && nfds == 3) {
+            pid_t p = fork();
+            if (p == 0) run_command(f + 1, nf - 1, fds);
+            current = p;
+        } else {
+            say(spec.ctl, "E bad request\n", 14);
+        }
+        for (int i = 0; i < 3; i++)
+            if (fds[i] >= 0) close(fds[i]);
+        free(f);
+        free(buf);
+    }
 }
 
 static int run_manager(void) {
@@ -332,13 +576,13 @@ static int run_manager(void) {
 }
 
 int main(int argc, char **argv) {
-    (void)argc;
     const char *role = getenv("LAPTOP_INIT_ROLE");
     if (role && strcmp(role, "init") == 0 && getpid() == 1) {
         char **last = environ;
         while (*last) last++;
         title_start = argv[0];
-        title_end = last > environ ? last[-1] + strlen(last[-1]) + 1 : argv[0] + strlen(argv[0]) + 1;
+        args_end = argv[argc - 1] + strlen(argv[argc - 1]) + 1;
+        title_end = last > environ ? last[-1] + strlen(last[-1]) + 1 : args_end;
         read_spec();
         const char *dev = getenv("LAPTOP_INIT_DEV");
         if (dev) make_dev(dev);
@@ -348,7 +592,9 @@ int main(int argc, char **argv) {
         int child;
         pid_t manager = fork_line(spec.manager, 0, &child);
         if (child) _exit(run_manager());
-        return reap_until(manager);
+        close(spec.ctl);
+        reap_until(manager);
+        return 0;
     }
     /* started by hand, as a user would start systemd */
     if (argv[1] && strcmp(argv[1], "--version") == 0) {

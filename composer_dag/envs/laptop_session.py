@@ -1,4 +1,4 @@
-"""The process tree a sandbox shows: a booted Debian laptop's, with the command in its terminal.
+"""The process tree a sandbox shows: a booted Debian laptop's, with the commands in its terminal.
 
 ``laptop_init.c`` (built once into the runtime, bound at ``/lib/systemd/systemd``) is process 1
 and every process of the tree but the command (forks of it, each titled like a laptop's
@@ -79,12 +79,10 @@ def _ids(etc: Path, table: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def init_env(persona, etc: Path, groups: str, argv: list[str], cmd_pid: int) -> dict[str, str]:
+def init_env(persona, etc: Path, groups: str, cmd_pid: int, ctl_fd: int) -> dict[str, str]:
     """The ``LAPTOP_INIT_*`` variables process 1 reads: the persona's tree (``tree_env``), the
-    command and the pid it should get."""
-    env = dict(tree_env(persona, etc, groups), LAPTOP_INIT_CMD_PID=str(cmd_pid), LAPTOP_INIT_ARGC=str(len(argv)))
-    env.update({f"LAPTOP_INIT_ARG{i}": a for i, a in enumerate(argv)})
-    return env
+    pid the first command's shell should get, and the control socket's descriptor."""
+    return dict(tree_env(persona, etc, groups), LAPTOP_INIT_CMD_PID=str(cmd_pid), LAPTOP_INIT_CTL=str(ctl_fd))
 
 
 @functools.lru_cache(maxsize=64)

@@ -47,6 +47,7 @@ from .laptop_session import INIT_DIR, INIT_SOURCE
 from .netns import wifi_for
 
 PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
+DISK_USAGE_SOURCE = Path(__file__).with_name("disk_usage.c")  # the disk cap's walk, built with the runtime
 TOOLING = ("pytest", "pip")  # distributions visible inside, with their requirements
 LAPTOP_ETC = Path(__file__).with_name("laptop_etc.tar.xz")
 # the Debian installer's groups for the first user (user-setup's passwd/user-default-groups)
@@ -179,7 +180,7 @@ def runtime() -> Path:
         return known
     dists = _dist_closure(TOOLING)
     etc_digest = hashlib.sha256(LAPTOP_ETC.read_bytes()).hexdigest()[:16]
-    init_digest = hashlib.sha256(INIT_SOURCE.read_bytes()).hexdigest()[:16]
+    init_digest = hashlib.sha256(INIT_SOURCE.read_bytes() + DISK_USAGE_SOURCE.read_bytes()).hexdigest()[:16]
     root = _build("shared", [sys.version, sys.base_prefix, [(d.metadata["Name"], d.version) for d in dists],
                              etc_digest, init_digest, 8], lambda tmp: _make_shared(tmp, dists))
     _RUNTIMES[_cache_root()] = root
@@ -230,6 +231,20 @@ def _make_shared(tmp: Path, dists) -> None:
         (binp / name).chmod(0o755)
     (tmp / "empty").touch()
     _make_init(tmp / "systemd-lib")
+    (tmp / "tools").mkdir()
+    _compile(DISK_USAGE_SOURCE, tmp / "tools" / "disk_usage")
+
+
+def _compile(src: Path, out: Path) -> None:
+    """``src`` built with the host's C compiler, static where it can be (no loader work per exec)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError(f"building {src.name} needs a C compiler (cc or gcc): run `make system-deps`")
+    for link in (["-static"], []):
+        r = subprocess.run([cc, "-O2", *link, "-o", str(out), str(src)], capture_output=True, text=True)
+        if r.returncode == 0:
+            return
+    raise RuntimeError(f"building {src.name} failed:\n{r.stderr[-2000:]}")
 
 
 def _make_init(dst: Path) -> None:
@@ -239,16 +254,7 @@ def _make_init(dst: Path) -> None:
         shutil.copytree(INIT_DIR, dst, symlinks=True, ignore_dangling_symlinks=True)
     else:
         dst.mkdir()
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("building the sandbox's init needs a C compiler (cc or gcc): run `make system-deps`")
-    for link in (["-static"], []):  # static: no loader work on each of its ~45 forks' parent exec
-        r = subprocess.run([cc, "-O2", *link, "-o", str(dst / "systemd"), str(INIT_SOURCE)], capture_output=True,
-                           text=True)
-        if r.returncode == 0:
-            break
-    if r.returncode:
-        raise RuntimeError(f"building {INIT_SOURCE.name} failed:\n{r.stderr[-2000:]}")
+    _compile(INIT_SOURCE, dst / "systemd")  # static: no loader work on each of its ~45 forks' parent exec
 
 
 def persona_runtime(persona: Persona) -> Path:

@@ -20,34 +20,44 @@ Layout seen from inside (``Persona`` defaults)::
 
 Processes: process 1 is the laptop's init (``/sbin/init``, named ``systemd``), with a booted
 GNOME laptop's services and the user's session under it (``laptop_session``: about 45
-sleeping processes, at pids a machine up a while has); the command runs as the user in the
-session's terminal, so ``ps`` and ``/proc`` read like a laptop's, and when it returns the init
-exits and the kernel ends everything else in the namespace. Where the host has no
-/usr/lib/systemd to bind the init at, the command itself is process 1.
+sleeping processes, at pids a machine up a while has). One sandbox lives for the whole
+episode, as a laptop's session does: it starts with the first command, and each command runs
+as the user under a ``bash`` of the session's terminal, which the init serves over a control
+socket only the host holds. The timeout, the rlimits, the disk cap and the output cap apply to
+each command's process tree (its bash is a child subreaper: every orphan of the tree stays
+under it, and a kill takes them all); what a command leaves running (a server it started in
+the background) runs on until the episode's end, when the init exits and the kernel ends
+everything in the namespace. A command returns when its process does, whatever it left
+holding its output. ``stop()`` ends the sandbox (the next command starts a fresh one: home and
+workspace as they were, /tmp empty, as after a reboot); the sandbox also ends if the session
+is killed from inside, or if the host process that holds the control socket dies.
 
 Namespaces: ipc, pid, uts (hostname), cgroup, and net: the sandbox's own network namespace
 (``netns.Network``: loopback and a Wi-Fi-like interface with an address and a default route to
-a router that never answers; nothing it sends reaches anything), made once per Sandbox, so
-that one episode's commands share it like a laptop's session; where namespaces cannot be made
+a router that never answers; nothing it sends reaches anything), made once per Sandbox; where namespaces cannot be made
 (no CAP_NET_ADMIN), bwrap's empty one (loopback only). No user namespace:
-bwrap runs as root on the host and the command then drops to uid/gid 1000 (with the
+bwrap runs as root on the host and the commands run as uid/gid 1000 (with the
 installer's groups of a first user: cdrom, sudo, audio, ...) in the init's terminal, so files keep
 their real owners (system files ``root``, the workspace
 ``sam``) and RLIMIT_NPROC is enforced (it is not for root). RLIMIT_NPROC counts every
 process of host uid 1000, so it is shared by sandboxes running at the same time (each
 running command's session holds 15 of them); the default leaves room for many sandboxes and
-still stops a fork bomb.
+still stops a fork bomb. The host needs ``/usr/lib/systemd`` (a directory: the init is bound
+there; ``make system-deps`` makes it where it is missing).
 
 Disk: the writable host trees (workspace, home, writable binds) live on the host's disk,
-so their total is capped too. Before each command their usage is measured (bytes, the
-larger of allocated and apparent size, and entries, without following links); the
-command's RLIMIT_FSIZE is lowered to what is left of ``Limits.max_disk_bytes`` (to 0 once
-over: files can be deleted, not grown), and while it runs the usage is measured again
-every 0.25 s or so: growth past ``max_disk_bytes`` or ``max_disk_files`` kills the tree
-(``killed_reason`` "disk"). A command can overshoot by what it writes in one interval; a
-directory nested deeper than ``max_disk_depth`` levels (or with a path over 2,048
-characters) also kills the command, and is removed after it: the host-side tools and the
-grader walk, copy and delete these trees with recursive code and path-based calls.
+so their total is capped too. After each command their usage is measured (bytes, the
+larger of allocated and apparent size, and entries, without following links: ``disk_usage.c``,
+a walk in C, about 4x Python's); the next command's RLIMIT_FSIZE is lowered to what is left of
+``Limits.max_disk_bytes`` (to 0 once over: files can be deleted, not grown). They are measured
+before a command too where something else may have changed them since: the host (``touched()``,
+which the edit tool calls) or processes an earlier command left running. While a command runs
+the usage is measured again every 0.25 s or so: growth past ``max_disk_bytes`` or
+``max_disk_files`` kills the tree (``killed_reason`` "disk"); between commands, while processes
+a command left run, the same growth ends the sandbox. A command can overshoot by what it
+writes in one interval; a directory nested deeper than ``max_disk_depth`` levels (or with a
+path over 2,048 characters) also kills the command, and is removed after it: the host-side
+tools and the grader walk, copy and delete these trees with recursive code and path-based calls.
 The tmpfs mounts hold memory, not disk; their size caps keep them from eating the host's.
 Memory is capped per process only (RLIMIT_AS), so the total is at most ``max_processes``
 times ``memory_bytes``; a total cap needs a cgroup, which the deployment's pod provides.
@@ -66,10 +76,12 @@ import random
 import selectors
 import shutil
 import signal
-import stat
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -81,8 +93,8 @@ from .rootfs import (PYVER, Persona, _libpython_binds, _system_binds, identity_r
                      shell_history)
 
 BWRAP = shutil.which("bwrap") or "/usr/bin/bwrap"
-PRLIMIT = shutil.which("prlimit") or "/usr/bin/prlimit"
-HAS_INIT = Path(INIT_DIR).is_dir()  # where process 1 is bound; without it the command is process 1
+START_TIMEOUT = 30.0  # seconds for a sandbox's session to come up
+KILL_GRACE = 2.0  # seconds a killed command's tree has to go before the whole sandbox is ended
 
 
 @dataclass(frozen=True)
@@ -130,8 +142,10 @@ def _base_args(persona: Persona, prt: Path) -> list[str]:
     rt = runtime()
     prefix = Path(sys.base_prefix)
     exe = prefix / "bin" / f"python{PYVER}"
+    # no --die-with-parent (it follows the starting thread, and a sandbox outlives it): the
+    # session ends when the host's end of the control socket closes, with the process holding it
     a = [BWRAP, "--unshare-ipc", "--unshare-pid", "--unshare-uts",
-         "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--as-pid-1",
+         "--unshare-cgroup-try", "--new-session", "--as-pid-1",
          "--hostname", persona.hostname]
     a += ["--ro-bind", str(prt / "root"), "/"] + _system_binds()
     a += ["--ro-bind", str(rt / "usr-local"), "/usr/local",
@@ -139,8 +153,10 @@ def _base_args(persona: Persona, prt: Path) -> list[str]:
           "--ro-bind", str(exe), f"/usr/local/bin/python{PYVER}",
           "--ro-bind", str(rt / "site-packages"), f"/usr/local/lib/python{PYVER}/site-packages"]
     a += _libpython_binds()
-    if HAS_INIT:
-        a += ["--ro-bind", str(rt / "systemd-lib"), INIT_DIR]
+    if not Path(INIT_DIR).is_dir():
+        raise RuntimeError(f"the sandbox binds its init at {INIT_DIR}, which this host lacks: "
+                           f"`mkdir -p {INIT_DIR}` as root (`make system-deps` does)")
+    a += ["--ro-bind", str(rt / "systemd-lib"), INIT_DIR]
     a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--mqueue", "/dev/mqueue",
           "--perms", "0755", "--tmpfs", "/run", "--perms", "1777", "--size", str(5 << 20), "--tmpfs", "/run/lock", "--dir", "/run/user"]
     # a laptop's other mount points, as its user sees them: /dev/hugepages empty, the EFI
@@ -153,10 +169,62 @@ def _base_args(persona: Persona, prt: Path) -> list[str]:
 
 # ---------------------------------------------------------------- sandbox
 
-def _release(tmp: Path, network: Network | None) -> None:
+def _release(tmp: Path, network: Network | None, live: dict) -> None:
+    _end(live)
     shutil.rmtree(tmp, ignore_errors=True)
     if network is not None:
         network.close()
+
+
+def _disk_watch(writable, L: Limits, start: tuple[int, int]):
+    """A check for ``_pump``: "disk" once the trees grew past a cap (measured at most every
+    0.25 s, and no more than a tenth of the time)."""
+    nxt = [time.monotonic() + 0.25]
+
+    def check() -> str | None:
+        now = time.monotonic()
+        if now < nxt[0]:
+            return None
+        size, files, deep = _disk_usage(writable, L.max_disk_depth)
+        nxt[0] = time.monotonic() + max(0.25, 10 * (time.monotonic() - now))
+        over = (size > L.max_disk_bytes and size > start[0]) or (files > L.max_disk_files and files > start[1])
+        over = over or bool(deep)
+        return "disk" if over else None
+    return check
+
+
+def _idle_watch(live: dict, lock: threading.Lock, writable, L: Limits, start: tuple[int, int]) -> None:
+    """Between commands, while processes a command left run: the disk cap holds for them too
+    (growth past it ends the sandbox, as a kill during a command would end the command)."""
+    check, gen = _disk_watch(writable, L, start), live.get("gen")
+    while live.get("gen") is gen:  # until this sandbox ends
+        time.sleep(0.25)
+        if not lock.acquire(blocking=False):
+            continue  # a command runs: its own watch counts
+        try:
+            if live.get("gen") is gen and check() == "disk":
+                _end(live)
+        finally:
+            lock.release()
+
+
+def _end(live: dict) -> None:
+    """End a running sandbox: SIGKILL its process 1 (the kernel then ends the rest of the
+    namespace), close the control socket, reap bwrap."""
+    proc, ctl, init = live.pop("proc", None), live.pop("ctl", None), live.pop("init", None)
+    live.clear()
+    if proc is None:  # not running, or ended by another thread
+        return
+    if init:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(init, signal.SIGKILL)
+    ctl.close()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _user_groups(persona: Persona, prt: Path) -> str:
@@ -170,19 +238,6 @@ def _user_groups(persona: Persona, prt: Path) -> str:
 
 
 _SIGNAL_REASON = {signal.SIGXCPU: "cpu", signal.SIGKILL: "cpu", signal.SIGXFSZ: "file_size"}
-
-
-def _reap(proc: subprocess.Popen, block: bool = False) -> int | None:
-    """``proc.poll()`` (``proc.wait()`` with ``block``) that keeps, as ``proc.rusage``, the CPU
-    time of the process and of every descendant it reaped (``wait4``)."""
-    if proc.returncode is None:
-        try:
-            pid, status, usage = os.wait4(proc.pid, 0 if block else os.WNOHANG)
-        except ChildProcessError:  # reaped elsewhere: what Popen knows, without the CPU time
-            return proc.wait() if block else proc.poll()
-        if pid:
-            proc.returncode, proc.rusage = os.waitstatus_to_exitcode(status), usage
-    return proc.returncode
 
 
 def chown_tree(path: Path, uid: int = 1000, gid: int = 1000) -> None:
@@ -256,8 +311,8 @@ def identity_lease(timeout: float = 600.0):
 class Sandbox:
     """Run commands with ``workspace`` mounted read-write at ``/home/<user>/<project>``.
 
-    Each ``run`` is a fresh bwrap (processes do not outlive it); the home directory and
-    the workspace persist across runs of one Sandbox, like a user's machine.
+    One bwrap serves every ``run`` until ``stop()`` or ``close()`` (the module's docstring); the
+    home directory and the workspace persist across runs, and across stops, like a user's machine.
     ``masks`` hide paths inside (a host file bound over a file, or None: an empty dir).
     ``identity``: run as this uid (and gid) instead of the persona's, on the same laptop (its
     passwd and group say so): a grading run's own identity (``identity_lease``).
@@ -320,10 +375,76 @@ class Sandbox:
         self._etc = prt / "root" / "etc"
         self._pids = random.Random(f"{persona!r}:{self.project}")
         self._pid = 4000 + self._pids.randrange(20000)
-        self._closer = weakref.finalize(self, _release, self._dir, self.network)
+        self._live: dict = {}  # the running sandbox: bwrap, the control socket, process 1's host pid
+        self._lock = threading.Lock()  # one command at a time; the idle watch waits for it
+        self._usage: tuple[int, int] | None = None  # (bytes, entries) after the last command
+        self._closer = weakref.finalize(self, _release, self._dir, self.network, self._live)
 
     def close(self) -> None:
         self._closer()
+
+    def touched(self) -> None:
+        """The host changed the writable trees (a tool's edit): the next command measures them
+        before it starts (otherwise it takes the last command's measure)."""
+        self._usage = None
+
+    def stop(self) -> None:
+        """End the running sandbox and everything in it; the next ``run`` starts a fresh one."""
+        with self._lock:
+            _end(self._live)
+
+    @property
+    def running(self) -> bool:
+        return bool(self._live)
+
+    def _start(self) -> None:
+        """Start bwrap with the laptop's init as process 1 and wait for its terminal."""
+        host, inside = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        r_info, w_info = os.pipe()
+        self._pid = self._pid + 3 + self._pids.randrange(60) if self._pid < 30000 else 2000
+        env = init_env(self.persona, self._etc, self._groups, self._pid, inside.fileno())
+        argv = self.network.enter() if self.network else []
+        argv += self._args + ["--info-fd", str(w_info), "--chdir", "/", "--clearenv"]
+        for k, v in dict(env, PATH=INIT_DIR).items():
+            argv += ["--setenv", k, v]
+        argv += ["--", "systemd"]  # found on PATH: /proc/1/cmdline becomes "/sbin/init"
+        log = open(self._dir / "init.log", "wb")
+        try:
+            proc = subprocess.Popen(argv, pass_fds=(w_info, inside.fileno()), stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=log, start_new_session=True)
+        finally:
+            os.close(w_info)
+            inside.close()
+            log.close()
+        self._live.update(proc=proc, ctl=host, buf=bytearray(), gen=object())
+        try:
+            info = b""
+            with os.fdopen(r_info, "rb") as f:  # bwrap writes it and closes it once process 1 runs
+                info = f.read()
+            with contextlib.suppress(ValueError):
+                self._live["init"] = json.loads(info.decode() or "{}").get("child-pid")
+            host.settimeout(START_TIMEOUT)
+            ready = b""
+            while not ready.endswith(b"R\n"):
+                chunk = host.recv(64)
+                if not chunk:
+                    raise OSError("the session ended while starting")
+                ready += chunk
+            host.setblocking(False)
+        except OSError as e:
+            _end(self._live)
+            why = (self._dir / "init.log").read_text(errors="replace").strip()[-2000:]
+            raise RuntimeError(f"the sandbox did not start ({e}): {why or 'no output'}") from None
+
+    def _send(self, fields: list[bytes], fds: list[int]) -> None:
+        payload = b"\0".join(fields) + b"\0"
+        ctl = self._live["ctl"]
+        ctl.setblocking(True)
+        try:
+            ctl.sendmsg([struct.pack("I", len(payload))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] if fds else [])
+            ctl.sendall(payload)
+        finally:
+            ctl.setblocking(False)
 
     def __enter__(self):
         return self
@@ -343,83 +464,92 @@ class Sandbox:
             size, files, _ = _disk_usage(self._writable, self.limits.max_disk_depth)
         return size, files, bool(deep)
 
-    def _disk_watch(self, start: tuple[int, int]):
-        """A check for ``_pump``: "disk" once the trees grew past a cap (measured at most every
-        0.25 s, and no more than a tenth of the time)."""
-        L, nxt = self.limits, [time.monotonic() + 0.25]
-
-        def check() -> str | None:
-            now = time.monotonic()
-            if now < nxt[0]:
-                return None
-            size, files, deep = _disk_usage(self._writable, L.max_disk_depth)
-            nxt[0] = time.monotonic() + max(0.25, 10 * (time.monotonic() - now))
-            over = (size > L.max_disk_bytes and size > start[0]) or (files > L.max_disk_files and files > start[1])
-            over = over or bool(deep)
-            return "disk" if over else None
-        return check
-
-    def _argv(self, cmd, cwd: str | None, env: dict | None, info_fd: int, fsize: int) -> list[str]:
+    def _request(self, cmd, cwd: str | None, env: dict | None, fsize: int) -> list[bytes]:
         L = self.limits
         wd = self.root if not cwd else (cwd if cwd.startswith("/") else f"{self.root}/{cwd}")
         envd = dict(self.env, PWD=wd, **(env or {}))
-        argv = self.network.enter() if self.network else []
-        argv += [PRLIMIT, f"--cpu={L.cpu_seconds}:{L.cpu_seconds + 1}", f"--as={L.memory_bytes}",
-                f"--nproc={L.max_processes}", f"--fsize={fsize}",
-                f"--nofile={L.max_open_files}", "--core=0", "--"]
-        argv += self._args + ["--info-fd", str(info_fd), "--chdir", wd, "--clearenv"]
-        command = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        if HAS_INIT:  # process 1 is the laptop's init; the command runs in its terminal, as the user
-            self._pid = self._pid + 3 + self._pids.randrange(60) if self._pid < 30000 else 2000
-            envd.update(init_env(self.persona, self._etc, self._groups, command, self._pid),
-                        LAPTOP_INIT_PATH=envd["PATH"], PATH=INIT_DIR)
-        for k, v in envd.items():
-            argv += ["--setenv", k, v]
-        if HAS_INIT:
-            return argv + ["--", "systemd"]  # found on PATH: /proc/1/cmdline becomes "/sbin/init"
-        argv += ["--", "/usr/bin/setpriv", f"--reuid={self.persona.uid}", f"--regid={self.persona.gid}",
-                 f"--groups={self._groups}" if self._groups else "--clear-groups", "--"]
-        return argv + command
+        argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        env_list = [f"{k}={v}" for k, v in envd.items()]
+        fields = ["R", L.cpu_seconds, L.cpu_seconds + 1, L.memory_bytes, L.max_processes, fsize, L.max_open_files, wd,
+                  len(argv), *argv, len(env_list), *env_list]
+        out = [str(f).encode() if not isinstance(f, str) else f.encode("utf-8", "surrogateescape") for f in fields]
+        if any(b"\0" in f for f in out):
+            raise ValueError("a command's arguments and environment cannot hold NUL bytes")
+        return out
 
     def run(self, cmd: list[str] | str, timeout: float | None = None, stdin: str | bytes | None = None,
             *, cwd: str | None = None, env: dict | None = None) -> ExecResult:
+        with self._lock:
+            r, after = self._exec(cmd, timeout, stdin, cwd, env)
+            live = self._live
+            if live.get("left") and not live.get("watch"):  # the command left something running
+                live["watch"] = threading.Thread(target=_idle_watch, daemon=True, name="sandbox-idle-watch",
+                                                 args=(live, self._lock, self._writable, self.limits, after))
+                live["watch"].start()
+        return r
+
+    def _exec(self, cmd, timeout, stdin, cwd, env) -> tuple[ExecResult, tuple[int, int]]:
         timeout = self.limits.timeout if timeout is None else timeout
         t0 = time.monotonic()
-        used, files, _ = self._prune()
+        if self._usage is None or not self._live or self._live.get("left"):
+            used, files, _ = self._prune()
+        else:  # as the last command left them: nothing has run in them since
+            used, files = self._usage
+        self._usage = None
         room = self.limits.max_disk_bytes - used if files <= self.limits.max_disk_files else 0
         fsize = max(0, min(self.limits.max_file_bytes, room))
-        r_info, w_info = os.pipe()
+        request = self._request(cmd, cwd, env, fsize)
+        pipes = [os.pipe(), os.pipe()]
+        r_in, w_in = os.pipe() if stdin is not None else (os.open(os.devnull, os.O_RDONLY), -1)
         try:
-            proc = subprocess.Popen(self._argv(cmd, cwd, env, w_info, fsize), pass_fds=(w_info,),
-                                    stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            for attempt in (0, 1):  # a sandbox ended from inside is started again, once
+                if not self._live:
+                    self._start()
+                try:
+                    self._send(request, [r_in, pipes[0][1], pipes[1][1]])
+                    break
+                except OSError:
+                    _end(self._live)
+                    if attempt:
+                        raise
+        except BaseException:
+            for fd in (pipes[0][0], pipes[1][0], w_in):
+                if fd >= 0:
+                    os.close(fd)
+            raise
         finally:
-            os.close(w_info)
+            for fd in (r_in, pipes[0][1], pipes[1][1]):
+                os.close(fd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        out, err, info, stop, dropped = _pump(proc, data, r_info, t0 + timeout, self.limits.max_output_bytes,
-                                              self._disk_watch((used, files)))
-        if stop:
-            _kill(proc, info)
-        code = _reap(proc, block=True)
-        usage = getattr(proc, "rusage", None)
+        out, err, done, stop, dropped = _pump(self._live, pipes[0][0], pipes[1][0], w_in, data, t0 + timeout,
+                                              self.limits.max_output_bytes, _disk_watch(self._writable, self.limits, (used, files)))
+        if done is None:  # the session ended (killed from inside, or the kill took too long)
+            _end(self._live)
+            status, cpu = None, 0.0
+        else:
+            status, cpu = done
         seconds = time.monotonic() - t0
         timed_out = stop == "timeout"
         reason = stop
-        if not stop and code > 128 and code - 128 in (9, 24, 25):
+        code = 128 + int(signal.SIGKILL) if status is None else os.waitstatus_to_exitcode(status)
+        code = 128 - code if code < 0 else code
+        if not stop and status is not None and code > 128 and code - 128 in (9, 24, 25):
             sig = signal.Signals(code - 128)
             # SIGKILL is the CPU limit's hard step only when the commands used that much CPU;
             # otherwise something killed them (``kill -9``, the kernel's OOM killer): a plain
             # signal death, as on any machine
-            if sig != signal.SIGKILL or usage is None or usage.ru_utime + usage.ru_stime >= self.limits.cpu_seconds:
+            if sig != signal.SIGKILL or cpu >= self.limits.cpu_seconds:
                 reason = _SIGNAL_REASON.get(sig)
-        elif not stop and code < 0:
-            reason = f"signal:{-code}"
-        if self._prune()[2]:
+        elif not stop and status is None:
+            reason = "signal:9"
+        used, files, pruned = self._prune()
+        self._usage = (used, files)
+        if pruned:
             reason = reason or "disk"
         code = 124 if timed_out else 128 + int(signal.SIGKILL) if stop else code
         return ExecResult(exit_code=code, stdout=_text(out, dropped[0]),
                           stderr=_text(err, dropped[1]), timed_out=timed_out, truncated=any(dropped),
-                          seconds=seconds, killed_reason=reason)
+                          seconds=seconds, killed_reason=reason), (used, files)
 
 
 def _text(buf: bytes, dropped: int) -> str:
@@ -430,58 +560,72 @@ def _text(buf: bytes, dropped: int) -> str:
 def _disk_usage(roots, max_depth: int) -> tuple[int, int, list[str]]:
     """Bytes (per file the larger of allocated and apparent size) and entries under ``roots``,
     links not followed, and the directories nested deeper than ``max_depth`` levels or with an
-    over-long path (not descended into)."""
-    size = n = 0
-    deep = []
-    todo = [(str(r), 0) for r in roots]
-    while todo:
-        d, depth = todo.pop()
-        try:
-            it = os.scandir(d)
-        except OSError:
-            continue
-        with it:
-            for e in it:
-                n += 1
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                size += max(st.st_blocks * 512, st.st_size if stat.S_ISREG(st.st_mode) else 0)
-                if stat.S_ISDIR(st.st_mode):
-                    if depth >= max_depth or len(e.path) > 2048:
-                        deep.append(e.path)
-                    else:
-                        todo.append((e.path, depth + 1))
-    return size, n, deep
+    over-long path (not descended into): ``disk_usage.c``, built with the runtime."""
+    r = subprocess.run([str(runtime() / "tools" / "disk_usage"), str(max_depth), *map(str, roots)],
+                       capture_output=True, check=True)
+    head, _, rest = r.stdout.partition(b"\n")
+    size, n = map(int, head.split())
+    return size, n, [os.fsdecode(p) for p in rest.split(b"\0")[:-1]]
 
 
-def _pump(proc, stdin: bytes | None, r_info: int, deadline: float, budget: int, watch=None):
-    """Feed stdin, collect stdout/stderr up to ``budget`` bytes each, until exit, deadline or
-    ``watch()`` names a reason to stop; returns the stop reason ("timeout", ...) or None."""
+def _pump(live: dict, r_out: int, r_err: int, w_in: int, stdin: bytes | None, deadline: float, budget: int,
+          watch=None):
+    """Feed stdin, collect stdout/stderr up to ``budget`` bytes each, until the command's shell
+    says it returned ("D ..." on the control socket), the deadline, or ``watch()`` names a reason
+    to stop (then the command's tree is killed). Returns (stdout, stderr, (wait status, CPU
+    seconds) or None if the session ended, stop reason or None, dropped bytes per stream)."""
+    ctl = live["ctl"]
     sel = selectors.DefaultSelector()
-    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), r_info: bytearray()}
-    dropped = {proc.stdout.fileno(): 0, proc.stderr.fileno(): 0}
+    bufs = {r_out: bytearray(), r_err: bytearray()}
+    dropped = {r_out: 0, r_err: 0}
     for fd in bufs:
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
+    sel.register(ctl, selectors.EVENT_READ)
     view = memoryview(stdin or b"")
-    fin = proc.stdin.fileno() if stdin is not None else -1
-    if stdin is not None:
-        os.set_blocking(fin, False)
-        sel.register(fin, selectors.EVENT_WRITE)
-    stop = None
+    if w_in >= 0:
+        os.set_blocking(w_in, False)
+        sel.register(w_in, selectors.EVENT_WRITE)
+    stop = done = killed_at = None
+    gone = False
+    msgs = live["buf"]
+
+    def read_out(fd) -> bool:
+        """Read what is there; False at end of file or when nothing is."""
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return False
+        if not chunk:
+            sel.unregister(fd)
+            return False
+        buf = bufs[fd]
+        room = max(0, budget - len(buf))
+        buf += chunk[:room]
+        dropped[fd] += len(chunk) - min(room, len(chunk))
+        return True
+
     try:
-        while len(sel.get_map()) > (0 if _reap(proc) is None else 1 if r_info in sel.get_map() else 0):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                stop = "timeout"
-                break
-            if watch and (stop := watch()):
-                break
-            for key, _ in sel.select(min(left, 0.25)):
+        while done is None and not gone:
+            now = time.monotonic()
+            if killed_at is not None and now > killed_at + KILL_GRACE:
+                break  # the tree did not go: the caller ends the sandbox
+            if stop is None:
+                stop = "timeout" if now >= deadline else watch() if watch else None
+                if stop:
+                    killed_at = now
+                    try:
+                        ctl.setblocking(True)
+                        ctl.sendall(struct.pack("I", 2) + b"K\0")
+                    except OSError:
+                        break
+                    finally:
+                        ctl.setblocking(False)
+                    continue
+            wait = killed_at + KILL_GRACE - now if killed_at is not None else min(deadline - now, 0.25)
+            for key, _ in sel.select(max(0.0, wait)):
                 fd = key.fd
-                if fd == fin:
+                if fd == w_in:
                     try:
                         n = os.write(fd, view[:65536])
                     except (BrokenPipeError, BlockingIOError):
@@ -489,52 +633,39 @@ def _pump(proc, stdin: bytes | None, r_info: int, deadline: float, budget: int, 
                     view = view[n:]
                     if not view:
                         sel.unregister(fd)
-                        proc.stdin.close()
-                    continue
-                try:
-                    chunk = os.read(fd, 65536)
-                except BlockingIOError:
-                    continue
-                if not chunk:
-                    sel.unregister(fd)
-                    continue
-                buf = bufs[fd]
-                if fd == r_info:
-                    buf += chunk
-                    continue
-                room = max(0, budget - len(buf))
-                buf += chunk[:room]
-                dropped[fd] += len(chunk) - min(room, len(chunk))
-        if not stop:
-            while _reap(proc) is None:  # pipes closed but the tree is still running
-                if time.monotonic() >= deadline:
-                    stop = "timeout"
-                    break
-                if watch and (stop := watch()):
-                    break
-                time.sleep(0.002)
+                        os.close(w_in)
+                        w_in = -1
+                elif fd == ctl.fileno():
+                    try:
+                        chunk = ctl.recv(4096)
+                    except BlockingIOError:
+                        continue
+                    if not chunk:  # the session is gone
+                        gone = True
+                        break
+                    msgs += chunk
+                    while b"\n" in msgs:
+                        line, _, rest = bytes(msgs).partition(b"\n")
+                        msgs[:] = rest
+                        parts = line.split()
+                        if parts[:1] == [b"D"] and len(parts) == 5:
+                            done = (int(parts[1]), (int(parts[2]) + int(parts[3])) / 1e6)
+                            live["left"] = live.get("left") or parts[4] == b"1"
+                else:
+                    read_out(fd)
+        # what the command wrote before it returned is in the pipes: take it, without waiting for
+        # whatever it left running (and holding them)
+        for fd in (r_out, r_err):
+            while fd in sel.get_map() and read_out(fd):
+                pass
     finally:
         sel.close()
-        with contextlib.suppress(OSError):
-            bufs[r_info] += os.read(r_info, 65536)
-        os.close(r_info)
-        proc.stdout.close()
-        proc.stderr.close()
-    info = {}
-    with contextlib.suppress(ValueError):
-        info = json.loads(bytes(bufs[r_info]).decode() or "{}")
-    fo, fe = list(dropped)
-    return bytes(bufs[fo]), bytes(bufs[fe]), info, stop, [dropped[fo], dropped[fe]]
+        for fd in (r_out, r_err):
+            os.close(fd)
+        if w_in >= 0:
+            os.close(w_in)
+    return bytes(bufs[r_out]), bytes(bufs[r_err]), done, stop, [dropped[r_out], dropped[r_err]]
 
-
-def _kill(proc, info: dict) -> None:
-    """SIGKILL the pid-1 of the sandbox's pid namespace (the kernel then kills the rest) and bwrap."""
-    pid = info.get("child-pid")
-    if pid:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
 
 # ---------------------------------------------------------------- command line helper
 

@@ -52,7 +52,8 @@ TOOL_SCHEMAS: list[dict] = [
         "With old = \"\" and a path that does not exist, create the file with content `new`.",
         {"path": _S, "old": _S, "new": _S}, ["path", "old", "new"]),
     _fn("run_terminal_cmd", "Run a bash command in the project directory on the user's machine and return its "
-        "exit code and output. Commands are killed after a timeout; nothing runs in the background afterwards.",
+        "exit code and output. A command that runs past the timeout is killed with everything it started; "
+        "what a command starts in the background keeps running until the session ends.",
         {"command": _S}, ["command"]),
     _fn("submit", "Finish: the work is done and ready for review.", {}, []),
 ]
@@ -172,6 +173,7 @@ class Episode:
                 "that is also the working directory of terminal commands.)")
 
     def grade(self) -> GradeResult:
+        self.sandbox.stop()  # nothing the episode left running touches the workspace while it is graded
         self.result = grade(self.task_dir, self.workspace, self.log, self.config.grade)
         return self.result
 
@@ -337,6 +339,7 @@ class Episode:
     def _t_edit_file(self, entry, path, old, new) -> str:
         f = self._path(path, entry)
         self._read_only(f, path)
+        self.sandbox.touched()
         if old == "":
             if f.exists():
                 raise ToolError(f"{path}: already exists; give the text to replace in `old`")
