@@ -9,7 +9,7 @@ import time
 import pytest
 
 from composer_dag.envs.realism import fingerprint, realism_diff, tell_tales
-from composer_dag.envs.sandbox import Limits, Sandbox, sandbox_exec
+from composer_dag.envs.sandbox import Limits, Sandbox, _laptop_nproc, _pids_root, sandbox_exec
 
 
 @pytest.fixture
@@ -119,8 +119,31 @@ def test_rlimits(tmp_path):
         assert (tmp_path / "big").stat().st_size <= 1 << 20
         r = s.run("python3 -c 'x = bytearray(1 << 30)'")
         assert r.exit_code != 0 and "MemoryError" in r.stderr
-        r = s.run("ulimit -u")
-        assert r.stdout.strip() == "2000"
+        r = s.run("ulimit -u")  # a laptop's where a pids cgroup holds the cap, the cap otherwise
+        assert r.stdout.strip() == (str(_laptop_nproc()) if s.process_cap == "cgroup" else "2000")
+
+
+def test_live_sessions_do_not_use_up_the_process_cap(tmp_path):
+    """Each live sandbox holds 15 processes of the user for its session. Where a pids cgroup caps
+    each sandbox, sessions alive at once (an evaluation batch holds hundreds) leave every sandbox
+    its own ``max_processes``; with RLIMIT_NPROC alone they share it."""
+    boxes = []
+    try:
+        for i in range(4):
+            (tmp_path / f"w{i}").mkdir()
+            boxes.append(Sandbox(tmp_path / f"w{i}", Limits(max_processes=40, timeout=20)))
+            assert boxes[-1].run("true").exit_code == 0
+        r = boxes[-1].run("for i in $(seq 8); do sleep 0.2 & done; wait; echo forked")
+        assert boxes[-1].process_cap == ("cgroup" if _pids_root() is not None else "rlimit")
+        if boxes[-1].process_cap == "rlimit":  # 4 sessions hold 60 of the 40 the user may have
+            assert "Resource temporarily unavailable" in r.stderr, r
+            return
+        assert r.exit_code == 0 and r.stdout.strip() == "forked", r
+        r = boxes[-1].run("for i in $(seq 60); do sleep 1 & done 2>&1 | tail -1; wait")
+        assert "Resource temporarily unavailable" in r.stdout + r.stderr  # the cap still holds
+    finally:
+        for b in boxes:
+            b.close()
 
 
 def test_output_truncated_and_stdin(sb):

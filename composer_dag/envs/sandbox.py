@@ -39,10 +39,12 @@ a router that never answers; nothing it sends reaches anything), made once per S
 bwrap runs as root on the host and the commands run as uid/gid 1000 (with the
 installer's groups of a first user: cdrom, sudo, audio, ...) in the init's terminal, so files keep
 their real owners (system files ``root``, the workspace
-``sam``) and RLIMIT_NPROC is enforced (it is not for root). RLIMIT_NPROC counts every
-process of host uid 1000, so it is shared by sandboxes running at the same time (each
-running command's session holds 15 of them); the default leaves room for many sandboxes and
-still stops a fork bomb. The host needs ``/usr/lib/systemd`` (a directory: the init is bound
+``sam``). Processes: each sandbox is a pids cgroup of its own, capped at
+``Limits.max_processes`` (plus room for its session's 43), where the host lets root make one (the
+v1 ``pids`` hierarchy, or cgroup v2's root with the controller on); the user's RLIMIT_NPROC is then
+a laptop's (half of ``threads-max``). Without one, RLIMIT_NPROC is the cap; it counts every process
+of host uid 1000, so it is shared by the sandboxes alive at the same time, and each holds 15 of
+them for its session (``process_cap`` says which holds). The host needs ``/usr/lib/systemd`` (a directory: the init is bound
 there; ``make system-deps`` makes it where it is missing).
 
 Disk: the writable host trees (workspace, home, writable binds) live on the host's disk,
@@ -102,7 +104,7 @@ class Limits:
     timeout: float = 60.0  # wall clock, seconds; the whole process tree is killed
     cpu_seconds: int = 120  # RLIMIT_CPU per process
     memory_bytes: int = 4 << 30  # RLIMIT_AS per process
-    max_processes: int = 2048  # RLIMIT_NPROC (host uid 1000, shared by live sandboxes)
+    max_processes: int = 2048  # per sandbox (a pids cgroup), or RLIMIT_NPROC (host uid 1000, shared) without one
     max_file_bytes: int = 256 << 20  # RLIMIT_FSIZE
     max_open_files: int = 1024  # RLIMIT_NOFILE
     max_output_bytes: int = 64 << 10  # kept per stream; the rest is counted and dropped
@@ -208,10 +210,78 @@ def _idle_watch(live: dict, lock: threading.Lock, writable, L: Limits, start: tu
             lock.release()
 
 
+SESSION_PIDS = 64  # room for the init and the laptop's session (43 processes) in a sandbox's pids cgroup
+_PIDS: dict = {}
+
+
+def _pids_root() -> Path | None:
+    """Where this host lets us make pids cgroups (the v1 ``pids`` hierarchy, or the v2 root with
+    the controller enabled for its children), or None; found once, clearing what dead processes left."""
+    if "root" in _PIDS:
+        return _PIDS["root"]
+    root = None
+    v2 = Path("/sys/fs/cgroup/cgroup.subtree_control")
+    for cand in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup") if v2.exists() and "pids" in v2.read_text().split() else None):
+        if cand is None or not os.access(cand, os.W_OK):
+            continue
+        probe = cand / f"cdag-{os.getpid()}-probe"
+        try:
+            probe.mkdir()
+            ok = (probe / "pids.max").exists()
+            probe.rmdir()
+        except OSError:
+            continue
+        if ok:
+            root = cand
+            for old in cand.glob("cdag-*"):  # left by processes that died: removable once empty
+                with contextlib.suppress(OSError):
+                    old.rmdir()
+            break
+    _PIDS["root"], _PIDS["n"] = root, 0
+    return root
+
+
+def _pids_cgroup(max_processes: int) -> Path | None:
+    """A new pids cgroup capped at ``max_processes`` (plus the session's room), or None."""
+    root = _pids_root()
+    if root is None:
+        return None
+    _PIDS["n"] += 1
+    cg = root / f"cdag-{os.getpid()}-{_PIDS['n']}"
+    try:
+        cg.mkdir()
+        (cg / "pids.max").write_text(str(max_processes + SESSION_PIDS))
+    except OSError:
+        return None
+    return cg
+
+
+def _remove_cgroup(cg: Path) -> None:
+    deadline = time.monotonic() + 2
+    while True:
+        try:
+            cg.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # its last processes are still being reaped
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+
+
+def _laptop_nproc() -> int:
+    """RLIMIT_NPROC as a laptop's kernel sets it for its first process: half of threads-max."""
+    try:
+        return int(Path("/proc/sys/kernel/threads-max").read_text()) // 2
+    except (OSError, ValueError):
+        return 63_704
+
+
 def _end(live: dict) -> None:
     """End a running sandbox: SIGKILL its process 1 (the kernel then ends the rest of the
     namespace), close the control socket, reap bwrap."""
-    proc, ctl, init = live.pop("proc", None), live.pop("ctl", None), live.pop("init", None)
+    proc, ctl, init, cg = live.pop("proc", None), live.pop("ctl", None), live.pop("init", None), live.pop("cgroup", None)
     live.clear()
     if proc is None:  # not running, or ended by another thread
         return
@@ -225,6 +295,8 @@ def _end(live: dict) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    if cg is not None:
+        _remove_cgroup(cg)
 
 
 def _user_groups(persona: Persona, prt: Path) -> str:
@@ -378,6 +450,7 @@ class Sandbox:
         self._live: dict = {}  # the running sandbox: bwrap, the control socket, process 1's host pid
         self._lock = threading.Lock()  # one command at a time; the idle watch waits for it
         self._usage: tuple[int, int] | None = None  # (bytes, entries) after the last command
+        self.process_cap: str | None = None  # how max_processes is held once started: "cgroup" or "rlimit"
         self._closer = weakref.finalize(self, _release, self._dir, self.network, self._live)
 
     def close(self) -> None:
@@ -408,6 +481,10 @@ class Sandbox:
         for k, v in dict(env, PATH=INIT_DIR).items():
             argv += ["--setenv", k, v]
         argv += ["--", "systemd"]  # found on PATH: /proc/1/cmdline becomes "/sbin/init"
+        cg = _pids_cgroup(self.limits.max_processes)
+        if cg is not None:  # bwrap joins the sandbox's pids cgroup before it forks anything
+            argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg / "cgroup.procs"), *argv]
+        self.process_cap = "cgroup" if cg is not None else "rlimit"
         log = open(self._dir / "init.log", "wb")
         try:
             proc = subprocess.Popen(argv, pass_fds=(w_info, inside.fileno()), stdin=subprocess.DEVNULL,
@@ -416,7 +493,7 @@ class Sandbox:
             os.close(w_info)
             inside.close()
             log.close()
-        self._live.update(proc=proc, ctl=host, buf=bytearray(), gen=object())
+        self._live.update(proc=proc, ctl=host, buf=bytearray(), gen=object(), cgroup=cg)
         try:
             info = b""
             with os.fdopen(r_info, "rb") as f:  # bwrap writes it and closes it once process 1 runs
@@ -470,7 +547,10 @@ class Sandbox:
         envd = dict(self.env, PWD=wd, **(env or {}))
         argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         env_list = [f"{k}={v}" for k, v in envd.items()]
-        fields = ["R", L.cpu_seconds, L.cpu_seconds + 1, L.memory_bytes, L.max_processes, fsize, L.max_open_files, wd,
+        # with a pids cgroup capping the sandbox, the user's RLIMIT_NPROC is a laptop's (it counts
+        # every process of host uid 1000, other sandboxes' sessions too); without one it is the cap
+        nproc = _laptop_nproc() if self._live.get("cgroup") else L.max_processes
+        fields = ["R", L.cpu_seconds, L.cpu_seconds + 1, L.memory_bytes, nproc, fsize, L.max_open_files, wd,
                   len(argv), *argv, len(env_list), *env_list]
         out = [str(f).encode() if not isinstance(f, str) else f.encode("utf-8", "surrogateescape") for f in fields]
         if any(b"\0" in f for f in out):
@@ -498,7 +578,7 @@ class Sandbox:
         self._usage = None
         room = self.limits.max_disk_bytes - used if files <= self.limits.max_disk_files else 0
         fsize = max(0, min(self.limits.max_file_bytes, room))
-        request = self._request(cmd, cwd, env, fsize)
+        self._request(cmd, cwd, env, fsize)  # bad arguments fail here, before anything starts
         pipes = [os.pipe(), os.pipe()]
         r_in, w_in = os.pipe() if stdin is not None else (os.open(os.devnull, os.O_RDONLY), -1)
         try:
@@ -506,7 +586,7 @@ class Sandbox:
                 if not self._live:
                     self._start()
                 try:
-                    self._send(request, [r_in, pipes[0][1], pipes[1][1]])
+                    self._send(self._request(cmd, cwd, env, fsize), [r_in, pipes[0][1], pipes[1][1]])
                     break
                 except OSError:
                     _end(self._live)
