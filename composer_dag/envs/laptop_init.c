@@ -426,8 +426,6 @@ static void kill_tree(pid_t root) {
     free(in);
 }
 
-#define MAX_FIELDS 200000
-
 /* One command: a bash (titled so, a child subreaper) that runs it, says how it ended, and
  * stays while the command's orphans live. ``f`` are the request's fields after "R". */
 static void run_command(char **f, int nf, int fds[3]) {
@@ -543,9 +541,11 @@ static int run_terminal(void) {
         char *buf = malloc((size_t)len + 1);
         if (!buf || read_full(spec.ctl, buf, len) != 0) return 0;
         buf[len] = 0;
-        char **f = calloc(MAX_FIELDS, sizeof(char *));
+        size_t nul = 1;  /* the fields: as many as the request's NULs (and one unterminated) */
+        for (uint32_t i = 0; i < len; i++) nul += buf[i] == 0;
+        char **f = calloc(nul, sizeof(char *));
         int nf = 0;
-        for (char *p = buf; p < buf + len && nf < MAX_FIELDS; p += strlen(p) + 1) f[nf++] = p;
+        for (char *p = buf; f && p < buf + len; p += strlen(p) + 1) f[nf++] = p;
         if (nf >= 1 && strcmp(f[0], "K") == 0) {
             if (current > 0) kill_tree(current);
         } else if (nf >= 1 && strcmp(f[0], "R") == 0 && nfds == 3) {

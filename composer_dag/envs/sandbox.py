@@ -579,7 +579,6 @@ class Sandbox:
         self._usage = None
         room = self.limits.max_disk_bytes - used if files <= self.limits.max_disk_files else 0
         fsize = max(0, min(self.limits.max_file_bytes, room))
-        self._request(cmd, cwd, env, fsize)  # bad arguments fail here, before anything starts
         pipes = [os.pipe(), os.pipe()]
         r_in, w_in = os.pipe() if stdin is not None else (os.open(os.devnull, os.O_RDONLY), -1)
         try:
