@@ -51,6 +51,26 @@ def test_split_is_deterministic_and_grouped_by_source():
     assert a["rl_tasks"] and a["eval_tasks"]
 
 
+def test_a_source_split_on_its_own_gets_its_share_by_whole_files():
+    # a repository's tasks: a few modules with many tasks each (networkx's 20 in make run: 9, 5, 4, 2)
+    mined = [{"id": f"m{f}{i}", "source": "repo-mined", "source_file": f"nx:mod{f}.py"}
+             for f, n in enumerate((9, 5, 4, 2)) for i in range(n)]
+    other = [{"id": f"h{i}", "source": "humaneval", "source_file": f"he{i}"} for i in range(30)]
+    for salt in "01234567":
+        s = split_tasks(other + mined, 0.2, salt=salt, fraction_of={"repo-mined": 0.5})
+        ev = {t["source_file"] for t in mined if t["id"] in s["eval_tasks"]}
+        rl = {t["source_file"] for t in mined if t["id"] in s["rl_tasks"]}
+        assert ev and rl and not ev & rl, (salt, ev, rl)
+        assert sum(t["id"] in s["eval_tasks"] for t in mined) >= 10, salt  # the gate's min_tasks
+        # the other sources split as before
+        assert split_tasks(other, 0.2, salt=salt) == {k: [i for i in v if i.startswith("h")] for k, v in s.items()}
+    # one file: all on one side, by its hash like any other source's file
+    one = [{"id": f"p{i}", "source": "repo-mined", "source_file": "parse:parse.py"} for i in range(4)]
+    sides = {k for salt in "0123456789" for k, v in split_tasks(one, 0.2, salt, {"repo-mined": 0.5}).items() if v}
+    assert sides == {"rl_tasks", "eval_tasks"}
+    assert all(len(v) in (0, 4) for v in split_tasks(one, 0.2, "0", {"repo-mined": 0.5}).values())
+
+
 def test_task_layout_and_clean_history(built):
     out, _ = built
     for d in _all(out):

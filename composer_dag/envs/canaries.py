@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import json
+import io
 import random
 import re
 import shutil
@@ -198,16 +199,36 @@ def _parametrize_sites(fn) -> list[tuple[ast.Constant, str]]:
 
 def truth_sites(source: str) -> list[tuple[ast.AST, str, str]]:
     """``assert f(x)`` and ``assert not f(x)`` (one line): (node, new text, call source)."""
-    out = []
+    out, segment = [], _segmenter(source)
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Assert) or node.test.lineno != node.test.end_lineno:
             continue
         t = node.test
         if isinstance(t, ast.Call) and not _is_literal(t):
-            out.append((t, "not " + ast.get_source_segment(source, t), ast.unparse(t)))
+            out.append((t, "not " + segment(t), ast.unparse(t)))
         elif isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not) and isinstance(t.operand, ast.Call):
-            out.append((t, ast.get_source_segment(source, t.operand), ast.unparse(t.operand)))
+            out.append((t, segment(t.operand), ast.unparse(t.operand)))
     return out
+
+
+def _segmenter(source: str):
+    """``ast.get_source_segment(source, node)`` with the source split into lines once (the
+    library's splits the whole source again for every node: most of a long test file's canary
+    time)."""
+    lines = [ln.encode() for ln in io.StringIO(source, newline="").readlines()]
+
+    def segment(node) -> str | None:
+        try:
+            first, last = node.lineno - 1, node.end_lineno - 1
+            b, e = node.col_offset, node.end_col_offset
+        except AttributeError:
+            return None
+        if None in (last, e) or not 0 <= first <= last < len(lines):
+            return None
+        if first == last:
+            return lines[first][b:e].decode()
+        return b"".join([lines[first][b:], *lines[first + 1:last], lines[last][:e]]).decode()
+    return segment
 
 
 def _changed_text(segment: str, value) -> str | None:
@@ -264,9 +285,9 @@ def make_canaries(source: str, seed: str, visible: str = "", n: int = 2, per_can
     except SyntaxError:
         return []
     seen_vis = re.sub(r"\s+", "", visible)
-    cands = []
+    cands, segment = [], _segmenter(source)
     for node, other in found:
-        seg = ast.get_source_segment(source, node)
+        seg = segment(node)
         text = _changed_text(seg or "", node.value) if seg is not None else None
         if text is not None:
             hidden = re.sub(r"\s+", "", other) not in seen_vis if visible else True

@@ -830,12 +830,16 @@ def suite_command(layout: Layout) -> str:
 
 
 def run_tests(project: Path, tests_tree: Path, layer: Path, persona: Persona, paths: list[str], timeout: float,
-              hash_seed: int = 0, random_seed: int = 0, shifted_time: str | None = None) -> tuple[dict, dict]:
-    """Run ``paths`` of the recorded test tree against a copy of ``project`` in one sandbox.
+              hash_seed: int = 0, random_seed: int = 0, shifted_time: str | None = None,
+              changes: dict[str, str] | None = None) -> tuple[dict, dict]:
+    """Run ``paths`` of the recorded test tree against a copy of ``project`` in one sandbox, with
+    ``changes`` (path: new text) written into the copy.
     (outcomes by node id, details: seconds, exit code, timed_out, output tail)."""
     with tempfile.TemporaryDirectory(prefix="cdag-rt-") as tmp:
         ws = Path(tmp) / project.name
         shutil.copytree(project, ws, symlinks=True, ignore=shutil.ignore_patterns(".git", "__pycache__", ".venv"))
+        for rel, text in (changes or {}).items():
+            (ws / rel).write_text(text)
         report = Path(tmp) / "report"
         report.mkdir()
         shutil.copy2(PLUGIN, report / "cdag_pytest_report.py")

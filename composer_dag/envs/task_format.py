@@ -53,7 +53,7 @@ class RepoSpec(StageConfig):
 
 
 # networkx is installed with its tests (torch requires it): mined offline from a few algorithm modules
-NETWORKX = RepoSpec(name="networkx", src="installed:networkx", tasks=8, test_files=tuple(
+NETWORKX = RepoSpec(name="networkx", src="installed:networkx", tasks=20, test_files=tuple(
     f"networkx/algorithms/tests/test_{m}.py" for m in ("cycles", "dag", "simple_paths", "cluster")))
 
 
@@ -119,6 +119,11 @@ class TaskBuildConfig(StageConfig):
     max_per_module: int = Field(3, description="bug-fix tasks kept from one module")
     attempts_per_module: int = Field(8, description="mutants run against a module's tests before giving up on it")
     eval_fraction: float = Field(0.2, description="share of source files whose tasks go to eval_tasks")
+    eval_fraction_of: dict[str, float] = Field(
+        {"repo-mined": 0.5}, description="sources split on their own: the share of the source's tasks that go to "
+                                         "eval_tasks, whole source files at a time. A repository gives a few "
+                                         "modules with many tasks each; half of networkx's 20 is the gate's "
+                                         "min_tasks (10), and RL keeps the other half")
     workers: int = Field(2, description="modules probed in parallel")
     limits: TaskLimits = TaskLimits()
 

@@ -28,21 +28,41 @@ def _side(source_file: str, salt: str) -> float:
     return int(hashlib.sha256(f"{salt}:{source_file}".encode()).hexdigest()[:12], 16) / 16 ** 12
 
 
-def split_tasks(tasks: list[dict], eval_fraction: float = 0.2, salt: str = "0") -> dict[str, list[str]]:
+def split_tasks(tasks: list[dict], eval_fraction: float = 0.2, salt: str = "0",
+                fraction_of: dict[str, float] | None = None) -> dict[str, list[str]]:
     """Deterministic, disjoint split by source file: every task from one source lands on one side.
 
-    ``tasks`` are task.json dicts (``id``, ``source_file``). Both sides are non-empty when
-    there are at least two source files.
+    ``tasks`` are task.json dicts (``id``, ``source_file``, ``source``). A source file goes to
+    eval when its salted hash is below ``eval_fraction``; both sides are non-empty when there are
+    at least two source files. A source named in ``fraction_of`` is split on its own by count:
+    its files, in salted-hash order, go to eval until eval holds that share of the source's
+    tasks (a source of a few large files, such as a repository's modules, would otherwise land
+    wholly on one side), keeping a file on each side when it has two.
     """
+    fraction_of = fraction_of or {}
     groups: dict[str, list[str]] = {}
+    own: dict[str, dict[str, list[str]]] = {}
     for t in tasks:
-        groups.setdefault(t["source_file"], []).append(t["id"])
+        src = t.get("source")
+        target = own.setdefault(src, {}) if src in fraction_of else groups
+        target.setdefault(t["source_file"], []).append(t["id"])
     score = {g: _side(g, salt) for g in groups}
     ev = {g for g in groups if score[g] < eval_fraction}
     if len(groups) >= 2 and eval_fraction > 0 and not ev:
         ev = {min(groups, key=score.get)}
     if len(groups) >= 2 and ev == set(groups):
         ev.discard(max(groups, key=score.get))
+    for src, files in own.items():
+        want, got = fraction_of[src] * sum(map(len, files.values())), 0
+        order = sorted(files, key=lambda g: _side(g, salt))
+        if len(order) == 1:  # one file: by its hash, as the other sources' files
+            order = order if _side(order[0], salt) < fraction_of[src] else []
+        for g in order[:-1] if len(order) >= 2 else order:
+            if got >= want:
+                break
+            ev.add(g)
+            got += len(files[g])
+        groups.update(files)
     split = {"rl_tasks": [], "eval_tasks": []}
     for g, ids in groups.items():
         split["eval_tasks" if g in ev else "rl_tasks"] += ids
@@ -83,7 +103,7 @@ def build_tasks(out_dir, config=None, environments: dict[str, Path] | None = Non
         else:  # no canary: an in-process forgery of the results would pay, so neither RL nor eval uses it
             unchecked.setdefault(t["source"], []).append(t["id"])
             shutil.rmtree(d)
-    split = split_tasks(tasks, cfg.eval_fraction, salt=str(cfg.seed))
+    split = split_tasks(tasks, cfg.eval_fraction, salt=str(cfg.seed), fraction_of=cfg.eval_fraction_of)
     for side, ids in split.items():
         shutil.rmtree(out / side, ignore_errors=True)
         (out / side).mkdir(parents=True)

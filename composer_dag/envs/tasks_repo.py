@@ -28,7 +28,6 @@ import hashlib
 import json
 import random
 import re
-import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -171,13 +170,10 @@ def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_a
         """(f2p, p2p, messages) of one candidate, or the reason it is not a task."""
         run_paths = targeted.get(rel) or paths
         scope = [t for t in kept if t.split("::", 1)[0] in run_paths]
-        with tempfile.TemporaryDirectory(prefix="cdag-mine-") as tmp:
-            ws = Path(tmp) / project.name
-            shutil.copytree(project, ws, symlinks=True, ignore=shutil.ignore_patterns(".git"))
-            (ws / rel).write_text(mutant)
-            # a change can make the suite loop: five times its time at bootstrap, at least 30 s
-            timeout = max(30.0, 5 * float(env.get("suite_seconds") or 12.0))
-            res, det = run_tests(ws, tests_tree, layer, persona, run_paths, timeout)
+        # a change can make the suite loop: five times its time at bootstrap, at least 10 s (a
+        # looping candidate is one rejection, and at 30 s it held a worker as long as ten others)
+        timeout = max(10.0, 5 * float(env.get("suite_seconds") or 12.0))
+        res, det = run_tests(project, tests_tree, layer, persona, run_paths, timeout, changes={rel: mutant})
         if det["timed_out"]:
             return "timeout"
         f2p = sorted(t for t in scope if res.get(t) in ("failed", "error") or t not in res)
