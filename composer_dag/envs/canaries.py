@@ -23,8 +23,9 @@ when one passes.
 from __future__ import annotations
 
 import ast
-import json
+import builtins
 import io
+import json
 import random
 import re
 import shutil
@@ -37,6 +38,18 @@ _ASSERT_METHODS = {"assertEqual", "assertEquals", "assertListEqual", "assertTupl
 _CMP_OPS = (ast.Eq, ast.NotEq, ast.Is, ast.IsNot, ast.In, ast.NotIn)
 
 
+_CONVERSIONS = {"tuple", "list", "set", "frozenset", "sorted", "dict"}
+
+
+def _unwrap(node):
+    """The argument of a conversion written around an expression (``tuple([2, 6, 3])``,
+    ``sorted(f(x))``): an expected value is a site however the assertion writes it."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CONVERSIONS \
+            and len(node.args) == 1 and not node.keywords and not isinstance(node.args[0], ast.Starred):
+        node = node.args[0]
+    return node
+
+
 def _is_literal(node) -> bool:
     try:
         ast.literal_eval(node)
@@ -45,8 +58,18 @@ def _is_literal(node) -> bool:
     return True
 
 
+def _expected(node) -> bool:
+    """A value written out: a literal, or arithmetic on literals (``2.0/3.0``)."""
+    if isinstance(node, ast.BinOp):
+        return _expected(node.left) and _expected(node.right)
+    return _is_literal(node)
+
+
 def _target_constant(node):
-    """The constant inside a literal to change: the literal itself, or its last changeable element."""
+    """The constant inside a literal to change: the literal itself, or its last changeable element
+    (of arithmetic on literals, the right operand's)."""
+    if isinstance(node, ast.BinOp):
+        return _target_constant(node.right) or _target_constant(node.left)
     if isinstance(node, ast.Constant):
         v = node.value
         if v is None or v is Ellipsis or (isinstance(v, (str, bytes)) and len(v) > 2000):
@@ -99,7 +122,7 @@ def sites(source: str) -> list[tuple[ast.Constant, str]]:
     out = []
     for node in ast.walk(tree):
         env = owner.get(id(node)) or {}
-        val = lambda x: env.get(x.id, x) if isinstance(x, ast.Name) else x  # noqa: E731
+        val = lambda x: _unwrap(env.get(x.id, x) if isinstance(x, ast.Name) else _unwrap(x))  # noqa: E731
         pairs = []
         tests = [] if not isinstance(node, ast.Assert) else node.test.values if (
             isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.And)) else [node.test]
@@ -109,20 +132,20 @@ def sites(source: str) -> list[tuple[ast.Constant, str]]:
                     and len(test.left.args) == 1 and isinstance(test.left.args[0], ast.BinOp) \
                     and isinstance(test.left.args[0].op, ast.Sub):
                 left, right = test.left.args[0].left, test.left.args[0].right  # abs(f(x) - expected) < tol
-                if _is_literal(right) and not _is_literal(left):
+                if _expected(right) and not _expected(left):
                     pairs.append((right, left))
             if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], _CMP_OPS):
                 left, right = val(test.left), val(test.comparators[0])
-                if _is_literal(right) and not _is_literal(left):
+                if _expected(right) and not _expected(left):
                     pairs.append((right, left))
-                elif _is_literal(left) and not _is_literal(right):
+                elif _expected(left) and not _expected(right):
                     pairs.append((left, right))
         if isinstance(node, ast.Call) and len(node.args) >= 2 and (
                 isinstance(node.func, ast.Attribute) and node.func.attr in _ASSERT_METHODS or _assert_helper(node.func)):
             a, b = val(node.args[0]), val(node.args[1])
-            if _is_literal(b) and not _is_literal(a):
+            if _expected(b) and not _expected(a):
                 pairs.append((b, a))
-            elif _is_literal(a) and not _is_literal(b):
+            elif _expected(a) and not _expected(b):
                 pairs.append((a, b))
         if not pairs and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and isinstance(node.func.value, ast.Name) and node.func.value.id == "self" \
@@ -231,6 +254,23 @@ def _segmenter(source: str):
     return segment
 
 
+def tolerance_sites(source: str) -> list[tuple[ast.AST, str, str]]:
+    """``assert g(x) < tol`` (a bound on a computed error, one line): (the bound, the bound a
+    trillion times tighter, the expression bounded). Where a test checks a property instead of
+    comparing with an expected value (HumanEval's ``find_zero``: ``fabs(poly(xs, x)) < 1e-4``),
+    the reference's own error breaks the tighter bound."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Assert) or node.test.lineno != node.test.end_lineno:
+            continue
+        t = node.test
+        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], (ast.Lt, ast.LtE)) \
+                and isinstance(t.comparators[0], ast.Constant) and type(t.comparators[0].value) in (int, float) \
+                and t.comparators[0].value > 0 and not _is_literal(t.left):
+            out.append((t.comparators[0], repr(t.comparators[0].value * 1e-12), ast.unparse(t.left)))
+    return out
+
+
 def _changed_text(segment: str, value) -> str | None:
     """New source text for a constant, of the same type and a different value."""
     if isinstance(value, bool):
@@ -277,6 +317,39 @@ def _replace(lines: list[str], node: ast.AST, text: str) -> None:
     lines[i] = line[:b] + text + line[e:]
 
 
+def _module_names(tree) -> set[str]:
+    """The names a module binds at its top level (imports, functions, classes, assignments) and
+    the builtins: a call to any other bare name calls a function the test was handed."""
+    names = set(dir(builtins))
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def _flat(text: str) -> str:
+    """Text compared without its whitespace and with one kind of quote (``ast.unparse`` writes
+    ``'3'`` where the docstring has ``"3"``)."""
+    return re.sub(r"\s+", "", text).replace('"', "'")
+
+
+def _pinned(other: str, seen_vis: str, bound: set[str]) -> bool:
+    """Whether visible text (``_flat``) shows the expression ``other`` an expected value is
+    compared with. A call of a function the test was handed (a bare name the module does not
+    bind: HumanEval's ``check(candidate)``) counts as shown when any call with the same arguments
+    is: ``candidate(3.5)`` is the docstring's ``truncate_number(3.5)``."""
+    text = _flat(other)
+    if text in seen_vis:
+        return True
+    m = re.match(r"^([A-Za-z_]\w*)(\(.*\))$", text)
+    return bool(m) and m.group(1) not in bound and re.search(r"\w" + re.escape(m.group(2)), seen_vis) is not None
+
+
 def make_canaries(source: str, seed: str, visible: str = "", n: int = 2, per_canary: int = 2) -> list[str]:
     """Up to ``n`` canary sources of ``source``, each changing ``per_canary`` sites (different
     sites in different canaries, sites not on one line)."""
@@ -284,21 +357,25 @@ def make_canaries(source: str, seed: str, visible: str = "", n: int = 2, per_can
         found = sites(source)
     except SyntaxError:
         return []
-    seen_vis = re.sub(r"\s+", "", visible)
+    seen_vis = _flat(visible)
+    bound = _module_names(ast.parse(source))
+    shown = lambda other: _pinned(other, seen_vis, bound) if visible else False  # noqa: E731
     cands, segment = [], _segmenter(source)
     for node, other in found:
         seg = segment(node)
         text = _changed_text(seg or "", node.value) if seg is not None else None
         if text is not None:
-            hidden = re.sub(r"\s+", "", other) not in seen_vis if visible else True
+            hidden = not shown(other)
             cands.append((node, text, hidden))
-    if not cands:
+    if not any(hidden for _, _, hidden in cands):
         try:
-            for node, text, other in truth_sites(source):
-                cands.append((node, text, re.sub(r"\s+", "", other) not in seen_vis if visible else True))
+            for node, text, other in truth_sites(source) + tolerance_sites(source):
+                cands.append((node, text, not shown(other)))
         except SyntaxError:
             pass
-    pool = [c for c in cands if c[2]] or cands
+    # never a site that visible text pins: a canary that contradicts an example the solution can
+    # read tells the run apart (no canary then: the task is left out, and counted)
+    pool = [c for c in cands if c[2]]
     rng = random.Random(seed)
     rng.shuffle(pool)
     out = []
