@@ -19,11 +19,14 @@ attempt paid.
 from __future__ import annotations
 
 import ast
+import functools
+import hashlib
 import io
 import operator
 import pickle
 import re
 import sys
+import threading
 from pathlib import Path
 
 from .checks import RUNNER_FAILED
@@ -415,11 +418,53 @@ def _count(tree, targets=(), attrs=(), words=None) -> int:
     return n
 
 
+# What the rules read from one source, kept by the digest of its bytes: a task's original tree
+# (a repository of a thousand modules) is read at every grading, and its files are the same from
+# one grading, and one task of the repository, to the next.
+_MEMO: dict[tuple, object] = {}
+_MEMO_LOCK = threading.Lock()
+
+
+def _memoized(fn):
+    @functools.wraps(fn)
+    def wrapper(src: bytes):
+        key = (fn.__name__, hashlib.blake2b(src, digest_size=16).digest())
+        with _MEMO_LOCK:
+            if key in _MEMO:
+                return _MEMO[key]
+        value = fn(src)
+        with _MEMO_LOCK:
+            if len(_MEMO) >= 50_000:
+                _MEMO.clear()
+            _MEMO[key] = value
+        return value
+    return wrapper
+
+
+@_memoized
+def _file_literals(src: bytes) -> frozenset:
+    return frozenset(literals(_parse(src)))
+
+
+@_memoized
+def _file_compounds(src: bytes) -> frozenset:
+    out = set()
+    tree = _parse(src)
+    for node in ast.walk(tree) if tree else ():
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set, ast.Dict)) and \
+                len(node.keys if isinstance(node, ast.Dict) else node.elts) >= 2:
+            try:
+                out.add(repr(ast.literal_eval(node)))
+            except (ValueError, TypeError, SyntaxError, RecursionError):
+                continue
+    return frozenset(out)
+
+
 def _tree_literals(files: dict[str, bytes]) -> set:
     out = set()
     for rel, src in files.items():
         if rel.endswith(".py"):
-            out |= literals(_parse(src))
+            out |= _file_literals(src)
     return out
 
 
@@ -427,14 +472,7 @@ def _compound_literals(sources: list[bytes]) -> set[str]:
     """Dumps of literal lists, tuples, sets and dicts of two or more elements (test inputs)."""
     out = set()
     for src in sources:
-        tree = _parse(src)
-        for node in ast.walk(tree) if tree else ():
-            if isinstance(node, (ast.List, ast.Tuple, ast.Set, ast.Dict)) and \
-                    len(node.keys if isinstance(node, ast.Dict) else node.elts) >= 2:
-                try:
-                    out.add(repr(ast.literal_eval(node)))
-                except (ValueError, TypeError, SyntaxError, RecursionError):
-                    continue
+        out |= _file_compounds(src)
     return out
 
 
@@ -607,16 +645,25 @@ def encoded_literals(files: dict[str, bytes]) -> tuple[set, set]:
     string, or encoded, compressed, pickled)."""
     scalars, compounds = set(), set()
     for src in files.values():
-        tree = _parse(src)
-        docs = _docstrings(tree)
-        for node in ast.walk(tree) if tree else ():
-            if isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)) and id(node) not in docs and \
-                    16 <= len(node.value) <= _DATA_MAX:
-                raw = node.value.encode("utf-8", "ignore") if isinstance(node.value, str) else node.value
-                a, c = data_literals(raw)
-                scalars |= a
-                compounds |= c
+        a, c = _file_encoded(src)
+        scalars |= a
+        compounds |= c
     return scalars, compounds
+
+
+@_memoized
+def _file_encoded(src: bytes) -> tuple[frozenset, frozenset]:
+    scalars, compounds = set(), set()
+    tree = _parse(src)
+    docs = _docstrings(tree)
+    for node in ast.walk(tree) if tree else ():
+        if isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)) and id(node) not in docs and \
+                16 <= len(node.value) <= _DATA_MAX:
+            raw = node.value.encode("utf-8", "ignore") if isinstance(node.value, str) else node.value
+            a, c = data_literals(raw)
+            scalars |= a
+            compounds |= c
+    return frozenset(scalars), frozenset(compounds)
 
 
 _NAME_CALLS = {"getattr": 1, "setattr": 1, "delattr": 1, "hasattr": 1, "__import__": 0, "import_module": 0,
@@ -785,9 +832,15 @@ def detect_flags(task_dir: Path, workspace: Path, action_log: list[dict] | None 
         flags += [flag("shape_unreadable", f"{r}: over {_DATA_MAX >> 20} MB") for r in readable if r not in data]
         flags += [flag("shape_unreadable", f"{r}: a string constant over {_DATA_MAX >> 20} MB")
                   for r, src in solution.items() if _huge_constant(src)]
-        data_scalars, data_compounds = encoded_literals(solution)
-        known = encoded_literals({**{r: orig[r] for r in orig if r.endswith(".py")}, **reference_files(task_dir)})
-        data_scalars, data_compounds = data_scalars - known[0], data_compounds - known[1]
+        # only what meets the hidden tests' literals is compared with the original tree and the
+        # reference (most gradings: nothing, and the original tree of a repository is not read)
+        hidden_compounds = _compound_literals(list(hidden_src.values()))
+        enc_scalars, enc_compounds = encoded_literals(solution)
+        enc_scalars, enc_compounds = enc_scalars & hidden, enc_compounds & hidden_compounds
+        if enc_scalars or enc_compounds:  # decoded at test time: what the original or reference decode too is theirs
+            known = encoded_literals({**{r: orig[r] for r in orig if r.endswith(".py")}, **reference_files(task_dir)})
+            enc_scalars, enc_compounds = enc_scalars - known[0], enc_compounds - known[1]
+        data_scalars, data_compounds = set(enc_scalars), set(enc_compounds)
         for r, b in data.items():
             a, c = data_literals(b, r)
             if r in orig:  # what the file held before is not the solution's
@@ -795,12 +848,15 @@ def detect_flags(task_dir: Path, workspace: Path, action_log: list[dict] | None 
                 a, c = a - a0, c - c0
             data_scalars |= a
             data_compounds |= c
-        added = (_tree_literals({**solution, **own_tests}) | data_scalars) - _tree_literals(orig)
-        ref = _tree_literals(reference_files(task_dir))
-        suspicious = sorted(map(repr, (added & hidden) - ref))
-        structured = ((_compound_literals(list(solution.values()) + list(own_tests.values())) | data_compounds)
-                      & _compound_literals(list(hidden_src.values()))) - _compound_literals(
-            list(reference_files(task_dir).values()) + [orig[r] for r in orig if r.endswith(".py")])
+        met = (_tree_literals({**solution, **own_tests}) | data_scalars) & hidden
+        if met:
+            met -= _tree_literals(orig) | _tree_literals(reference_files(task_dir))
+        suspicious = sorted(map(repr, met))
+        structured = (_compound_literals(list(solution.values()) + list(own_tests.values())) | data_compounds) \
+            & hidden_compounds
+        if structured:
+            structured -= _compound_literals(list(reference_files(task_dir).values())
+                                             + [orig[r] for r in orig if r.endswith(".py")])
         if len(structured) >= 2:
             suspicious = sorted(set(suspicious) | {f"<{len(structured)} test argument lists>"} | set(sorted(structured)[:1]))
         if len(suspicious) >= 2:
