@@ -283,8 +283,8 @@ def test_evaluate_tiny_checkpoint_hf_entry_point(setup, tmp_path, capsys):
     from composer_dag.evals.run import main
 
     cfg = {"checkpoint_dir": setup["base_dir"], "tasks_dir": setup["tasks_dir"], "out_dir": str(tmp_path / "out"),
-           "samples_per_task": 2, "ks": [1, 2], "humaneval_max_tokens": 16, "max_tasks": None,
-           "val_dir": setup["val_dir"], "ppl_seq_len": 64, "ppl_max_batches": 2, "torch_threads": 1,
+           "samples_per_task": 2, "samples_of_source": {"humaneval": 1}, "ks": [1, 2], "humaneval_max_tokens": 16,
+           "max_tasks": None, "val_dir": setup["val_dir"], "ppl_seq_len": 64, "ppl_max_batches": 2, "torch_threads": 1,
            "agent": {"max_turns": 1, "max_new_tokens": 8, "max_context": 1024, "system_style": "compact", "workers": 2},
            "inference": {"engine": "hf"}}
     (tmp_path / "c.json").write_text(json.dumps(cfg))
@@ -296,14 +296,16 @@ def test_evaluate_tiny_checkpoint_hf_entry_point(setup, tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed["checkpoint_digest"] == s["checkpoint_digest"] == checkpoint_digest(setup["base_dir"])
     t = pq.read_table(tmp_path / "out" / "results.parquet")
-    assert t.num_rows == 6 and {"checkpoint_digest", "task_id", "source", "sample_index", "reward", "passed",
+    assert t.num_rows == 5 and {"checkpoint_digest", "task_id", "source", "sample_index", "reward", "passed",
                                 "flags", "generated_tokens", "seconds"} <= set(t.column_names)
     rows = t.to_pylist()
+    # two samples of each learnable task, one of the HumanEval task (samples_of_source)
     assert sorted((r["task_id"], r["sample_index"]) for r in rows) == sorted(
-        (tid, j) for tid in ("answer-0-000", "answer-0-001", "humaneval-000") for j in range(2))
+        [(tid, j) for tid in ("answer-0-000", "answer-0-001") for j in range(2)] + [("humaneval-000", 0)])
     assert {r["source"] for r in rows} == {"learnable", "humaneval"}
     assert all(0 < r["generated_tokens"] <= 8 for r in rows)
-    assert set(s["pass_at"]) == {"1", "2"} and 0.0 <= s["pass@1"] <= 1.0
+    assert set(s["pass_at"]) == {"1"} and 0.0 <= s["pass@1"] <= 1.0  # k up to the fewest samples of a task
+    assert set(s["by_source"]["learnable"]["pass_at"]) == {"1", "2"} and s["samples_of_source"] == {"humaneval": 1}
     assert set(s["by_source"]) == {"humaneval", "learnable"}
     assert s["humaneval"]["problems"] == 1 and s["humaneval"]["pass@1"] in (0.0, 1.0)
     ppl = s["perplexity"]

@@ -58,6 +58,11 @@ class EvalConfig(StageConfig):
         description="samples per task for these named candidates of a multi-checkpoint evaluation (the lineage's "
                     "starting points: the gate compares them on perplexity, and they score 0 on the agent tasks "
                     "at this model size)")
+    samples_of_source: dict[str, int] = Field(
+        {"repo-mined": 2}, description="samples per task of these task sources (at most samples_per_task): the "
+                                       "repository's tasks are graded by its own suite (seconds each, against "
+                                       "milliseconds), and no checkpoint of the default's size solves one; the "
+                                       "overall pass@k then reports k up to the smallest")
     ks: list[int] = [1, 2, 8]
     task_ids: Optional[list[str]] = Field(None, description="a subset of tasks_dir (default: every task)")
     max_tasks: Optional[int] = Field(3, description="the first N tasks (by id) after task_ids, of the sources "
@@ -89,6 +94,13 @@ class EvalConfig(StageConfig):
         if not ks or any(k < 1 for k in ks):
             raise ValueError("every k must be >= 1")
         return ks
+
+    @field_validator("samples_of_source")
+    @classmethod
+    def _samples_positive(cls, m: dict[str, int]) -> dict[str, int]:
+        if any(n < 1 for n in m.values()):
+            raise ValueError("samples_of_source: every source needs at least 1 sample per task")
+        return m
 
 
 def checkpoint_digest(checkpoint_dir) -> str:
@@ -209,7 +221,8 @@ def _run_agent(engine, tok, tasks, cfg: EvalConfig, log, progress_dir: Path | No
     try:
         for b in range(0, len(tasks), size):
             chunk = tasks[b:b + size]
-            jobs = [(str(d), t.get("id", d.name), j) for d, t in chunk for j in range(cfg.samples_per_task)]
+            jobs = [(str(d), t.get("id", d.name), j) for d, t in chunk
+                    for j in range(min(cfg.samples_per_task, cfg.samples_of_source.get(t.get("source"), cfg.samples_per_task)))]
             path = progress_dir / f"batch_{b // size:05d}.parquet" if progress_dir is not None else None
             done = _load_batch(path, jobs, log) if path is not None else None
             if done is None:
@@ -379,7 +392,8 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
     files, he_summary = _write_tables(out, rows, rollouts, digest, he_res, he_tokens, cfg.humaneval_samples)
     summary = {
         "checkpoint": checkpoint_dir, "checkpoint_digest": digest, "tasks_dir": str(tasks_dir),
-        "num_tasks": len(per_task), "samples_per_task": cfg.samples_per_task, "num_samples": len(rows),
+        "num_tasks": len(per_task), "samples_per_task": cfg.samples_per_task, "samples_of_source": cfg.samples_of_source,
+        "num_samples": len(rows),
         "resumed_batches": reused,
         "pass@1": agg["pass@1"], "pass@1_stderr": agg["pass@1_stderr"], "pass_at": agg["pass_at"],
         "by_source": agg["by_source"], "solved_samples": solved,
