@@ -240,6 +240,19 @@ class _Append:
         return {self.sol: (task / "repo" / self.sol).read_text() + self.extra}
 
 
+def test_a_canary_is_not_told_by_the_docstring(all_tasks, tmp_path):
+    """A solution that reads its own docstring's examples and forges only where the running test
+    agrees with them, with no name a shape rule reads: 1.0 unflagged on all 7 HumanEval tasks
+    tried while a canary could change an example (``benchmarks/RESULTS.md``); the canary catches
+    it now, and only the canary."""
+    from .cheats import DOCSTRING_EXAMPLES_PLAIN, _append, build_workspace
+
+    task = all_tasks["humaneval-002"]
+    r = grade(task, build_workspace(task, tmp_path / "ws", "stub", _append(task, DOCSTRING_EXAMPLES_PLAIN)))
+    assert r.details["unflagged_reward"] == 1.0 and r.reward == 0.0, r.flags
+    assert [f.split(":")[0] for f in r.flags] == ["canary_passed"], r.flags
+
+
 def test_humaneval_canaries_agree_with_every_docstring_example():
     """Canary candidates for all 164 HumanEval problems (before the sandbox verifies them): no
     canary changes an assertion whose call the problem's docstring shows (the test calls the
