@@ -169,6 +169,8 @@ def test_mined_tasks_are_sound_and_graded_under_pytest(mined_tasks, repo_envs):
         assert git("status", "--porcelain") == ""
         objs = git("cat-file", "--batch-all-objects", "--batch-check").split("\n")
         assert sum(" commit " in o for o in objs) == 1, objs
+        solved = git("hash-object", str(d / "reference" / "files" / task["reference"]["files"][0])).strip()
+        assert solved and not any(o.startswith(solved) for o in objs)  # the fixed file is in no object
 
     d = out / summary["tasks"][0]
     with tempfile.TemporaryDirectory() as tmp:

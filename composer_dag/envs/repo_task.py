@@ -56,9 +56,12 @@ def write_pytest_task(task_dir: Path, env: dict, env_dir: Path, *, changes: dict
                     "GIT_COMMITTER_NAME": head[0], "GIT_COMMITTER_EMAIL": head[1], "GIT_COMMITTER_DATE": head[3]}
             _git(repo, "add", "-A", env=genv)
             _git(repo, "commit", "-q", "--amend", "--no-edit", "--allow-empty", env=genv)
-            for obj in ("reflog", "gc"):  # the pre-amend commit must not be reachable or lying around
-                args = ["expire", "--expire=now", "--all"] if obj == "reflog" else ["--prune=now", "-q"]
-                _git(repo, obj, *args, env=genv)
+            # the pre-amend commit and the files it held must not be reachable or lying around
+            _git(repo, "reflog", "expire", "--expire=now", "--all", env=genv)
+            if any((repo / ".git" / "objects" / "pack").glob("*.pack")):
+                _git(repo, "gc", "--prune=now", "-q", env=genv)
+            else:  # loose objects only (a repository made here): dropped without repacking the rest
+                _git(repo, "prune", "--expire=now", env=genv)
         shutil.copytree(hidden_tree, staging / "hidden_tests")
         shutil.copytree(env_dir / "layer", staging / "layer", symlinks=True)
         for rel, data in reference.items():
