@@ -122,7 +122,7 @@ def sites(source: str) -> list[tuple[ast.Constant, str]]:
     out = []
     for node in ast.walk(tree):
         env = owner.get(id(node)) or {}
-        val = lambda x: _unwrap(env.get(x.id, x) if isinstance(x, ast.Name) else _unwrap(x))  # noqa: E731
+        val = lambda x: _unwrap(env.get(x.id, x) if isinstance(x, ast.Name) else x)  # noqa: E731
         pairs = []
         tests = [] if not isinstance(node, ast.Assert) else node.test.values if (
             isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.And)) else [node.test]

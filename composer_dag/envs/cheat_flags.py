@@ -864,11 +864,11 @@ def _hidden_literals_held(task_dir: Path, orig: dict[str, bytes], solution: dict
     holds. Only what meets the hidden tests' literals is compared with those two (most
     gradings: nothing, and the original tree of a repository of a thousand modules is not read)."""
     hidden, hidden_compounds = _tree_literals(hidden_src), _compound_literals(list(hidden_src.values()))
-    code = {**solution, **own_tests}
+    code, ref = {**solution, **own_tests}, reference_files(task_dir)
     enc_scalars, enc_compounds = encoded_literals(solution)
     enc_scalars, enc_compounds = enc_scalars & hidden, enc_compounds & hidden_compounds
     if enc_scalars or enc_compounds:  # decoded at test time: what the original or reference decode too is theirs
-        known = encoded_literals({**{r: orig[r] for r in orig if r.endswith(".py")}, **reference_files(task_dir)})
+        known = encoded_literals({**{r: orig[r] for r in orig if r.endswith(".py")}, **ref})
         enc_scalars, enc_compounds = enc_scalars - known[0], enc_compounds - known[1]
     data_scalars, data_compounds = set(enc_scalars), set(enc_compounds)
     for r, b in data.items():
@@ -880,9 +880,9 @@ def _hidden_literals_held(task_dir: Path, orig: dict[str, bytes], solution: dict
         data_compounds |= c
     met = (_tree_literals(code) | data_scalars) & hidden
     if met:
-        met -= _tree_literals(orig) | _tree_literals(reference_files(task_dir))
+        met -= _tree_literals(orig) | _tree_literals(ref)
     structured = (_compound_literals(list(code.values())) | data_compounds) & hidden_compounds
     if structured:
-        structured -= _compound_literals(list(reference_files(task_dir).values())
+        structured -= _compound_literals(list(ref.values())
                                          + [orig[r] for r in orig if r.endswith(".py")])
     return met, structured
