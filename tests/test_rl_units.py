@@ -494,3 +494,32 @@ def test_logprobs_on_the_loss_positions_only_match_the_full_ones():
     assert torch.allclose(full * mask, part, atol=1e-5) and torch.all(part[mask == 0] == 0)
     assert torch.allclose(loss_full, loss_part, atol=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g_full, g_part))
+
+
+def test_a_server_cut_off_mid_response_is_down_not_a_failed_run():
+    """A rollout server killed while it answers (here: it promises 100 bytes, sends 10 and closes)
+    is ``ServerDown``, which the fleet's sync thread takes as a server to wait for, not as a broken
+    publication that stops the run."""
+    import socket
+
+    from composer_dag.rl.fleet.server import ServerClient, ServerDown
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4)
+
+    def answer():
+        for _ in range(2):
+            conn, _ = sock.accept()
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"version\"")
+            conn.close()
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    client = ServerClient(f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=10)
+    for _ in range(2):
+        with pytest.raises(ServerDown, match="IncompleteRead"):
+            client._call("/weight_info")
+    t.join(timeout=10)
+    sock.close()

@@ -17,6 +17,7 @@ sequence (``prompt_logprobs: 0``), which the probe check compares with a referen
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ from ...inference.engine import Completion, Engine, EngineStats, Sampling
 
 
 class ServerDown(ConnectionError):
-    """The server did not answer (refused, reset, timed out, or a 5xx)."""
+    """The server did not answer (refused, reset, timed out, cut off mid-response, or a 5xx)."""
 
 
 VLLM_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
@@ -164,8 +165,9 @@ class ServerClient:
             if e.code >= 500:
                 raise ServerDown(f"{self.url}{path}: HTTP {e.code}") from e
             raise RuntimeError(f"{self.url}{path}: HTTP {e.code}: {e.read()[:300]!r}") from e
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-            raise ServerDown(f"{self.url}{path}: {getattr(e, 'reason', e)}") from e
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
+            # HTTPException: a server killed while it answered (IncompleteRead, BadStatusLine)
+            raise ServerDown(f"{self.url}{path}: {type(e).__name__}: {getattr(e, 'reason', e)}") from e
         return json.loads(raw) if raw.strip() else None
 
     def healthy(self) -> bool:
