@@ -64,6 +64,7 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from ..runtime.config import StageConfig
+from . import bytecode
 from .rootfs import PYVER, task_persona
 from .sandbox import Bind, Limits, Sandbox, identity_lease
 from .task_dir import check_name, hidden_files, load_task, project_name
@@ -162,6 +163,8 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
             from .repo_env import venv_binds
 
             binds = venv_binds(ws, task_dir / "layer", f"{task_persona(task).home}/{ws.name}")
+            bytecode.warm(task_dir / "repo")  # the task's own tree, never the workspace's files
+            bytecode.lay(ws)
             sites = f"{binds[0].path}:/usr/local/lib/python{PYVER}/site-packages"  # the layer's, the system's
             inside = ["--pytest", f"{CHECKS_DIR}/pytest.ini", CHECKS_DIR, sites, *[f"{CHECKS_DIR}/{r}" for r in inside]]
         else:

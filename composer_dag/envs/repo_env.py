@@ -59,6 +59,7 @@ from typing import Optional
 from pydantic import Field
 
 from ..runtime.config import StageConfig
+from . import bytecode
 from .rootfs import PYVER, Persona, persona_for
 from .sandbox import Bind, Limits, Sandbox
 
@@ -840,6 +841,8 @@ def run_tests(project: Path, tests_tree: Path, layer: Path, persona: Persona, pa
         shutil.copytree(project, ws, symlinks=True, ignore=shutil.ignore_patterns(".git", "__pycache__", ".venv"))
         for rel, text in (changes or {}).items():
             (ws / rel).write_text(text)
+        bytecode.warm(project)
+        bytecode.lay(ws)
         report = Path(tmp) / "report"
         report.mkdir()
         shutil.copy2(PLUGIN, report / "cdag_pytest_report.py")
