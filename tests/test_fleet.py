@@ -48,27 +48,21 @@ def _publish_v0(cfg):
 
 def _start_policy_rewards(cfg, work, rows) -> list[float]:
     """The starting policy's rewards on the tasks of ``rows`` (one episode per row), sampled in
-    this process with the run's agent settings and the weights rounded to the dtype the fleet
-    serves (what it ran at step 0)."""
+    this process by the one-process mode's generation with the run's agent settings, its weights
+    rounded to the dtype the fleet serves (what it ran at step 0)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    from composer_dag.agent import AgentLoop
-    from composer_dag.inference import engine_from_config, fit_to_model
-    from composer_dag.rl.step import fit_context
+    from composer_dag.rl.run import _Generation
     from composer_dag.rl.weights import cast_state
-    from composer_dag.train.tokenizer import load_tokenizer
 
     shutil.copytree(cfg.policy_dir, work)
     state = load_file(str(work / "model.safetensors"))
     save_file(cast_state(cast_state(state, cfg.publish_dtype), "float32"), str(work / "model.safetensors"))
-    inference = fit_to_model(cfg.inference, str(work))
-    agent = AgentLoop(engine_from_config(inference, str(work), seed=1), load_tokenizer(str(work)),
-                      fit_context(cfg.orchestrator, inference.max_model_len))
+    gen = _Generation(cfg, str(work), 0, log=lambda msg: None)
     jobs = [(r["task_dir"], f"start-{r['group_id']}", r["sample_index"]) for r in rows]
-    return [r["reward"] for r in agent.run(jobs, 0, seed=1)]
-
+    return [r["reward"] for r in gen.agent.run(jobs, 0, seed=1)]
 
 def test_fleet_distributed_run_learns(learnable_warm, servers, s3_bucket, tmp_path):
     """The learnable family of tests/test_rl_learn.py in the distributed mode, on the shared pair
