@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import stat
 import threading
 import time
 import uuid
@@ -31,6 +29,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from .envs.task_dir import workspace_digest
 from .envs.tools import TOOL_SCHEMAS, Episode, EpisodeConfig, Observation
 from .inference.engine import Completion, Engine, Sampling
 from .runtime.config import StageConfig
@@ -142,27 +141,6 @@ class _Run:
         self.ids += ids
         self.mask += [mask] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-
-
-def workspace_digest(root) -> str:
-    """sha256 over everything grading can read of a workspace: each path (directories too), its
-    type and mode, and a file's bytes or a link's target; symbolic links are not followed."""
-    h = hashlib.sha256()
-    root = os.fspath(root)
-    for base, dirs, files in os.walk(root):
-        dirs.sort()
-        for name in [*dirs, *sorted(files)]:
-            path = os.path.join(base, name)
-            st = os.lstat(path)
-            h.update(f"{os.path.relpath(path, root)}\0{st.st_mode}\0".encode("utf-8", "surrogateescape"))
-            if stat.S_ISLNK(st.st_mode):
-                h.update(os.readlink(path).encode("utf-8", "surrogateescape"))
-            elif stat.S_ISREG(st.st_mode):
-                with open(path, "rb") as f:
-                    while chunk := f.read(1 << 20):
-                        h.update(chunk)
-            h.update(b"\n")
-    return h.hexdigest()
 
 
 class GradeCache:

@@ -169,6 +169,8 @@ def test_mined_tasks_are_sound_and_graded_under_pytest(mined_tasks, repo_envs):
         assert git("status", "--porcelain") == ""
         objs = git("cat-file", "--batch-all-objects", "--batch-check").split("\n")
         assert sum(" commit " in o for o in objs) == 1, objs
+        store = git("count-objects", "-v")
+        assert "count: 0\n" in store and "packs: 1\n" in store, store  # one pack, no loose object files
         solved = git("hash-object", str(d / "reference" / "files" / task["reference"]["files"][0])).strip()
         assert solved and not any(o.startswith(solved) for o in objs)  # the fixed file is in no object
 
@@ -199,6 +201,7 @@ def test_mined_tasks_are_sound_and_graded_under_pytest(mined_tasks, repo_envs):
         (ws / "sitecustomize.py").write_text("import sys\nprint('STARTUP-HOOK-RAN', file=sys.stderr)\n")
         r = grade(d, ws)
         assert r.reward == 0.0 and r.failed >= 1, (r.reward, r.per_test)
+        assert "untouched" not in r.details and len(r.details["run_windows"]) == 2  # the hidden run, the canary's
         assert "STARTUP-HOOK-RAN" not in r.details["output_tail"] and "site_hook:sitecustomize.py" in r.flags
 
 
@@ -207,6 +210,12 @@ def test_episode_runs_in_the_projects_virtual_environment(mined_tasks):
     layer where the terminal sees it, and cannot write it; the mined CLI line has its keys."""
     out, summary = mined_tasks
     d = out / summary["tasks"][0]
+    task = load_task(d)
+    with Episode(d) as ep:  # an untouched checkout (its .venv made): the recorded outcomes, no run
+        g = ep.grade()
+        assert g.details.get("untouched") and g.details["run_windows"] == [] and g.flags == [], g.details
+        assert (g.reward, g.passed, g.failed) == (0.0, len(task["tests"]["PASS_TO_PASS"]),
+                                                  len(task["tests"]["FAIL_TO_PASS"]))
     with Episode(d) as ep:
         obs = ep.step({"name": "run_terminal_cmd", "arguments": {
             "command": "python -c 'import parse, sys; print(sys.prefix); print(parse.__file__)' && ls .venv/lib/python3.11/site-packages"}})

@@ -7,6 +7,7 @@ and flag known cheats by their shape.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import tempfile
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from .cheat_flags import behaviour_flags, detect_flags, flag, flag_families
 from .checks import RUNNER_FAILED, GradeConfig, canary_passes, failures, outcomes, run_checks, run_hidden_tests, score
-from .task_dir import apply_reference, canary_files, hidden_files, load_task
+from .task_dir import apply_reference, canary_files, hidden_files, load_task, workspace_digest
 
 
 @dataclass
@@ -48,6 +49,8 @@ def grade(task_dir: Path, workspace: Path, action_log: list[dict] | None = None,
     task_dir = Path(task_dir)
     task = load_task(task_dir)
     checks = task.get("checks") or {}
+    if untouched(task_dir, task, workspace):
+        return untouched_grade(task_dir, task, workspace, action_log, config)
     canaries = canary_files(task_dir, task)
     runs = [hidden_files(task_dir)] + [[c] for c in canaries]
     order = list(range(len(runs)))
@@ -86,6 +89,44 @@ def grade(task_dir: Path, workspace: Path, action_log: list[dict] | None = None,
         reward = config.flag_penalty
     return GradeResult(reward=reward, passed=passed, failed=failed, per_test=outcomes(per_test), flags=flags,
                        details=details, canary_passed=canary_passed)
+
+
+@functools.lru_cache(maxsize=256)
+def _pristine_digest(repo: str, mtime_ns: int) -> str:
+    return workspace_digest(repo, skip=(".venv",))
+
+
+def untouched(task_dir: Path, task: dict, workspace: Path) -> bool:
+    """Whether ``workspace`` is the task's checkout as handed out, byte for byte (its ``.venv``
+    aside, which grading makes afresh), for a task that records its tests' outcomes in that state
+    (``FAIL_TO_PASS`` failing, ``PASS_TO_PASS`` passing: a repository task, verified when it was
+    mined or imported and again by the sound check)."""
+    tests = task.get("tests") or {}
+    if task.get("framework") != "pytest" or not tests.get("FAIL_TO_PASS"):
+        return False
+    repo = task_dir / "repo"
+    return workspace_digest(workspace, skip=(".venv",)) == _pristine_digest(str(repo), repo.stat().st_mtime_ns)
+
+
+def untouched_grade(task_dir: Path, task: dict, workspace: Path, action_log: list[dict] | None,
+                    config: GradeConfig) -> GradeResult:
+    """The grade of an untouched checkout, with no test run: its tests' recorded outcomes (the
+    bug is still there, so the reward is that of a failed attempt) and the shape and action-log
+    flags. An episode that changes nothing can earn nothing, so this is no opening; it spares
+    the sandboxed runs of a repository's suite for every attempt that never edits a file (most
+    of a small model's, before and after training)."""
+    tests = task["tests"]
+    per_test = {**{t: "passed" for t in tests.get("PASS_TO_PASS") or []},
+                **{t: "failed" for t in tests["FAIL_TO_PASS"]}}
+    passed, failed = score(per_test, (task.get("checks") or {}).get("expected"))
+    reward = passed / (passed + failed) if config.reward_mode == "fraction" and passed + failed else 0.0
+    flags = list(dict.fromkeys(detect_flags(task_dir, workspace, action_log)))
+    details = {"valid": True, "untouched": True, "run_windows": [], "failures": failures(per_test),
+               "unflagged_reward": reward, "canaries": 0, "canary_seconds": 0.0, "seconds": 0.0}
+    if flags and config.flag_penalty is not None:
+        reward = config.flag_penalty
+    return GradeResult(reward=reward, passed=passed, failed=failed, per_test=outcomes(per_test), flags=flags,
+                       details=details)
 
 
 def unsealed_flags(task_dir: Path, runs: list[list[Path]], run_details: list[dict], config: GradeConfig,

@@ -926,7 +926,8 @@ def _git_snapshot(src: Path, dest: Path, persona: Persona, origin: dict) -> None
            "GIT_AUTHOR_DATE": "1714000000 +0100", "GIT_COMMITTER_DATE": "1714000000 +0100"}
     if not (dest / ".gitignore").exists():
         (dest / ".gitignore").write_text("__pycache__/\n*.py[cod]\n.pytest_cache/\n.venv/\n*.egg-info/\nbuild/\ndist/\n")
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", f"Import {origin.get('path') or origin.get('url') or 'sources'}"]):
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", f"Import {origin.get('path') or origin.get('url') or 'sources'}"],
+                 ["-c", "pack.compression=1", "repack", "-a", "-d", "-q", "--window=0", "--depth=0"]):
         subprocess.run(["git", "-c", "safe.directory=*", *args], cwd=dest, env=env, check=True, capture_output=True)
 
 

@@ -31,6 +31,15 @@ def _git(repo: Path, *args, env=None):
                           env=env, check=True)
 
 
+def pack_objects(repo: Path, env: dict | None = None) -> None:
+    """Keep only what the branches reach, in one pack: the reachable objects packed as they are
+    (no delta search: a few hundred milliseconds for a networkx tree, where a full ``git gc``
+    took 0.4-1.6 s), the rest (an amended commit and its files) dropped. One pack file instead of
+    an object file each: a checkout is copied, stored and fetched many times over."""
+    _git(repo, "-c", "pack.compression=1", "repack", "-a", "-d", "-q", "--window=0", "--depth=0", env=env)
+    _git(repo, "prune", "--expire=now", env=env)
+
+
 def write_pytest_task(task_dir: Path, env: dict, env_dir: Path, *, changes: dict[str, str | None],
                       reference: dict[str, bytes], hidden_tree: Path, f2p: list[str], p2p: list[str],
                       instructions: str, source: str, source_file: str, reference_meta: dict,
@@ -58,10 +67,7 @@ def write_pytest_task(task_dir: Path, env: dict, env_dir: Path, *, changes: dict
             _git(repo, "commit", "-q", "--amend", "--no-edit", "--allow-empty", env=genv)
             # the pre-amend commit and the files it held must not be reachable or lying around
             _git(repo, "reflog", "expire", "--expire=now", "--all", env=genv)
-            if any((repo / ".git" / "objects" / "pack").glob("*.pack")):
-                _git(repo, "gc", "--prune=now", "-q", env=genv)
-            else:  # loose objects only (a repository made here): dropped without repacking the rest
-                _git(repo, "prune", "--expire=now", env=genv)
+            pack_objects(repo, genv)
         shutil.copytree(hidden_tree, staging / "hidden_tests")
         shutil.copytree(env_dir / "layer", staging / "layer", symlinks=True)
         for rel, data in reference.items():

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 
@@ -19,6 +21,31 @@ def load_task(task_dir: Path) -> dict:
     if int(task.get("format", 1)) > TASK_FORMAT:
         raise ValueError(f"{task_dir}: task format {task['format']} is newer than this code reads ({TASK_FORMAT})")
     return task
+
+
+def workspace_digest(root, skip: tuple[str, ...] = ()) -> str:
+    """sha256 over everything grading can read of a workspace: each path (directories too), its
+    type and mode, and a file's bytes or a link's target; symbolic links are not followed.
+    ``skip``: top-level names left out (what grading makes afresh, such as a task's ``.venv``)."""
+    h = hashlib.sha256()
+    root = os.fspath(root)
+    for base, dirs, files in os.walk(root):
+        dirs.sort()
+        if base == root and skip:
+            dirs[:] = [d for d in dirs if d not in skip]
+            files = [f for f in files if f not in skip]
+        for name in [*dirs, *sorted(files)]:
+            path = os.path.join(base, name)
+            st = os.lstat(path)
+            h.update(f"{os.path.relpath(path, root)}\0{st.st_mode}\0".encode("utf-8", "surrogateescape"))
+            if stat.S_ISLNK(st.st_mode):
+                h.update(os.readlink(path).encode("utf-8", "surrogateescape"))
+            elif stat.S_ISREG(st.st_mode):
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+            h.update(b"\n")
+    return h.hexdigest()
 
 
 def project_name(task: dict) -> str:
