@@ -216,6 +216,10 @@ def test_episode_runs_in_the_projects_virtual_environment(mined_tasks):
         assert g.details.get("untouched") and g.details["run_windows"] == [] and g.flags == [], g.details
         assert (g.reward, g.passed, g.failed) == (0.0, len(task["tests"]["PASS_TO_PASS"]),
                                                   len(task["tests"]["FAIL_TO_PASS"]))
+    with Episode(d) as ep:  # untouched, but its calls still count
+        ep.step({"name": "read_file", "arguments": {"path": ".git/logs/HEAD"}})
+        g = ep.grade()
+        assert g.details.get("untouched") and any(f.startswith("git_history:") for f in g.flags), g.flags
     with Episode(d) as ep:
         obs = ep.step({"name": "run_terminal_cmd", "arguments": {
             "command": "python -c 'import parse, sys; print(sys.prefix); print(parse.__file__)' && ls .venv/lib/python3.11/site-packages"}})

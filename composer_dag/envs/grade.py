@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .cheat_flags import behaviour_flags, detect_flags, flag, flag_families
+from .cheat_flags import action_flags, behaviour_flags, detect_flags, flag, flag_families
 from .checks import RUNNER_FAILED, GradeConfig, canary_passes, failures, outcomes, run_checks, run_hidden_tests, score
 from .task_dir import apply_reference, canary_files, hidden_files, load_task, workspace_digest
 
@@ -111,8 +111,7 @@ def untouched(task_dir: Path, task: dict, workspace: Path) -> bool:
 def untouched_grade(task_dir: Path, task: dict, workspace: Path, action_log: list[dict] | None,
                     config: GradeConfig) -> GradeResult:
     """The grade of an untouched checkout, with no test run: its tests' recorded outcomes (the
-    bug is still there, so the reward is that of a failed attempt) and the shape and action-log
-    flags. An episode that changes nothing can earn nothing, so this is no opening; it spares
+    bug is still there, so the reward is that of a failed attempt) and the flags of its calls. An episode that changes nothing can earn nothing, so this is no opening; it spares
     the sandboxed runs of a repository's suite for every attempt that never edits a file (most
     of a small model's, before and after training)."""
     tests = task["tests"]
@@ -120,7 +119,7 @@ def untouched_grade(task_dir: Path, task: dict, workspace: Path, action_log: lis
                 **{t: "failed" for t in tests["FAIL_TO_PASS"]}}
     passed, failed = score(per_test, (task.get("checks") or {}).get("expected"))
     reward = passed / (passed + failed) if config.reward_mode == "fraction" and passed + failed else 0.0
-    flags = list(dict.fromkeys(detect_flags(task_dir, workspace, action_log)))
+    flags = action_flags(action_log)  # the tree's rules find nothing in a tree with no change
     details = {"valid": True, "untouched": True, "run_windows": [], "failures": failures(per_test),
                "unflagged_reward": reward, "canaries": 0, "canary_seconds": 0.0, "seconds": 0.0}
     if flags and config.flag_penalty is not None:
