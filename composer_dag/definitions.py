@@ -7,12 +7,8 @@ runs show in the UI afterwards; this is what ``make run`` does.
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
-import subprocess
 import sys
-from dataclasses import dataclass
 
 import dagster as dg
 
@@ -87,13 +83,6 @@ DOWNSTREAM_JOBS = ["bootstrap_repository", "build_tasks", "data_refresh", "train
 partition), the tasks, then every source and the shards in one run, then mid-training through
 evaluation."""
 
-OVERLAPPED_JOBS = (["bootstrap_repository", "build_tasks"], ["data_refresh", "midtrain"], ["sft", "rl", "evaluate"])
-"""The same assets as ``DOWNSTREAM_JOBS`` in ``materialize_all(overlap=True)`` (``make run``):
-the two independent branches at once (the repositories and their tasks; the corpus, shards and
-mid-training), then the rest of training once both are done. On 2 cores each branch alone
-leaves a quarter to a third of the CPU idle (mining waits on its sandboxes, mid-training on its
-process and storage)."""
-
 
 def build_defs(resources: dict | None = None) -> dg.Definitions:
     """The Definitions; ``resources`` override those built from the environment (tests pass theirs)."""
@@ -128,22 +117,13 @@ def build_defs(resources: dict | None = None) -> dg.Definitions:
 defs = build_defs()
 
 
-@dataclass
-class BranchRun:
-    """A run of the branch ``materialize_all(overlap=...)`` ran in another process."""
-    run_id: str
-    job_name: str
-    success: bool
-
-
 def materialize_all(
     instance: dg.DagsterInstance | None = None,
     definitions: dg.Definitions | None = None,
     log=print,
     jobs: list[str] | None = None,
     run_config: dict[str, dict] | None = None,
-    overlap: str | None = None,
-) -> list:
+) -> list[dg.ExecuteInProcessResult]:
     """Add every declared source and repository as a partition, then run ``jobs`` in order
     (default ``DOWNSTREAM_JOBS``): a ``bootstrap_repository`` run per repository, the tasks, every
     source and the shards in one ``data_refresh`` run (the corpus's single-run backfill policy),
@@ -151,10 +131,6 @@ def materialize_all(
 
     ``run_config`` (job name -> run config) tunes the runs. Returns the run results in order;
     stops after the first job with a failed run (each repository's run is tried first).
-    ``overlap`` (with the default jobs; ``"module:attribute"`` of these definitions, which the
-    other process loads): ``OVERLAPPED_JOBS``, the independent branches at once, the first in a
-    process of its own (its runs come back as ``BranchRun``), each stopping at its own failure,
-    and the rest only when both succeeded.
     """
     instance = instance or dg.DagsterInstance.get()
     definitions = definitions or defs
@@ -170,50 +146,26 @@ def materialize_all(
         instance.add_dynamic_partitions(envs.repositories_partitions.name, [n for n in repositories if n not in existing])
     quiet = {"loggers": {"console": {"config": {"log_level": os.environ.get("COMPOSER_LOG_LEVEL", "INFO")}}}}
 
-    def run_jobs(names: list[str]) -> list[dg.ExecuteInProcessResult]:
-        """``names`` in order, stopping after the first job with a failed run."""
-        out = []
-        for job in names:
-            job_def = definitions.resolve_job_def(job)
-            if job_def.partitions_def == envs.repositories_partitions:  # one run per repository
-                for name in repositories:
-                    log(f"job {job} (repository {name})")
-                    out.append(job_def.execute_in_process(
-                        instance=instance, raise_on_error=False, partition_key=name,
-                        run_config={**quiet, **(run_config or {}).get(job, {})}))
-                if not all(r.success for r in out):
-                    break
-                continue
-            tags = jobs_module.all_sources_tags(instance) if job_def.partitions_def is not None else None
-            log(f"job {job}" + (f" (sources {tags[jobs_module.RANGE_START]} ... {tags[jobs_module.RANGE_END]})" if tags else ""))
-            out.append(job_def.execute_in_process(
-                instance=instance, raise_on_error=False, tags=tags, run_config={**quiet, **(run_config or {}).get(job, {})}))
-            if not out[-1].success:
+    results = []
+    for job in DOWNSTREAM_JOBS if jobs is None else jobs:
+        job_def = definitions.resolve_job_def(job)
+        if job_def.partitions_def == envs.repositories_partitions:  # one run per repository
+            for name in repositories:
+                log(f"job {job} (repository {name})")
+                results.append(job_def.execute_in_process(
+                    instance=instance, raise_on_error=False, partition_key=name,
+                    run_config={**quiet, **(run_config or {}).get(job, {})}))
+            if not all(r.success for r in results):
                 break
-        return out
-
-    if overlap is not None and jobs is None:
-        side, main, rest = OVERLAPPED_JOBS
-        # the side branch in a process of its own (Dagster's run set-up reconfigures logging,
-        # which deadlocks against a run logging in another thread); the main branch here
-        child = subprocess.Popen(
-            [sys.executable, "-m", "composer_dag.definitions", "run-jobs", ",".join(side), overlap],
-            env={**os.environ, "DAGSTER_HOME": instance.root_directory}, stdout=subprocess.PIPE, text=True)
-        try:
-            ran = run_jobs(main)
-        finally:
-            out, _ = child.communicate()
-        got = []
-        for run_id in json.loads((out.strip().splitlines() or ["{}"])[-1] or "{}").get("runs", []):
-            run = instance.get_run_by_id(run_id)
-            got.append(BranchRun(run_id, run.job_name, run.status == dg.DagsterRunStatus.SUCCESS))
-        if child.returncode and all(r.success for r in got):  # the branch broke outside its runs
-            got.append(BranchRun("", ",".join(side), False))
-        results = got + ran
-        if all(r.success for r in results):
-            results += run_jobs(rest)
-    else:
-        results = run_jobs(DOWNSTREAM_JOBS if jobs is None else jobs)
+            continue
+        tags = jobs_module.all_sources_tags(instance) if job_def.partitions_def is not None else None
+        log(f"job {job}" + (f" (sources {tags[jobs_module.RANGE_START]} ... {tags[jobs_module.RANGE_END]})" if tags else ""))
+        result = job_def.execute_in_process(
+            instance=instance, raise_on_error=False, tags=tags, run_config={**quiet, **(run_config or {}).get(job, {})}
+        )
+        results.append(result)
+        if not result.success:
+            break
     ok = all(r.success for r in results)
     log("all assets materialized" if ok else "a step failed: see the run in the UI (make dev)")
     evaluated = instance.get_latest_materialization_event(dg.AssetKey("evaluated_model"))
@@ -222,20 +174,7 @@ def materialize_all(
     return results
 
 
-def _run_branch(jobs: str, definitions_ref: str) -> int:
-    """``run-jobs``: the jobs (comma-separated) of ``definitions_ref`` (``module:attribute``) in
-    order, its log on stderr, the run ids as one JSON line on stdout."""
-    module, _, attr = definitions_ref.partition(":")
-    definitions = getattr(importlib.import_module(module), attr)
-    results = materialize_all(definitions=definitions, jobs=jobs.split(","),
-                              log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(json.dumps({"runs": [r.run_id for r in results]}), flush=True)
-    return 0 if all(r.success for r in results) else 1
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["run-jobs"] and len(sys.argv) == 4:
-        sys.exit(_run_branch(sys.argv[2], sys.argv[3]))
     if sys.argv[1:] != ["materialize"]:
         sys.exit("usage: python -m composer_dag.definitions materialize")
-    sys.exit(0 if all(r.success for r in materialize_all(overlap="composer_dag.definitions:defs")) else 1)
+    sys.exit(0 if all(r.success for r in materialize_all()) else 1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import textwrap
 from pathlib import Path
@@ -243,74 +242,3 @@ def test_no_contamination_check_uses_the_runs_ngram_size(tmp_path):
         assert checks["deduped_shards:no_contamination"], checks
         meta = instance.get_latest_materialization_event(dg.AssetKey("deduped_shards")).asset_materialization.metadata
         assert meta["files_kept"].value == 1 and meta["config"].value["decontam_n"] == 20
-
-
-def _overlap_stub_defs() -> dg.Definitions:
-    """A stub asset under each of ``OVERLAPPED_JOBS``' job names, writing when, in which process
-    and in which order it ran under ``$OVERLAP_SPANS``; the job named by ``$OVERLAP_FAIL`` fails."""
-    import time
-
-    from assets import envs
-    from composer_dag.definitions import OVERLAPPED_JOBS
-
-    def stub(job: str):
-        @dg.asset(name=f"a_{job}", partitions_def=envs.repositories_partitions if job == "bootstrap_repository" else None)
-        def _asset() -> None:
-            t0 = time.time()
-            spans = Path(os.environ["OVERLAP_SPANS"])
-            (spans / f"{job}.started").touch()
-            # the corpus waits (up to a minute) for the repositories' run to start beside it
-            while job == "data_refresh" and not (spans / "bootstrap_repository.started").exists() and time.time() < t0 + 60:
-                time.sleep(0.1)
-            time.sleep(1.0)
-            Path(os.environ["OVERLAP_SPANS"], job).write_text(f"{t0} {time.time()} {os.getpid()}")
-            if job == os.environ.get("OVERLAP_FAIL"):
-                raise dg.Failure(description="a stub failure")
-        return _asset
-
-    jobs = [job for branch in OVERLAPPED_JOBS for job in branch]
-    assets = [stub(job) for job in jobs]
-    return dg.Definitions(
-        assets=assets, jobs=[dg.define_asset_job(job, selection=[a.key]) for job, a in zip(jobs, assets)],
-        resources={"sources": SourceRegistry(storage=ArtifactStorage(root=os.environ["OVERLAP_SPANS"]),
-                                             sources_file=os.environ["COMPOSER_SOURCES"])})
-
-
-def __getattr__(name: str):
-    if name == "OVERLAP_DEFS":  # what the branch's process loads (``tests.test_graph_data:OVERLAP_DEFS``)
-        return _overlap_stub_defs()
-    raise AttributeError(name)
-
-
-@pytest.mark.parametrize("fail", [None, "build_tasks"])
-def test_make_run_overlaps_the_repository_branch_with_the_data_branch(tmp_path, monkeypatch, fail):
-    """``materialize_all(overlap=...)`` (``make run``): the repositories and their tasks run in a
-    process of their own beside the corpus and mid-training, the rest of training after both; a
-    failed run on either branch stops the rest."""
-    from composer_dag.definitions import OVERLAPPED_JOBS
-
-    sources = tmp_path / "sources.yaml"
-    sources.write_text("sources: []\nenvironments:\n  - {name: repo1, src: 'installed:networkx'}\n")
-    (tmp_path / "spans").mkdir()
-    monkeypatch.setenv("OVERLAP_SPANS", str(tmp_path / "spans"))
-    monkeypatch.setenv("COMPOSER_SOURCES", str(sources))
-    monkeypatch.setenv("OVERLAP_FAIL", fail or "")
-    (tmp_path / "dagster_home").mkdir()
-    with dg.instance_for_test(temp_dir=str(tmp_path / "dagster_home")) as instance:
-        results = materialize_all(instance=instance, definitions=_overlap_stub_defs(), log=lambda m: None,
-                                  overlap="tests.test_graph_data:OVERLAP_DEFS")
-        names = [instance.get_run_by_id(r.run_id).job_name for r in results]  # every run is on the instance
-    spans = {p.name: [float(x) for x in p.read_text().split()] for p in (tmp_path / "spans").iterdir() if p.is_file() and p.suffix != ".started"}
-    side, main, rest = OVERLAPPED_JOBS
-    assert sorted(names[:len(side) + len(main)]) == sorted(side + main)
-    # the two branches ran at once, each in order, in two processes
-    assert spans["bootstrap_repository"][0] < spans["data_refresh"][1] and \
-        spans["data_refresh"][0] < spans["bootstrap_repository"][1], spans
-    assert spans["bootstrap_repository"][1] <= spans["build_tasks"][0] and spans["data_refresh"][1] <= spans["midtrain"][0]
-    assert spans["bootstrap_repository"][2] != spans["data_refresh"][2] == os.getpid()
-    if fail is None:
-        assert names[len(side) + len(main):] == rest and all(r.success for r in results)
-        assert spans["sft"][0] >= max(spans["build_tasks"][1], spans["midtrain"][1])
-    else:
-        assert not set(rest) & set(spans), spans  # nothing after a failed branch
-        assert [r.success for r, n in zip(results, names) if n == fail] == [False] and len(results) == len(side) + len(main)
