@@ -171,11 +171,12 @@ def test_runs_of_a_grading_cannot_find_each_other(all_tasks, tmp_path):
 
     token = secrets.token_hex(4)
 
-    def run(me: str, other: str, leased: bool) -> dict:
+    def run(me: str, other: str, leased: bool, held: int | None = None) -> dict:
         ws = tmp_path / f"{leased}-{me}" / "shop"
         ws.mkdir(parents=True)
         shutil.copy(Path(__file__).with_name("peer_probe.py"), ws / "peer_probe.py")
-        with (identity_lease() if leased else nullcontext(None)) as uid, Sandbox(ws, identity=uid) as sb:
+        with (identity_lease() if leased and held is None else nullcontext(held)) as uid, \
+                Sandbox(ws, identity=uid) as sb:
             r = sb.run(["python3", "peer_probe.py", me, other], timeout=60)
         assert r.exit_code == 0, r.stderr
         return json.loads(r.stdout.strip().splitlines()[-1])
@@ -189,8 +190,12 @@ def test_runs_of_a_grading_cannot_find_each_other(all_tasks, tmp_path):
         assert a["inotify"] and b["inotify"], (a, b)  # alive together: the image's file joins them
         c, d = pool.map(lambda args: run(*args), [(f"c{token}", f"d{token}", False), (f"d{token}", f"c{token}", False)])
     assert c["uid"] == d["uid"] and c["keyring"] and d["keyring"], (c, d)
-    e = run(f"e{token}", f"f{token}", True)  # one after the other, as a grading's runs are
-    f = run(f"f{token}", f"e{token}", True)
+    # one after the other, as a grading's runs are, each under a uid of its own (leased together:
+    # a uid drawn again finds its last run's keyring, which the grader's runner clears first)
+    with identity_lease() as ue, identity_lease() as uf:
+        e = run(f"e{token}", f"f{token}", True, held=ue)
+        f = run(f"f{token}", f"e{token}", True, held=uf)
+    assert e["uid"] != f["uid"], (e, f)
     for seen in (e, f):
         assert nothing(seen) and not seen["inotify"], seen
 
