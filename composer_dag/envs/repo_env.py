@@ -926,9 +926,19 @@ def _git_snapshot(src: Path, dest: Path, persona: Persona, origin: dict) -> None
            "GIT_AUTHOR_DATE": "1714000000 +0100", "GIT_COMMITTER_DATE": "1714000000 +0100"}
     if not (dest / ".gitignore").exists():
         (dest / ".gitignore").write_text("__pycache__/\n*.py[cod]\n.pytest_cache/\n.venv/\n*.egg-info/\nbuild/\ndist/\n")
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", f"Import {origin.get('path') or origin.get('url') or 'sources'}"],
-                 ["-c", "pack.compression=1", "repack", "-a", "-d", "-q", "--window=0", "--depth=0"]):
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", f"Import {origin.get('path') or origin.get('url') or 'sources'}"]):
         subprocess.run(["git", "-c", "safe.directory=*", *args], cwd=dest, env=env, check=True, capture_output=True)
+    pack_objects(dest, env)
+
+
+def pack_objects(repo: Path, env: dict | None = None) -> None:
+    """Keep only what the branches reach, in one pack: the reachable objects packed as they are
+    (no delta search: a fifth of a second for a networkx tree, where a full ``git gc`` took
+    0.4-1.6 s), the rest (an amended commit and its files) dropped. One pack file instead of an
+    object file each: a checkout is copied, stored and fetched many times over."""
+    for args in (["-c", "pack.compression=1", "repack", "-a", "-d", "-q", "--window=0", "--depth=0"],
+                 ["prune", "--expire=now"]):
+        subprocess.run(["git", "-c", "safe.directory=*", *args], cwd=repo, env=env, check=True, capture_output=True)
 
 
 def tree_digest(root: Path) -> str:

@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .repo_env import _norm
+from .repo_env import _norm, pack_objects
 from .task_dir import TASK_FORMAT, check_name
 from .task_format import TaskLimits
 
@@ -29,15 +29,6 @@ from .task_format import TaskLimits
 def _git(repo: Path, *args, env=None):
     return subprocess.run(["git", "-c", "safe.directory=*", *args], cwd=repo, capture_output=True, text=True,
                           env=env, check=True)
-
-
-def pack_objects(repo: Path, env: dict | None = None) -> None:
-    """Keep only what the branches reach, in one pack: the reachable objects packed as they are
-    (no delta search: a few hundred milliseconds for a networkx tree, where a full ``git gc``
-    took 0.4-1.6 s), the rest (an amended commit and its files) dropped. One pack file instead of
-    an object file each: a checkout is copied, stored and fetched many times over."""
-    _git(repo, "-c", "pack.compression=1", "repack", "-a", "-d", "-q", "--window=0", "--depth=0", env=env)
-    _git(repo, "prune", "--expire=now", env=env)
 
 
 def write_pytest_task(task_dir: Path, env: dict, env_dir: Path, *, changes: dict[str, str | None],
