@@ -115,6 +115,28 @@ def test_rlimits(tmp_path):
         assert r.stdout.strip() == (str(_laptop_nproc()) if s.process_cap == "cgroup" else "2000")
 
 
+def test_a_new_process_clears_only_the_cgroups_of_dead_ones(tmp_path):
+    """The first sandbox of a process removes the empty pids cgroups that processes which died left
+    behind, and no other: a live process's cgroup is empty for a moment after it is made, and two
+    processes starting sandboxes at once (an evaluation beside an RL run) must not take it away."""
+    root = _pids_root()
+    if root is None:
+        pytest.skip("no writable pids cgroup on this host: sandboxes cap processes with RLIMIT_NPROC")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live, gone = root / f"cdag-{os.getpid()}-test", root / f"cdag-{dead.pid}-test"
+    for cg in (live, gone):
+        cg.mkdir(exist_ok=True)
+    try:
+        subprocess.run([sys.executable, "-c", "from composer_dag.envs.sandbox import _pids_root; _pids_root()"],
+                       check=True, timeout=60)
+        assert live.is_dir() and not gone.exists()
+    finally:
+        for cg in (live, gone):
+            if cg.exists():
+                cg.rmdir()
+
+
 def test_live_sessions_do_not_use_up_the_process_cap(tmp_path):
     """Each live sandbox holds 15 processes of the user for its session. Where a pids cgroup caps
     each sandbox, sessions alive at once (an evaluation batch holds hundreds) leave every sandbox

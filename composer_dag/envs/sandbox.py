@@ -235,6 +235,9 @@ def _pids_root() -> Path | None:
         if ok:
             root = cand
             for old in cand.glob("cdag-*"):  # left by processes that died: removable once empty
+                pid = old.name.split("-")[1]
+                if pid.isdigit() and os.path.exists(f"/proc/{pid}"):
+                    continue  # a live process's, maybe made a moment ago and still empty
                 with contextlib.suppress(OSError):
                     old.rmdir()
             break
