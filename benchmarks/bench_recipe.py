@@ -68,6 +68,13 @@ SFT_GRIDS = {
         "cos2e-4-s2": {"min_lr": 2e-4, "seed": 2},
         "cos2e-4-120-s1": {"min_lr": 2e-4, "max_steps": 120, "seed": 1},
     },
+    # a shorter SFT at the decayed schedule (run with --set to the default's warm-up, validation
+    # and patience): how much of the harness behaviour SFT should leave to RL
+    "sweep6": {
+        "steps120": {"max_steps": 120},
+        "steps80": {"max_steps": 80},
+        "steps60": {"max_steps": 60},
+    },
 }
 SFT_COMMON = {"max_steps": 80, "warmup_steps": 3, "eval_every": 10, "save_every": 10, "early_stop_patience": 2}
 RL_GRIDS = {
@@ -106,6 +113,40 @@ RL_GRIDS = {
         "default": {},
         "kl0.02": {"trainer": {"lr": 3e-4, "kl_coef": 0.02, "warmup_steps": 3}},
         "lr1e-4-steps16": {"steps": 16, "trainer": {"lr": 1e-4, "kl_coef": 0.1, "warmup_steps": 3}},
+    },
+    # groups whose samples all earned the same reward (every mined task at this size, the learnable
+    # tasks SFT already solves) left out of the update, against trained on as before
+    "sweep6": {
+        "default": {"trainer": {"lr": 3e-4, "kl_coef": 0.1, "warmup_steps": 3, "uniform_groups": False}},
+        "uniform": {"trainer": {"lr": 3e-4, "kl_coef": 0.1, "warmup_steps": 3, "uniform_groups": True}},
+    },
+    # each rollout counted once whatever its length, against the token mean (where a failed episode
+    # that rambled to the turn budget outweighs a short success), with and without uniform groups
+    "sweep7": {
+        "seqnorm": {"trainer": {"lr": 3e-4, "kl_coef": 0.1, "warmup_steps": 3, "loss_norm": "sequence", "uniform_groups": False}},
+        "seqnorm-uniform": {"trainer": {"lr": 3e-4, "kl_coef": 0.1, "warmup_steps": 3, "loss_norm": "sequence",
+                                        "uniform_groups": True}},
+    },
+    # what failed pushed down less than what succeeded is pushed up (W-REINFORCE's lambda): the
+    # failures here are mangled calls that ramble to the turn budget, most of whose tokens are noise
+    "sweep8": {
+        "neg0.1": {"trainer": {"lr": 3e-4, "kl_coef": 0.1, "warmup_steps": 3, "negative_weight": 0.1, "uniform_groups": False}},
+        "neg0.1-seqnorm": {"trainer": {"lr": 3e-4, "kl_coef": 0.1, "warmup_steps": 3, "negative_weight": 0.1,
+                                       "loss_norm": "sequence", "uniform_groups": False}},
+    },
+    # positive-only (lambda 0), and lambda 0.1 at a higher rate, both per sequence
+    "sweep9": {
+        "neg0-seqnorm": {"trainer": {"lr": 3e-4, "kl_coef": 0.1, "warmup_steps": 3, "negative_weight": 0.0,
+                                     "loss_norm": "sequence", "uniform_groups": False}},
+        "neg0.1-seqnorm-lr5e-4": {"trainer": {"lr": 5e-4, "kl_coef": 0.1, "warmup_steps": 3, "negative_weight": 0.1,
+                                              "loss_norm": "sequence", "uniform_groups": False}},
+    },
+    # lambda 0.1 per sequence again, another seed (the tasks drawn and the samples)
+    "sweep10": {
+        "neg0.1-seqnorm-s1": {"seed": 1, "trainer": {"lr": 3e-4, "kl_coef": 0.1, "warmup_steps": 3,
+                                                     "negative_weight": 0.1, "loss_norm": "sequence",
+                                                     "uniform_groups": False}},
+        "default-s1": {"seed": 1, "trainer": {"lr": 3e-4, "kl_coef": 0.1, "warmup_steps": 3}},
     },
 }
 RL_COMMON = {"steps": 8}
@@ -200,6 +241,8 @@ def main() -> None:
     ap.add_argument("--set", default="{}", help="JSON merged into every variant")
     ap.add_argument("--sft", default="", help="rl: the SFT checkpoint to start from")
     ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--reuse", action="store_true", help="keep a variant already trained under --out (its "
+                                                        "result.json): evaluate it again without training")
     a = ap.parse_args()
     if a.mode == "warmup":
         return warmup(os.path.abspath(a.out), a.repeat, a.steps)
@@ -213,7 +256,9 @@ def main() -> None:
     done, info = {}, {}
     for name, settings in variants.items():
         d = os.path.join(out, name)
-        if a.mode == "sft":
+        if a.reuse and os.path.exists(os.path.join(d, "result.json")):
+            rc, secs = 0, float("nan")
+        elif a.mode == "sft":
             cfg = _merge({"model_dir": os.path.join(inputs, "mid"), "trajectories_dir": os.path.join(inputs, "traj"),
                           "pretrain_dir": os.path.join(inputs, "shards"), "out_dir": d},
                          _merge(_merge(SFT_COMMON, common), settings))

@@ -214,6 +214,42 @@ def test_group_advantages():
     assert raw == pytest.approx([0.75, -0.25, -0.25, -0.25])
 
 
+def test_a_step_trains_only_on_groups_whose_rewards_differ(tmp_path):
+    """A group whose samples all earned the same reward has advantage 0: the step leaves it out of
+    the update (it would dilute the token mean), still writes it with the batch's rollouts and counts
+    it (``uniform_groups`` off); an infrastructure failure is left out of its group; by default it
+    trains on them all."""
+    import pyarrow.parquet as pq
+
+    from composer_dag.rl.grpo import informative
+    from composer_dag.rl.step import train_step
+    from composer_dag.storage import Storage
+
+    assert informative([1, 0, 0, 0, 1, 1], ["a", "a", "b", "b", "c", "c"]) == [True, True, False, False, False, False]
+    assert informative([1, 0, 0.5], ["a", "a", "b"], include=[True, False, True]) == [False, False, False]
+
+    class Recorder:  # the trainer's interface: one update on the rollouts it is given
+        def __init__(self):
+            self.seen = []
+
+        def train_step(self, rollouts):
+            self.seen.append([r["rollout_id"] for r in rollouts])
+            return {"loss": 0.0, "train_seconds": 0.0}
+
+    rows = [{"rollout_id": f"{g}{i}", "group_id": g, "reward": r, "completion_ids": [1], "loss_mask": [1],
+             "logprobs": [0.0], "prompt_ids": [1]}
+            for g, rs in {"mixed": [1.0, 0.0, 0.0], "failed": [0.0, 0.0, 0.0], "solved": [1.0, 1.0, 1.0],
+                          "broken": [1.0, 0.0, 0.0]}.items() for i, r in enumerate(rs)]
+    rows[-2]["infra_error"] = "server_lost"  # broken: 1.0 and one 0.0 left
+    rec = Recorder()
+    ts, used = train_step(rec, Storage(str(tmp_path)), rows, 0, True, uniform_groups=False)
+    assert rec.seen[-1] == ["mixed0", "mixed1", "mixed2", "broken0", "broken2"]
+    assert (ts["groups_trained"], ts["groups_uniform"]) == (2, 2) and len(used) == 11
+    assert pq.read_table(tmp_path / "rollouts" / "step_0000.parquet").num_rows == 12
+    ts, _ = train_step(rec, Storage(str(tmp_path)), rows, 1, True)
+    assert len(rec.seen[-1]) == 11 and ts["groups_trained"] == 4
+
+
 def test_grpo_loss_clips_and_masks():
     logp = torch.log(torch.tensor([[0.5, 0.9, 0.1]]))
     old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
@@ -225,6 +261,24 @@ def test_grpo_loss_clips_and_masks():
     assert x.grad[0, 1] == 0 and x.grad[0, 2] == 0 and x.grad[0, 0] < 0  # clipped and masked: no gradient
     _, st = grpo_loss(logp, old, torch.tensor([1.0]), mask, 0.2, ref_logp=old, kl_coef=0.1)
     assert st["kl_sum"] > 0
+
+
+def test_sequence_weights_and_weighed_negatives():
+    """Per sequence, each rollout's tokens weigh 1 in all, whatever its length, so a long failure no
+    longer outweighs a short success; negative advantages scale by the weight, positive ones not."""
+    from composer_dag.rl.grpo import sequence_weights, weigh_negatives
+
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    w = sequence_weights(mask)
+    assert w.sum(-1).tolist() == [1.0, 1.0] and w[1, 0].item() == 0.25 and w[0, 2].item() == 0
+    logp = torch.zeros(2, 4, requires_grad=True)
+    adv = torch.tensor([1.0, -1.0])
+    loss, st = grpo_loss(logp, torch.zeros(2, 4), adv, mask, 0.2, denom=2.0, weight=w)
+    assert loss.item() == pytest.approx(0.0) and st["tokens"] == 6  # one success, one failure: even
+    loss, _ = grpo_loss(logp, torch.zeros(2, 4), adv, mask, 0.2)  # the token mean: the failure's 4 tokens win
+    assert loss.item() == pytest.approx(2 / 6)
+    assert weigh_negatives(torch.tensor([0.5, -1.0, 0.0]), 0.1).tolist() == pytest.approx([0.5, -0.1, 0.0])
+    assert weigh_negatives(adv, 1.0) is adv
 
 
 def test_rl_loss_is_selected_by_name_and_reinforce_matches_the_surrogate_on_policy():

@@ -27,6 +27,18 @@ def group_advantages(rewards: list[float], group_ids: list[str], normalize_std: 
             for r, g, ok in zip(rewards, group_ids, include)]
 
 
+def informative(rewards: list[float], group_ids: list[str], include: list[bool] | None = None) -> list[bool]:
+    """Whether rollout i's group (over the included rollouts) has rewards that differ: a group
+    whose samples all earned the same reward has advantage 0 everywhere and teaches nothing (DAPO's
+    dynamic-sampling filter). An excluded rollout is never informative."""
+    include = include if include is not None else [True] * len(rewards)
+    seen = defaultdict(set)
+    for r, g, ok in zip(rewards, group_ids, include):
+        if ok:
+            seen[g].add(float(r))
+    return [ok and len(seen[g]) > 1 for g, ok in zip(group_ids, include)]
+
+
 def pack(rollouts: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded tensors for a micro-batch. Target-aligned (length T-1) fields:
     ``loss_mask`` (1 on sampled tokens only), ``old_logprobs``; plus ``advantages`` [B]."""
@@ -71,41 +83,61 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               clip_eps: float = 0.2, clip_eps_high: float | None = None, ref_logp: torch.Tensor | None = None,
-              kl_coef: float = 0.0, denom: float | None = None) -> tuple[torch.Tensor, dict]:
+              kl_coef: float = 0.0, denom: float | None = None, weight: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, dict]:
     """Token-level clipped surrogate (PPO-style) against the sampling logprobs, summed over
-    masked tokens and divided by ``denom`` (default: the mask's sum), plus ``kl_coef`` times
-    the k3 estimate of KL(policy || reference) on the same tokens."""
-    denom = float(denom if denom is not None else mask.sum().clamp(min=1).item())
+    masked tokens (each times ``weight``, default the mask: see ``sequence_weights``) and divided
+    by ``denom`` (default: the weights' sum), plus ``kl_coef`` times the k3 estimate of
+    KL(policy || reference) on the same tokens, weighted alike."""
+    w = mask if weight is None else weight
+    denom = float(denom if denom is not None else w.sum().clamp(min=1).item())
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))
     adv = advantages.unsqueeze(-1)
     hi = clip_eps if clip_eps_high is None else clip_eps_high
     surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + hi) * adv)
-    loss = -(surr * mask).sum() / denom
+    loss = -(surr * w).sum() / denom
     stats = {"clip_frac": ((((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + hi) & (adv > 0))).float()
                            * mask).sum().item(),
              "ratio_sum": (ratio.detach() * mask).sum().item(), "tokens": mask.sum().item(), "kl_sum": 0.0}
-    return _with_kl(loss, stats, logp, ref_logp, kl_coef, mask, denom)
+    return _with_kl(loss, stats, logp, ref_logp, kl_coef, mask, denom, w)
 
 
 def reinforce_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                    clip_eps: float = 0.2, clip_eps_high: float | None = None, ref_logp: torch.Tensor | None = None,
-                   kl_coef: float = 0.0, denom: float | None = None) -> tuple[torch.Tensor, dict]:
+                   kl_coef: float = 0.0, denom: float | None = None, weight: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, dict]:
     """REINFORCE with the group baseline: minus the advantage times the token's log-probability,
-    over masked tokens, divided by ``denom``: no ratio and no clipping (the clip settings are not
-    used), so it assumes on-policy rollouts (staleness 0); plus the same KL term."""
-    denom = float(denom if denom is not None else mask.sum().clamp(min=1).item())
-    loss = -(logp * advantages.unsqueeze(-1) * mask).sum() / denom
+    over masked tokens (times ``weight``), divided by ``denom``: no ratio and no clipping (the clip
+    settings are not used), so it assumes on-policy rollouts (staleness 0); plus the same KL term."""
+    w = mask if weight is None else weight
+    denom = float(denom if denom is not None else w.sum().clamp(min=1).item())
+    loss = -(logp * advantages.unsqueeze(-1) * w).sum() / denom
     ratio = torch.exp((logp.detach() - old_logp).clamp(-20, 20))
     stats = {"clip_frac": 0.0, "ratio_sum": (ratio * mask).sum().item(), "tokens": mask.sum().item(), "kl_sum": 0.0}
-    return _with_kl(loss, stats, logp, ref_logp, kl_coef, mask, denom)
+    return _with_kl(loss, stats, logp, ref_logp, kl_coef, mask, denom, w)
 
 
-def _with_kl(loss, stats: dict, logp, ref_logp, kl_coef: float, mask, denom: float):
+def weigh_negatives(advantages: torch.Tensor, weight: float) -> torch.Tensor:
+    """Negative advantages times ``weight`` (W-REINFORCE's lambda), positive ones as they are. Below
+    1 a failure is pushed down less than a success is pushed up: where failures are mangled calls
+    that ramble on, most of their tokens are noise, and pushing them down spreads probability over
+    other noise rather than onto the call that worked."""
+    return advantages if weight == 1.0 else torch.where(advantages < 0, advantages * weight, advantages)
+
+
+def sequence_weights(mask: torch.Tensor) -> torch.Tensor:
+    """Per-token weights that make each rollout count once, whatever its length: the mask divided by
+    the rollout's own token count (GRPO's per-sequence mean). Under the token mean a failed episode
+    that rambled to the turn budget outweighs a short correct one many times over."""
+    return mask / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+def _with_kl(loss, stats: dict, logp, ref_logp, kl_coef: float, mask, denom: float, weight=None):
     """``loss`` plus ``kl_coef`` times the k3 estimate of KL(policy || reference) on the masked tokens."""
     if ref_logp is not None and kl_coef:
         d = (ref_logp - logp).clamp(-20, 20)
         kl = torch.exp(d) - d - 1
-        loss = loss + kl_coef * (kl * mask).sum() / denom
+        loss = loss + kl_coef * (kl * (mask if weight is None else weight)).sum() / denom
         stats["kl_sum"] = (kl.detach() * mask).sum().item()
     return loss, stats
 

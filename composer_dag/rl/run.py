@@ -154,7 +154,8 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
             t_step = time.perf_counter()
             batch = source.get(trainer.version)
             wait_s, step = time.perf_counter() - t_step, trainer.version
-            ts, used = train_step(trainer, store, batch.rollouts, step, cfg.trainer.normalize_std)
+            ts, used = train_step(trainer, store, batch.rollouts, step, cfg.trainer.normalize_std,
+                                  cfg.trainer.uniform_groups)
             version, t0 = trainer.version, time.perf_counter()
             sd = trainer.state_dict()
             gen.offer(version, trainer.save_weights(str(out / "sync" / f"v{version:08d}"), sd))

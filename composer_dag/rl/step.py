@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-TRAIN_METRICS = ("loss", "lr", "clip_frac", "ratio_mean", "kl", "grad_norm", "nan_skipped", "train_tokens")
+TRAIN_METRICS = ("loss", "lr", "clip_frac", "ratio_mean", "kl", "grad_norm", "nan_skipped", "train_tokens",
+                 "groups_trained", "groups_uniform")
 
 
 def find_tasks(tasks_dir: str, sources: Optional[list[str]] = None) -> list[Path]:
@@ -79,17 +80,28 @@ def advantages(rows: list[dict], normalize_std: bool = True) -> list[float]:
                             include=[r.get("infra_error") is None for r in rows])
 
 
-def train_step(trainer, store, rows: list[dict], step: int, normalize_std: bool) -> tuple[dict, list[dict]]:
+def train_step(trainer, store, rows: list[dict], step: int, normalize_std: bool,
+               uniform_groups: bool = True) -> tuple[dict, list[dict]]:
     """One update from ``rows`` (the batch for ``step``): advantages, the rollouts written under
-    ``rollouts/``, GRPO on those without ``infra_error``. Returns the trainer's step stats and the
-    rollouts it trained on."""
+    ``rollouts/``, GRPO on those without ``infra_error``, and of those only the groups whose rewards
+    differ unless ``uniform_groups``: a group that all failed (or all passed) has advantage 0, so it
+    would only dilute the batch's token mean and pull on the KL term. Returns the trainer's step
+    stats (with ``groups_trained`` and ``groups_uniform``) and the rollouts without ``infra_error``
+    (what the step's reward is measured on)."""
     from ..agent import rollouts_to_table
+    from .grpo import informative
 
     for r, a in zip(rows, advantages(rows, normalize_std)):
         r["advantage"], r["step"] = a, step
     store.write_parquet(rollouts_to_table(rows), store.url("rollouts", f"step_{step:04d}.parquet"))
     used = [r for r in rows if r.get("infra_error") is None]
-    return trainer.train_step(used), used
+    signal = informative([r["reward"] for r in used], [r["group_id"] for r in used])
+    trained = used if uniform_groups else [r for r, s in zip(used, signal) if s]
+    ts = trainer.train_step(trained)
+    groups = {r["group_id"] for r in used}
+    ts["groups_trained"] = len({r["group_id"] for r in trained})
+    ts["groups_uniform"] = len(groups) - len({r["group_id"] for r, s in zip(used, signal) if s})
+    return ts, used
 
 
 def step_record(version: int, used: list[dict], ts: dict, **extra) -> dict:

@@ -8,7 +8,7 @@ import logging
 import math
 import os
 import time
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -31,6 +31,15 @@ class TrainerConfig(StageConfig):
     clip_eps_high: Optional[float] = None
     kl_coef: float = Field(0.0, description="> 0 loads a frozen copy of the initial policy as reference")
     normalize_std: bool = Field(True, description="divide advantages by the group's reward std")
+    loss_norm: Literal["token", "sequence"] = Field(
+        "token", description="token: the batch's loss is a mean over all its sampled tokens; sequence: over rollouts, "
+                             "each a mean over its own tokens (a long failed episode counts as much as a short success)")
+    negative_weight: float = Field(1.0, ge=0.0, description="negative advantages are multiplied by this (W-REINFORCE's "
+                                                           "lambda): below 1, what failed is pushed down less than "
+                                                           "what succeeded is pushed up")
+    uniform_groups: bool = Field(True, description="also train on groups whose samples all earned the same reward "
+                                                   "(advantage 0: only the KL term and the loss's denominator see "
+                                                   "them); off, they are left out of the update (DAPO's filter)")
     micro_batch: int = 8
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -87,7 +96,8 @@ class GRPOTrainer:
         """One optimizer update on ``rollouts`` (each with ``advantage`` set); bumps ``version``."""
         cfg, t0 = self.cfg, time.perf_counter()
         rollouts = [r for r in rollouts if len(r["completion_ids"])]
-        total = float(sum(sum(r["loss_mask"]) for r in rollouts)) or 1.0
+        seq = cfg.loss_norm == "sequence"
+        total = float(len(rollouts) if seq else sum(sum(r["loss_mask"]) for r in rollouts)) or 1.0
         chunks = [rollouts[i:i + cfg.micro_batch] for i in range(0, len(rollouts), cfg.micro_batch)]
         if len(chunks) > self.grad_accum:
             raise ValueError(f"{len(rollouts)} rollouts exceed batch_size {self.batch_size}")
@@ -99,6 +109,7 @@ class GRPOTrainer:
         for chunk in chunks:
             if chunk:
                 b = {k: v.to(self.device) for k, v in grpo.pack(chunk, self.pad_id).items()}
+                b["advantages"] = grpo.weigh_negatives(b["advantages"], cfg.negative_weight)
                 logp = grpo.token_logprobs(self.engine, b["input_ids"], b["attention_mask"], self.temperature,
                                            b["loss_mask"])
                 ref = None
@@ -107,7 +118,8 @@ class GRPOTrainer:
                         ref = grpo.token_logprobs(self.ref, b["input_ids"], b["attention_mask"], self.temperature,
                                                  b["loss_mask"])
                 loss, st = grpo.LOSSES[cfg.loss](logp, b["old_logprobs"], b["advantages"], b["loss_mask"], cfg.clip_eps,
-                                          cfg.clip_eps_high, ref, cfg.kl_coef, denom=total)
+                                          cfg.clip_eps_high, ref, cfg.kl_coef, denom=total,
+                                          weight=grpo.sequence_weights(b["loss_mask"]) if seq else None)
                 if torch.isfinite(loss):
                     agg["loss"] += loss.item()
                     for k in ("clip_frac", "ratio_sum", "tokens", "kl_sum"):

@@ -105,7 +105,7 @@ def run(cfg, rep: Reporter | None = None) -> dict:
         if max(r["staleness"] for r in rs) > cfg.max_staleness:
             raise RuntimeError(f"batch {step} holds rollouts of versions {secs['policy_versions']}, beyond "
                                f"max_staleness {cfg.max_staleness}")
-        ts, used = train_step(trainer, store, rs, step, cfg.trainer.normalize_std)
+        ts, used = train_step(trainer, store, rs, step, cfg.trainer.normalize_std, cfg.trainer.uniform_groups)
         version = trainer.version
         rec = step_record(
             version, used, ts, batch=step, policy_versions=secs["policy_versions"],
