@@ -148,6 +148,11 @@ RL_GRIDS = {
                                                      "uniform_groups": False}},
         "default-s1": {"seed": 1, "trainer": {"lr": 3e-4, "kl_coef": 0.1, "warmup_steps": 3}},
     },
+    # the default (lambda 0.1 per sequence, uniform groups left out) for longer
+    "sweep11": {
+        "steps12": {"steps": 12},
+        "steps16": {"steps": 16},
+    },
 }
 RL_COMMON = {"steps": 8}
 
