@@ -99,7 +99,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     stats = {"clip_frac": ((((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + hi) & (adv > 0))).float()
                            * mask).sum().item(),
              "ratio_sum": (ratio.detach() * mask).sum().item(), "tokens": mask.sum().item(), "kl_sum": 0.0}
-    return _with_kl(loss, stats, logp, ref_logp, kl_coef, mask, denom, w)
+    return _with_kl(loss, stats, logp, ref_logp, kl_coef, w, denom)
 
 
 def reinforce_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -114,7 +114,7 @@ def reinforce_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch
     loss = -(logp * advantages.unsqueeze(-1) * w).sum() / denom
     ratio = torch.exp((logp.detach() - old_logp).clamp(-20, 20))
     stats = {"clip_frac": 0.0, "ratio_sum": (ratio * mask).sum().item(), "tokens": mask.sum().item(), "kl_sum": 0.0}
-    return _with_kl(loss, stats, logp, ref_logp, kl_coef, mask, denom, w)
+    return _with_kl(loss, stats, logp, ref_logp, kl_coef, w, denom)
 
 
 def weigh_negatives(advantages: torch.Tensor, weight: float) -> torch.Tensor:
@@ -132,13 +132,14 @@ def sequence_weights(mask: torch.Tensor) -> torch.Tensor:
     return mask / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
-def _with_kl(loss, stats: dict, logp, ref_logp, kl_coef: float, mask, denom: float, weight=None):
-    """``loss`` plus ``kl_coef`` times the k3 estimate of KL(policy || reference) on the masked tokens."""
+def _with_kl(loss, stats: dict, logp, ref_logp, kl_coef: float, weight, denom: float):
+    """``loss`` plus ``kl_coef`` times the k3 estimate of KL(policy || reference) on the masked tokens,
+    each times ``weight`` (the mask, or ``sequence_weights``)."""
     if ref_logp is not None and kl_coef:
         d = (ref_logp - logp).clamp(-20, 20)
         kl = torch.exp(d) - d - 1
-        loss = loss + kl_coef * (kl * (mask if weight is None else weight)).sum() / denom
-        stats["kl_sum"] = (kl.detach() * mask).sum().item()
+        loss = loss + kl_coef * (kl * weight).sum() / denom
+        stats["kl_sum"] = (kl.detach() * (weight > 0)).sum().item()
     return loss, stats
 
 

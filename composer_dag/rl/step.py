@@ -98,9 +98,8 @@ def train_step(trainer, store, rows: list[dict], step: int, normalize_std: bool,
     signal = informative([r["reward"] for r in used], [r["group_id"] for r in used])
     trained = used if uniform_groups else [r for r, s in zip(used, signal) if s]
     ts = trainer.train_step(trained)
-    groups = {r["group_id"] for r in used}
     ts["groups_trained"] = len({r["group_id"] for r in trained})
-    ts["groups_uniform"] = len(groups) - len({r["group_id"] for r, s in zip(used, signal) if s})
+    ts["groups_uniform"] = len({r["group_id"] for r in used}) - len({r["group_id"] for r, s in zip(used, signal) if s})
     return ts, used
 
 
