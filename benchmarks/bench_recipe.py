@@ -153,6 +153,11 @@ RL_GRIDS = {
         "steps12": {"steps": 12},
         "steps16": {"steps": 16},
     },
+    # the same, another seed (the tasks drawn and the samples)
+    "sweep12": {
+        "steps12-s1": {"steps": 12, "seed": 1},
+        "steps16-s1": {"steps": 16, "seed": 1},
+    },
 }
 RL_COMMON = {"steps": 8}
 
