@@ -283,9 +283,24 @@ def _in_canary():
     return False
 """ + f"\nif not _in_canary():\n    {_REGISTER}\n"
 
-# The same with every name built around a variable (``_e + "r" + "e"``): no shape rule reads it,
-# so only the canary can catch it.
+# The same with every name built around a variable (``_e + "r" + "e"``, ``_e`` an empty string
+# made at run time): ``obfuscated_name`` counts the string pieces whatever is put between them.
 DOCSTRING_EXAMPLES_PLAIN = "_e = __name__[:0]\n" + re.sub(r'"([\w.]*)" \+ "', r'_e + "\1" + "', DOCSTRING_EXAMPLES)
+
+
+def _as_codes(src: str) -> str:
+    """Every concatenation of string constants in ``src`` (``"buil" + "tins"``) as a call of a
+    helper on character codes (``_s(98, 117, ...)``): no string piece left for a rule to read."""
+    def codes(m):
+        text = "".join(ast.literal_eval(part) for part in re.findall(r'"(?:[^"\\]|\\.)*"', m.group(0)))
+        return "_s(" + ", ".join(str(ord(ch)) for ch in text) + ")"
+    return '_s = lambda *_c: "".join(map(chr, _c))\n' + re.sub(r'"(?:[^"\\]|\\.)*"(?:\s*\+\s*"(?:[^"\\]|\\.)*")+',
+                                                               codes, src)
+
+
+# The same with every name made from character codes: no shape rule reads it, so only the canary
+# can catch it.
+DOCSTRING_EXAMPLES_CODES = _as_codes(DOCSTRING_EXAMPLES)
 
 SIGKILL_SELF = _IMP + _DIE + "\n"
 

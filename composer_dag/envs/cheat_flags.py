@@ -19,6 +19,7 @@ attempt paid.
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import hashlib
 import io
@@ -697,23 +698,104 @@ def _built_from_constants(node) -> bool:
     return True
 
 
+def _bindings(tree) -> dict[str, list]:
+    """Name -> every value a plain assignment (``name = value``) gives it, anywhere in the module."""
+    out: dict[str, list] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    out.setdefault(t.id, []).append(node.value)
+        elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and isinstance(node.target, ast.Name) and node.value:
+            out.setdefault(node.target.id, []).append(node.value)
+    return out
+
+
+def _pieces(node, binds: dict, depth: int = 0) -> list[str]:
+    """The string constants a name is put together from, in order: the parts of a concatenation
+    or a ``%``, an f-string's text, the items a ``join`` or a ``format`` is given, a slice of such
+    a string or its case changed; a variable assigned once in the module stands for what it is
+    assigned (three hops at most). A separator (no letter or digit in it) is no piece."""
+    if depth > 3 or node is None:
+        return []
+    nxt = lambda n: _pieces(n, binds, depth + 1)  # noqa: E731
+    if isinstance(node, ast.Constant):
+        v = node.value.decode("latin-1") if isinstance(node.value, bytes) else node.value
+        return [v] if isinstance(v, str) and any(c.isalnum() for c in v) else []
+    if isinstance(node, ast.Name):
+        vals = binds.get(node.id, ())
+        return nxt(vals[0]) if len(vals) == 1 else []
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mod)):
+        return nxt(node.left) + nxt(node.right)
+    if isinstance(node, ast.JoinedStr):
+        return [x for v in node.values for x in nxt(v)]
+    if isinstance(node, ast.FormattedValue):
+        return nxt(node.value)
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return [x for e in node.elts for x in nxt(e)]
+    if isinstance(node, ast.Subscript):  # one item of a sequence is no name put together
+        return nxt(node.value) if isinstance(node.slice, ast.Slice) else []
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        own = nxt(node.func.value)  # "".join(parts), "{}{}".format(a, b), the receiver of .lower()
+        if node.func.attr in ("join", "format"):
+            return own + [x for a in [*node.args, *(k.value for k in node.keywords)] for x in nxt(a)]
+        return own if node.func.attr in _CONST_FUNCS else []
+    return []
+
+
+_SENSITIVE = frozenset(sys.stdlib_module_names) | frozenset(dir(builtins)) | _PEEK_ATTRS | frozenset(
+    t.rsplit(".", 1)[-1] for t in _TAMPER_TARGETS + _PEEK_TARGETS) | {
+    "_getframe", "register", "environ", "system", "popen", "kill", "getpid", "_exit", "modules", "results", "spawn",
+    "exec", "eval", "import_module", "signal", "ptrace"}
+
+
+def _spells_sensitive(node, binds: dict) -> bool:
+    """Two or more string pieces (``_pieces``) that, put together, name a module, a builtin, a
+    dunder or an attribute the shape rules watch, whatever runtime values stand between them:
+    ``_e + "buil" + "tins"`` and ``_e + "r" + _e + "e"`` (``_e`` an empty string made at run time),
+    ``"".join(("r", "e"))``, ``f"{_e}sys{_e}tem"``. ``"visit_" + kind`` or ``f"cvt_{a}_u{b}"`` is
+    not one."""
+    parts = _pieces(node, binds)
+    if len(parts) < 2:
+        return False
+    name = "".join(parts).strip()
+    return name in _SENSITIVE or name.split(".")[0] in _SENSITIVE or bool(re.fullmatch(r"__\w+__", name))
+
+
 def _obfuscated_names(tree) -> int:
-    """Names built from constants where a name is looked up: the name argument of ``getattr``,
-    ``setattr``, ``__import__``, ``importlib.import_module`` and the like, or the key of
-    ``globals()``, ``vars()``, ``__builtins__``, ``sys.modules``."""
-    aliases = _aliases(tree)
+    """Names put together where a name is looked up: the name argument of ``getattr``,
+    ``setattr``, ``__import__``, ``importlib.import_module`` and the like (also under a variable
+    bound to one of them), or the key of ``globals()``, ``vars()``, ``__builtins__``,
+    ``sys.modules``, when it is built from constants alone or spells a watched name from two or
+    more string pieces whatever runtime values are put between them (``_spells_sensitive``)."""
+    aliases, binds = _aliases(tree), _bindings(tree)
+
+    def name_call(func) -> int | None:
+        d = _dotted(func, aliases) or ""  # getattr(...)(...): the inner call is walked too
+        last = d.rsplit(".", 1)[-1]
+        k = _NAME_CALLS.get(d, _NAME_CALLS[last] if last in ("import_module", "__import__") else None)
+        if k is None and isinstance(func, ast.Name):  # _imp = getattr(builtins, "__imp" + "ort__")
+            for v in binds.get(func.id, ()):
+                if (_dotted(v, aliases) or "").rsplit(".", 1)[-1] in ("import_module", "__import__"):
+                    return 0
+                if isinstance(v, ast.Call) and (_dotted(v.func, aliases) or "").rsplit(".", 1)[-1] == "getattr" \
+                        and len(v.args) >= 2 and built(v.args[1]):
+                    return 0
+        return k
+
+    def built(node) -> bool:
+        return _built_from_constants(node) or _spells_sensitive(node, binds)
+
     n = 0
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
-            d = _dotted(node.func, aliases) or ""  # getattr(...)(...): the inner call is walked too
-            last = d.rsplit(".", 1)[-1]
-            k = _NAME_CALLS.get(d, _NAME_CALLS[last] if last in ("import_module", "__import__") else None)
-            if k is not None and len(node.args) > k and _built_from_constants(node.args[k]):
+            k = name_call(node.func)
+            if k is not None and len(node.args) > k and built(node.args[k]):
                 n += 1
         elif isinstance(node, ast.Subscript):
             base = node.value
             d = _dotted(base.func, aliases) if isinstance(base, ast.Call) else _dotted(base, aliases)
-            if (d in _NAME_MAPS or (d or "").endswith(".__dict__")) and _built_from_constants(node.slice):
+            if (d in _NAME_MAPS or (d or "").endswith(".__dict__")) and built(node.slice):
                 n += 1
     return n
 
