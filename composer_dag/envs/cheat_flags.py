@@ -743,10 +743,11 @@ def _pieces(node, binds: dict, depth: int = 0) -> list[str]:
     return []
 
 
+# the standard library's modules, the builtins (eval, exec, open, ...), what the tamper and peek
+# rules watch (sys._getframe, sys.modules, f_locals, ...), and the calls the cheats reach for
 _SENSITIVE = frozenset(sys.stdlib_module_names) | frozenset(dir(builtins)) | _PEEK_ATTRS | frozenset(
     t.rsplit(".", 1)[-1] for t in _TAMPER_TARGETS + _PEEK_TARGETS) | {
-    "_getframe", "register", "environ", "system", "popen", "kill", "getpid", "_exit", "modules", "results", "spawn",
-    "exec", "eval", "import_module", "signal", "ptrace"}
+    "register", "environ", "system", "popen", "kill", "getpid", "_exit", "results", "spawn", "import_module"}
 
 
 def _spells_sensitive(node, binds: dict) -> bool:
