@@ -180,3 +180,37 @@ def test_personas_vary_with_the_seed_and_share_what_does_not_depend_on_them(tmp_
         assert lines[:5] == [p.user, p.hostname, p.timezone, p.locale, p.full_name], lines
         assert int(lines[5]) >= 20 and lines[6] == "cd ~/shop" and lines[7] == f"/home/{p.user}/shop"
         assert {"sudo", "plugdev", "netdev"} <= set(lines[8].split())
+
+
+def test_the_runtime_cache_evicts_what_no_one_has_used_for_days(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from composer_dag.envs import rootfs
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    made = []
+
+    def build(name):
+        return rootfs._build("persona", [name], lambda tmp: (made.append(name), (tmp / "f").write_text(name)))
+
+    def age(root, seconds):
+        t = time.time() - seconds
+        os.utime(root / ".ok", (t, t))
+
+    stale, used, fresh = build("stale"), build("used"), build("fresh")
+    age(stale, 4 * 86400)  # unused for four days: past the default three
+    age(used, 4 * 86400)
+    age(fresh, 2 * 86400)
+    half = rootfs._cache_root() / ".build-killed"  # left by a process killed mid-build
+    half.mkdir()
+    os.utime(half, (time.time() - 7200,) * 2)
+    assert build("used") == used and made == ["stale", "used", "fresh"]  # a hit builds nothing...
+    assert time.time() - (used / ".ok").stat().st_mtime < 60  # ...and marks the tree used
+    new = build("new")
+    assert made[-1] == "new" and (new / "f").read_text() == "new"
+    assert not stale.exists() and not half.exists()  # the new build evicted the stale tree and the half-made one
+    assert (used / "f").read_text() == "used" and (fresh / "f").read_text() == "fresh"
+    monkeypatch.setenv("CDAG_RT_MAX_AGE_DAYS", "1")
+    build("newer")
+    assert not fresh.exists() and used.exists() and new.exists()

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,17 +149,61 @@ HOST_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "python
             "ca-certificates.conf", "ca-certificates")
 
 
+TOUCH_EVERY_S = 3600  # a cached tree's ``.ok`` is touched on use at most this often
+"""Its mtime is when the tree was last used (to the hour): what eviction reads."""
+
+
+def _max_age_s() -> float:
+    """How long an unused cached tree is kept (``CDAG_RT_MAX_AGE_DAYS``, default 3 days). Every
+    persona and grading uid has its own small tree, so the cache would otherwise grow with every
+    new project and every code version for as long as the machine runs."""
+    return float(os.environ.get("CDAG_RT_MAX_AGE_DAYS", "3")) * 86400
+
+
+def _touch(root: Path) -> bool:
+    """Mark ``root`` as used now (at most once per ``TOUCH_EVERY_S``); False when it is not built."""
+    try:
+        if time.time() - (root / ".ok").stat().st_mtime > TOUCH_EVERY_S:
+            os.utime(root / ".ok")
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _evict(cache: Path, keep: Path) -> list[str]:
+    """Remove the cached trees unused for longer than ``_max_age_s()`` and builds left half-made
+    by a killed process (an hour old), under the cache's lock. A tree in use is touched on every
+    use, so only trees no process has asked for in days go. Returns the names removed."""
+    now, max_age, gone = time.time(), _max_age_s(), []
+    for entry in cache.iterdir():
+        if entry == keep or not entry.is_dir():
+            continue
+        try:
+            if entry.name.startswith(".build-"):
+                old = now - entry.stat().st_mtime > TOUCH_EVERY_S
+            else:
+                old = now - (entry / ".ok").stat().st_mtime > max_age
+        except FileNotFoundError:
+            continue
+        if old:
+            shutil.rmtree(entry, ignore_errors=True)
+            gone.append(entry.name)
+    return gone
+
+
 def _build(name: str, key_parts, make) -> Path:
-    """``cdag-rt/<name>-<key>``, made once by ``make(tmpdir)`` (atomically, under a lock)."""
+    """``cdag-rt/<name>-<key>``, made once by ``make(tmpdir)`` (atomically, under a lock); each
+    new build evicts what no one has used for ``_max_age_s()``."""
     key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:12]
     root = _cache_root() / f"{name}-{key}"
-    if (root / ".ok").exists():
+    if _touch(root):
         return root
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (root / ".ok").exists():
+        if _touch(root):
             return root
+        _evict(root.parent, keep=root)
         tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".build-"))
         make(tmp)
         (tmp / ".ok").touch()
@@ -176,7 +221,7 @@ distribution's metadata (about 20 ms), which every sandbox would pay twice other
 def runtime() -> Path:
     """The persona-independent part: usr-local, site-packages and the laptop's /etc."""
     known = _RUNTIMES.get(_cache_root())
-    if known is not None and (known / ".ok").exists():
+    if known is not None and _touch(known):
         return known
     dists = _dist_closure(TOOLING)
     etc_digest = hashlib.sha256(LAPTOP_ETC.read_bytes()).hexdigest()[:16]
