@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import io
 import json
 import random
@@ -116,7 +117,14 @@ def _bindings(tree) -> dict[int, dict[str, ast.AST]]:
 def sites(source: str) -> list[tuple[ast.Constant, str]]:
     """(constant node to change, source of the expression it is compared with), in source order.
     A name the test function binds once stands for its value on either side (``expected = [...]``
-    then ``assert_equal(expected, result)``, with ``result = f(x)``)."""
+    then ``assert_equal(expected, result)``, with ``result = f(x)``). The nodes are shared between
+    calls on the same source (the tasks mined from one repository share a few test files): read
+    them, never change them."""
+    return list(_sites(source))
+
+
+@functools.lru_cache(maxsize=8)
+def _sites(source: str) -> tuple:
     tree = ast.parse(source)
     owner = _bindings(tree)
     out = []
@@ -158,7 +166,7 @@ def sites(source: str) -> list[tuple[ast.Constant, str]]:
                 out.append((c, ast.unparse(other)))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             out += _parametrize_sites(node)
-    return sorted(out, key=lambda s: (s[0].lineno, s[0].col_offset))
+    return tuple(sorted(out, key=lambda s: (s[0].lineno, s[0].col_offset)))
 
 
 class _Substitute(ast.NodeTransformer):
@@ -338,6 +346,11 @@ def _flat(text: str) -> str:
     return re.sub(r"\s+", "", text).replace('"', "'")
 
 
+_flat_visible = functools.lru_cache(maxsize=2)(_flat)
+"""``_flat`` of a repository's visible text (megabytes: most of a canary's making), kept for the
+next task of the same repository."""
+
+
 def _pinned(other: str, seen_vis: str, bound: set[str]) -> bool:
     """Whether visible text (``_flat``) shows the expression ``other`` an expected value is
     compared with. A call of a function the test was handed (a bare name the module does not
@@ -347,7 +360,10 @@ def _pinned(other: str, seen_vis: str, bound: set[str]) -> bool:
     if text in seen_vis:
         return True
     m = re.match(r"^([A-Za-z_]\w*)(\(.*\))$", text)
-    return bool(m) and m.group(1) not in bound and re.search(r"\w" + re.escape(m.group(2)), seen_vis) is not None
+    # the substring test first: the expression scan over a repository's text (megabytes) is the
+    # slow part, and where the arguments appear nowhere it would scan the whole text for nothing
+    return bool(m) and m.group(1) not in bound and m.group(2) in seen_vis and \
+        re.search(r"\w" + re.escape(m.group(2)), seen_vis) is not None
 
 
 def make_canaries(source: str, seed: str, visible: str = "", n: int = 2, per_canary: int = 2) -> list[str]:
@@ -357,7 +373,7 @@ def make_canaries(source: str, seed: str, visible: str = "", n: int = 2, per_can
         found = sites(source)
     except SyntaxError:
         return []
-    seen_vis = _flat(visible)
+    seen_vis = _flat_visible(visible)
     bound = _module_names(ast.parse(source))
     shown = lambda other: _pinned(other, seen_vis, bound) if visible else False  # noqa: E731
     cands, segment = [], _segmenter(source)
