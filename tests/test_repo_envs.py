@@ -153,7 +153,7 @@ def test_mined_tasks_are_sound_and_graded_under_pytest(mined_tasks, repo_envs):
         f2p, p2p = task["tests"]["FAIL_TO_PASS"], task["tests"]["PASS_TO_PASS"]
         assert f2p and p2p and not set(f2p) & set(p2p) and set(f2p + p2p) <= set(env["kept"])
         assert task["origin"]["env_digest"] == env["env_digest"] and task["origin"]["licence"] == env["licence"]
-        c = check_task(d)
+        c = check_task(d)  # grading the reference runs each canary alone: what mining ran side by side agrees
         assert c["ok"] and c["canaries"] == 1, c
         for t in f2p:
             assert not (d / "repo" / t.split("::")[0]).exists()

@@ -346,9 +346,9 @@ def _flat(text: str) -> str:
     return re.sub(r"\s+", "", text).replace('"', "'")
 
 
-_flat_visible = functools.lru_cache(maxsize=2)(_flat)
-"""``_flat`` of a repository's visible text (megabytes: most of a canary's making), kept for the
-next task of the same repository."""
+_flat_file = functools.lru_cache(maxsize=8192)(_flat)
+"""``_flat`` of one visible file's text, kept: the tasks of one repository show the same files
+but the one changed, and flattening a repository's text (megabytes) was most of a canary's making."""
 
 
 def _pinned(other: str, seen_vis: str, bound: set[str]) -> bool:
@@ -366,16 +366,18 @@ def _pinned(other: str, seen_vis: str, bound: set[str]) -> bool:
         re.search(r"\w" + re.escape(m.group(2)), seen_vis) is not None
 
 
-def make_canaries(source: str, seed: str, visible: str = "", n: int = 2, per_canary: int = 2) -> list[str]:
+def make_canaries(source: str, seed: str, visible: str = "", n: int = 2, per_canary: int = 2,
+                  visible_flat: str | None = None) -> list[str]:
     """Up to ``n`` canary sources of ``source``, each changing ``per_canary`` sites (different
-    sites in different canaries, sites not on one line)."""
+    sites in different canaries, sites not on one line). ``visible``: the text the solution can
+    read, or ``visible_flat``, the same already flattened (``_visible_text(repo, flat=True)``)."""
     try:
         found = sites(source)
     except SyntaxError:
         return []
-    seen_vis = _flat_visible(visible)
+    seen_vis = visible_flat if visible_flat is not None else _flat(visible)
     bound = _module_names(ast.parse(source))
-    shown = lambda other: _pinned(other, seen_vis, bound) if visible else False  # noqa: E731
+    shown = lambda other: _pinned(other, seen_vis, bound) if visible or visible_flat else False  # noqa: E731
     cands, segment = [], _segmenter(source)
     for node, other in found:
         seg = segment(node)
@@ -457,10 +459,11 @@ def _swapped_text(source: str, node: ast.Constant) -> str | None:
 _TEXT_SUFFIXES = {".py", ".pyi", ".md", ".rst", ".txt", ".cfg", ".toml", ".ini", ".json", ".yaml", ".yml", ".csv", ""}
 
 
-def _visible_text(repo: Path) -> str:
+def _visible_text(repo: Path, flat: bool = False) -> str:
     """Every text the policy can read in the repository: the code, its docstrings and comments,
     and the README, the docs and the other text files (up to 1 MB each), so that no canary
-    changes an expected value some example shows."""
+    changes an expected value some example shows. ``flat``: as ``_flat`` gives it (whitespace
+    takes no part: the files flattened one by one and joined are the whole flattened)."""
     parts = []
     for p in sorted(repo.rglob("*")):
         rel = p.relative_to(repo).parts
@@ -472,7 +475,7 @@ def _visible_text(repo: Path) -> str:
                 parts.append(p.read_text())
         except (UnicodeDecodeError, OSError):
             continue
-    return "\n".join(parts)
+    return "".join(map(_flat_file, parts)) if flat else "\n".join(parts)
 
 
 def add_canaries(task_dir: Path, candidates: int = 2, keep: int = 1) -> dict:
@@ -484,14 +487,14 @@ def add_canaries(task_dir: Path, candidates: int = 2, keep: int = 1) -> dict:
     task_dir = Path(task_dir)
     task = json.loads((task_dir / "task.json").read_text())
     hidden = hidden_files(task_dir)
-    visible = _visible_text(task_dir / "repo")
+    visible = _visible_text(task_dir / "repo", flat=True)
     with tempfile.TemporaryDirectory(prefix="cdag-k-") as tmp:
         stage = Path(tmp) / "canaries"
         stage.mkdir()
         cands = []
         for h in hidden:
             text = h.read_text()
-            for src in make_canaries(text, seed=f"{task.get('id', task_dir.name)}:{h.name}", visible=visible,
+            for src in make_canaries(text, seed=f"{task.get('id', task_dir.name)}:{h.name}", visible_flat=visible,
                                      n=candidates if len(text) < 20_000 else 1):
                 p = stage / (check_name(src.encode()) + ".py")
                 p.write_text(src)

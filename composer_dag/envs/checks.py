@@ -126,8 +126,10 @@ class GradeConfig(StageConfig):
 
 
 def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: float | None = None,
-               limits: Limits = Limits()) -> tuple[dict[str, str], dict]:
+               limits: Limits = Limits(), placed: dict[str, Path] | None = None) -> tuple[dict[str, str], dict]:
     """Copy ``workspace`` and run the test ``files`` against it in one sandbox with the runner.
+    ``placed`` (a repository task's): more files to run, each laid at its path in the recorded
+    test tree (``repo_task.verify_canaries``: the canaries of several tasks, side by side).
 
     Returns (per_test, details): outcomes by ``<file stem>[.<Class>]::<test>`` (plus
     ``<name>#message`` for failures), and ``details`` with ``valid`` (a sealed, verified result
@@ -157,6 +159,9 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
                     f.relative_to(task_dir / "hidden_tests").as_posix()
                 if f.parent.name == "canaries":
                     (checks / rel).write_bytes(f.read_bytes())
+                inside.append(rel)
+            for rel, f in (placed or {}).items():
+                (checks / rel).write_bytes(Path(f).read_bytes())
                 inside.append(rel)
             for p in [checks, *checks.rglob("*")]:
                 os.chmod(p, 0o755 if p.is_dir() else 0o644)

@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .repo_env import _norm, pack_objects
@@ -90,43 +91,95 @@ def project_dir_name(env: dict) -> str:
 
 def add_repo_canaries(task_dir: Path, candidates_per_file: int = 2, keep: int = 1) -> dict:
     """Canaries of a mined task: copies of a FAIL_TO_PASS file with expected values changed (the
-    sites not in any file the policy can read), each run alone against the reference; those the
+    sites not in any file the policy can read), each run against the reference; those the
     reference fails are kept (``checks.canaries``: the file it replaces, the tests it fails)."""
+    return verify_canaries([task_dir], 1, candidates_per_file, keep)[Path(task_dir).name]
+
+
+def verify_canaries(task_dirs: list[Path], workers: int = 2, candidates_per_file: int = 2, keep: int = 1,
+                    per_run: int = 8) -> dict[str, dict]:
+    """``add_repo_canaries`` for the tasks of one environment at once (task name -> canaries kept).
+    The tasks mined from one environment have the same reference tree (the repository as it
+    was), so their candidates are run side by side: each run lays up to ``per_run`` canaries, of
+    different tasks and each where the file it replaces lies (two canaries of one file never share
+    a run), against one task's reference. A candidate is kept when the reference fails some of
+    its tests; a task whose candidate is not kept has its next one tried in the next round. A run
+    whose result is void or tampered with is run again one canary at a time."""
     from .canaries import _visible_text, make_canaries
     from .checks import outcomes, run_checks
     from .task_dir import apply_reference
 
-    task_dir = Path(task_dir)
-    task = json.loads((task_dir / "task.json").read_text())
-    f2p = task["tests"]["FAIL_TO_PASS"]
-    files = sorted({t.split("::", 1)[0] for t in f2p})
-    visible = _visible_text(task_dir / "repo")
-    kept: dict = {}
-    (task_dir / "canaries").mkdir(exist_ok=True)
+    dirs = [Path(d) for d in task_dirs]
+    tasks = {d.name: json.loads((d / "task.json").read_text()) for d in dirs}
+    todo: dict[str, list] = {}  # task name -> [(file it replaces, canary source)] in the order tried
+    for d in dirs:
+        task = tasks[d.name]
+        visible = _visible_text(d / "repo", flat=True)
+        todo[d.name] = [(rel, src) for rel in sorted({t.split("::", 1)[0] for t in task["tests"]["FAIL_TO_PASS"]})
+                        for src in make_canaries((d / "hidden_tests" / rel).read_text(), seed=f"{task['id']}:{rel}",
+                                                 visible_flat=visible, n=candidates_per_file)]
+    kept: dict[str, dict] = {d.name: {} for d in dirs}
+    by_name = {d.name: d for d in dirs}
     with tempfile.TemporaryDirectory(prefix="cdag-k-") as tmp:
-        ref_ws = apply_reference(task_dir, Path(tmp) / "ws")
-        for rel in files:
-            text = (task_dir / "hidden_tests" / rel).read_text()
-            for src in make_canaries(text, seed=f"{task['id']}:{rel}", visible=visible, n=candidates_per_file):
-                if len(kept) >= keep:
+        refs: dict[str, Path] = {}  # environment digest -> the reference tree its tasks share
+
+        def reference(name: str) -> Path:
+            key = str((tasks[name].get("origin") or {}).get("env_digest") or name)
+            if key not in refs:
+                refs[key] = apply_reference(by_name[name], Path(tmp) / f"ref-{len(refs)}")
+            return refs[key]
+
+        def run(batch: list) -> list:
+            """[(task name, rel, source, failing or None)] of one sandboxed run of ``batch``."""
+            files = {}
+            for i, (name, rel, src) in enumerate(batch):
+                files[rel] = Path(tmp) / f"c{id(batch)}-{i}.py"
+                files[rel].write_text(src)
+            res, det = run_checks(by_name[batch[0][0]], reference(batch[0][0]), [], placed=files)
+            if (not det["valid"] or det["tamper"]) and len(batch) > 1:
+                return [x for item in batch for x in run([item])]
+            got = outcomes(res) if det["valid"] and not det["tamper"] else {}
+            return [(name, rel, src, sorted(k for k, v in got.items() if k.split("::", 1)[0] == rel
+                                            and v in ("failed", "error")) or None) for name, rel, src in batch]
+
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            while True:
+                # one candidate per task still short of ``keep``, all against the one reference
+                groups: dict[str, list] = {}
+                for name, cands in todo.items():
+                    if cands and len(kept[name]) < keep:
+                        rel, src = cands.pop(0)
+                        groups.setdefault(str((tasks[name].get("origin") or {}).get("env_digest") or name),
+                                          []).append((name, rel, src))
+                if not groups:
                     break
-                name = check_name(src.encode()) + ".py"
-                path = task_dir / "canaries" / name
-                path.write_text(src)
-                task.setdefault("checks", {}).setdefault("canaries", {})[name] = {"replaces": rel, "failing": []}
-                (task_dir / "task.json").write_text(json.dumps(task, indent=2, sort_keys=True))
-                res, det = run_checks(task_dir, ref_ws, [path])
-                failing = sorted(k for k, v in outcomes(res).items() if v in ("failed", "error"))
-                if det["valid"] and not det["tamper"] and failing:
-                    task["checks"]["canaries"][name]["failing"] = failing
-                    kept[name] = task["checks"]["canaries"][name]
-                else:
-                    del task["checks"]["canaries"][name]
-                    path.unlink()
-    if kept:
-        task["checks"]["canaries"] = kept
-    else:
-        task.get("checks", {}).pop("canaries", None)
-        shutil.rmtree(task_dir / "canaries", ignore_errors=True)
-    (task_dir / "task.json").write_text(json.dumps(task, indent=2, sort_keys=True))
-    return kept
+                for name in {n for g in groups.values() for n, _, _ in g}:  # made before the threads share them
+                    reference(name)
+                batches = []
+                for items in groups.values():
+                    while items:
+                        batch, rels = [], set()
+                        for item in list(items):
+                            if item[1] not in rels and len(batch) < per_run:
+                                batch.append(item)
+                                rels.add(item[1])
+                                items.remove(item)
+                        batches.append(batch)
+                for results in pool.map(run, batches):
+                    for name, rel, src, failing in results:
+                        if failing:
+                            kept[name][check_name(src.encode()) + ".py"] = (src, {"replaces": rel, "failing": failing})
+    out = {}
+    for d in dirs:
+        task = tasks[d.name]
+        shutil.rmtree(d / "canaries", ignore_errors=True)
+        if kept[d.name]:
+            (d / "canaries").mkdir()
+            for fname, (src, _) in kept[d.name].items():
+                (d / "canaries" / fname).write_text(src)
+            task.setdefault("checks", {})["canaries"] = {k: v for k, (_, v) in kept[d.name].items()}
+        else:
+            task.get("checks", {}).pop("canaries", None)
+        (d / "task.json").write_text(json.dumps(task, indent=2, sort_keys=True))
+        out[d.name] = task.get("checks", {}).get("canaries", {})
+    return out

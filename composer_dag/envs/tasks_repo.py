@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .repo_env import _norm, load_env, package_files, run_tests
 from .rootfs import persona_for
-from .repo_task import add_repo_canaries, write_pytest_task
+from .repo_task import verify_canaries, write_pytest_task
 from .tasks_bugfix import _parse, apply_mutation, mutation_sites
 
 KINDS = ("comparison", "operator", "boolean", "off_by_one", "constant", "negation", "removed_branch",
@@ -222,7 +222,10 @@ def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_a
             stats["runs"] -= 1
 
     with ThreadPoolExecutor(max(1, workers)) as pool:
-        built = list(pool.map(lambda item: write_mined(item, env, env_dir, out_dir, canaries, log), selected))
+        built = list(pool.map(lambda item: write_mined(item, env, env_dir, out_dir, log), selected))
+    if canaries and built:  # the tasks share the reference: their canaries are verified side by side
+        for name, kept in verify_canaries(built, workers).items():
+            log(f"{name}: {len(kept)} canary" + ("" if kept else " (none verified)"))
     stats["accepted"] = len(built)
     if history:
         stats["history"], from_history = mine_history(env_dir, out_dir, env, canaries, log)
@@ -232,8 +235,8 @@ def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_a
             "out": str(out_dir)}
 
 
-def write_mined(item, env: dict, env_dir: Path, out_dir: Path, canaries: bool, log) -> Path:
-    """One selected candidate (``mine``) written as a task, with its canary."""
+def write_mined(item, env: dict, env_dir: Path, out_dir: Path, log) -> Path:
+    """One selected candidate (``mine``) written as a task (its canary comes after: ``verify_canaries``)."""
     (rel, kind, node, mutant), (f2p, p2p, messages) = item
     project = env_dir / "repo"
     original = (project / rel).read_text()
@@ -244,8 +247,6 @@ def write_mined(item, env: dict, env_dir: Path, out_dir: Path, canaries: bool, l
     tid = f"mined-{_norm(env['name'])}-{digest}"
     d = write_repo_task(out_dir / tid, env, env_dir, rel, original, mutant, kind, function, f2p, p2p,
                         statement(kind, env["name"], rel, function, msg, names))
-    if canaries:
-        add_repo_canaries(d)
     log(f"{tid}: {kind} in {rel}:{function}, {len(f2p)} FAIL_TO_PASS, {len(p2p)} PASS_TO_PASS")
     return d
 
