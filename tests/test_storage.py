@@ -135,3 +135,25 @@ def test_incoming_listing_gives_each_file_its_fingerprint_in_one_listing(storage
     again: dict[str, str] = {}
     list_incoming(storage, incoming, again)
     assert again[files[0]] != stamps[files[0]] and again[files[1]] == stamps[files[1]]
+
+
+def test_a_published_tree_is_synced_to_disk_once_before_its_manifest_seals_it(tmp_path, monkeypatch):
+    """``publish_dir`` on local storage writes a tree's files without an fsync each and syncs the
+    file system once, after the last file and before the manifest (itself written durably)."""
+    import composer_dag.storage as cs
+
+    src = tmp_path / "tree"
+    for i in range(40):
+        (src / f"d{i % 4}").mkdir(parents=True, exist_ok=True)
+        (src / f"d{i % 4}" / f"f{i}.txt").write_text(f"file {i}\n")
+    st = Storage(str(tmp_path / "root"))
+    url = st.url("tasks", "run1")
+    events = []
+    real_fsync, real_sync = cs.os.fsync, cs._sync_filesystem
+    monkeypatch.setattr(cs.os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(cs, "_sync_filesystem", lambda path: (
+        events.append(("sync", len(st.find(url)), st.exists(f"{url}/manifest.json"))), real_sync(path))[1])
+    digest = st.publish_dir(str(src), url)
+    assert events == [("sync", 40, False), "fsync"], events  # 40 files, one sync, then the manifest's fsync
+    assert digest == st.manifest_digest(url) and st.verify_manifest(url) is not None
+    assert len(st.read_manifest(url)["files"]) == 40
