@@ -194,3 +194,24 @@ def test_sandbox_exec(tmp_path, capfd):
     (tmp_path / "f.txt").write_text("data\n")
     assert sandbox_exec(tmp_path, "cat f.txt; exit 3") == 3
     assert "data" in capfd.readouterr().out
+
+
+def test_temporaries_a_killed_process_left_are_swept_once_a_day_old(tmp_path):
+    """A sandbox's home, an episode's workspace and a grading's tree (``cdag-h-``, ``cdag-w-``,
+    ``cdag-g-``) a SIGKILL left behind go once untouched for a day; fresh ones, and other names
+    (the identity locks' directory, a user's own), stay."""
+    from composer_dag.envs.sandbox import STALE_TEMP_S, sweep_stale_temporaries
+
+    old = time.time() - STALE_TEMP_S - 60
+    names = {"cdag-h-ab12cd_3": old, "cdag-w-zz99yy88": old, "cdag-g-q1w2e3r4": time.time() - 3600,
+             "cdag-identities": old, "cdag-h-notmine": old, "my-project": old}
+    for name, t in names.items():
+        (tmp_path / name / "home").mkdir(parents=True)
+        (tmp_path / name / "home" / "f").write_text("x")
+        os.utime(tmp_path / name, (t, t))
+    assert sorted(sweep_stale_temporaries(str(tmp_path))) == ["cdag-h-ab12cd_3", "cdag-w-zz99yy88"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cdag-g-q1w2e3r4", "cdag-h-notmine", "cdag-identities",
+                                                          "my-project"]
+    os.utime(tmp_path / "cdag-g-q1w2e3r4", (old, old))
+    assert sweep_stale_temporaries(str(tmp_path)) == []  # once per process and directory...
+    assert sweep_stale_temporaries(str(tmp_path), force=True) == ["cdag-g-q1w2e3r4"]  # ...unless asked

@@ -75,6 +75,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import selectors
 import shutil
 import signal
@@ -384,6 +385,38 @@ def identity_lease(timeout: float = 600.0):
         time.sleep(0.05)
 
 
+
+STALE_TEMP_S = 86400.0
+"""A ``cdag-*`` temporary directory no write has touched for this long was left by a process
+that was killed (SIGKILL, the OOM killer) before it could remove it: an episode lasts minutes."""
+_TEMP_NAME = re.compile(r"cdag-[a-z]+-[a-z0-9_]{8}")  # tempfile.mkdtemp's names for the prefixes here
+_swept: set[str] = set()
+
+
+def sweep_stale_temporaries(root: str | None = None, max_age: float = STALE_TEMP_S, force: bool = False) -> list[str]:
+    """Remove the temporary directories of sandboxes, episodes and gradings (``cdag-h-*``,
+    ``cdag-w-*``, ``cdag-g-*``, ...) under ``root`` (the temporary directory) untouched for
+    ``max_age`` seconds; once per process and root unless ``force``. Returns the names removed."""
+    root = root or tempfile.gettempdir()
+    if root in _swept and not force:
+        return []
+    _swept.add(root)
+    gone, now = [], time.time()
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    for e in entries:
+        try:
+            if _TEMP_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False) and \
+                    now - e.stat(follow_symlinks=False).st_mtime > max_age:
+                shutil.rmtree(e.path, ignore_errors=True)
+                gone.append(e.name)
+        except OSError:
+            continue
+    return gone
+
+
 class Sandbox:
     """Run commands with ``workspace`` mounted read-write at ``/home/<user>/<project>``.
 
@@ -406,6 +439,7 @@ class Sandbox:
         self.persona = persona
         self.project = project or self.workspace.name
         self.root = f"{persona.home}/{self.project}"
+        sweep_stale_temporaries()  # what killed processes left (once per process)
         self._dir = Path(tempfile.mkdtemp(prefix="cdag-h-"))
         self._home, self._run = self._dir / "home", self._dir / "run"
         shutil.copytree(prt / "skel", self._home, symlinks=True)
