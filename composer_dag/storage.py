@@ -57,7 +57,6 @@ class ArtifactError(RuntimeError):
     """An artifact is missing, incomplete, or does not match its manifest."""
 
 
-
 def _sync_filesystem(path: str) -> None:
     """Flush the file system holding ``path`` to disk (Linux ``syncfs``; else ``os.sync``)."""
     import ctypes
@@ -71,6 +70,7 @@ def _sync_filesystem(path: str) -> None:
         os.sync()
     finally:
         os.close(fd)
+
 
 class StorageError(OSError):
     """A storage operation failed for good (after the client's retries).

@@ -123,8 +123,11 @@ def verify_canaries(task_dirs: list[Path], workers: int = 2, candidates_per_file
     with tempfile.TemporaryDirectory(prefix="cdag-k-") as tmp:
         refs: dict[str, Path] = {}  # environment digest -> the reference tree its tasks share
 
+        def env_key(name: str) -> str:
+            return str((tasks[name].get("origin") or {}).get("env_digest") or name)
+
         def reference(name: str) -> Path:
-            key = str((tasks[name].get("origin") or {}).get("env_digest") or name)
+            key = env_key(name)
             if key not in refs:
                 refs[key] = apply_reference(by_name[name], Path(tmp) / f"ref-{len(refs)}")
             return refs[key]
@@ -132,8 +135,8 @@ def verify_canaries(task_dirs: list[Path], workers: int = 2, candidates_per_file
         def run(batch: list) -> list:
             """[(task name, rel, source, failing or None)] of one sandboxed run of ``batch``."""
             files = {}
-            for i, (name, rel, src) in enumerate(batch):
-                files[rel] = Path(tmp) / f"c{id(batch)}-{i}.py"
+            for name, rel, src in batch:  # a task is in one batch at a time
+                files[rel] = Path(tmp) / f"{name}.py"
                 files[rel].write_text(src)
             res, det = run_checks(by_name[batch[0][0]], reference(batch[0][0]), [], placed=files)
             if (not det["valid"] or det["tamper"]) and len(batch) > 1:
@@ -149,8 +152,7 @@ def verify_canaries(task_dirs: list[Path], workers: int = 2, candidates_per_file
                 for name, cands in todo.items():
                     if cands and len(kept[name]) < keep:
                         rel, src = cands.pop(0)
-                        groups.setdefault(str((tasks[name].get("origin") or {}).get("env_digest") or name),
-                                          []).append((name, rel, src))
+                        groups.setdefault(env_key(name), []).append((name, rel, src))
                 if not groups:
                     break
                 for name in {n for g in groups.values() for n, _, _ in g}:  # made before the threads share them

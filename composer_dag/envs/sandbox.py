@@ -385,7 +385,6 @@ def identity_lease(timeout: float = 600.0):
         time.sleep(0.05)
 
 
-
 STALE_TEMP_S = 86400.0
 """A ``cdag-*`` temporary directory no write has touched for this long was left by a process
 that was killed (SIGKILL, the OOM killer) before it could remove it: an episode lasts minutes."""
