@@ -196,13 +196,14 @@ def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_a
             yield rel, kind, node, mutant
 
     # candidates run ``workers`` at a time (each a sandboxed pytest run) and are taken in their
-    # order, so the tasks do not depend on which run finished first
+    # order, so the tasks do not depend on which run finished first; four times as many are queued,
+    # so a candidate that loops until its timeout holds one worker, not the queue behind it
     selected = []
     with ThreadPoolExecutor(max(1, workers)) as pool:
         pending: list = []
         gen = candidates_to_run()
         while len(selected) < max_tasks:
-            while len(pending) < max(1, workers) and stats["runs"] < max_attempts:
+            while len(pending) < 4 * max(1, workers) and stats["runs"] < max_attempts:
                 cand = next(gen, None)
                 if cand is None:
                     break
