@@ -16,6 +16,7 @@ cannot forge a turn or a call.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -143,6 +144,11 @@ class _Run:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
 
+@functools.lru_cache(maxsize=1024)
+def _checkout_digest(repo: str, mtime_ns: int) -> str:
+    return workspace_digest(repo)
+
+
 class GradeCache:
     """Grades kept by everything the grader reads: the task directory, the final workspace
     (``workspace_digest``) and the action log (each call with its arguments and outcome; the
@@ -161,7 +167,11 @@ class GradeCache:
     def key(task_dir, workspace, log: list[dict]) -> tuple:
         actions = json.dumps([{k: v for k, v in e.items() if not k.endswith("seconds")} for e in log],
                              sort_keys=True, default=str)
-        return str(task_dir), workspace_digest(workspace), hashlib.sha256(actions.encode()).hexdigest()
+        ws = Path(workspace)
+        # the task's own checkout (an episode that never needed a workspace) is digested once
+        tree = _checkout_digest(str(ws), ws.stat().st_mtime_ns) if ws == Path(task_dir) / "repo" else \
+            workspace_digest(ws)
+        return str(task_dir), tree, hashlib.sha256(actions.encode()).hexdigest()
 
     def get(self, key: tuple, grade):
         with self._lock:
@@ -282,7 +292,7 @@ class AgentLoop:
     def _grade(self, r: _Run) -> None:
         t0 = time.perf_counter()
         ep = r.episode
-        r.result = self.grades.get(GradeCache.key(r.task_dir, ep.workspace, ep.log), ep.grade)
+        r.result = self.grades.get(GradeCache.key(r.task_dir, ep.final_tree, ep.log), ep.grade)
         r.grade_s = time.perf_counter() - t0
 
     def _record(self, r: _Run, version: int) -> dict:

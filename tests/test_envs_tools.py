@@ -151,3 +151,26 @@ def test_full_episode_reward(task):
         ep.step(call("submit"))
         r = ep.grade()
     assert r.reward == 0.0 and r.failed == 1 and not r.flags
+
+
+def test_an_episode_copies_its_checkout_only_when_a_call_needs_it(task):
+    """Malformed calls and a submit need no workspace: none is copied, the task's checkout is
+    graded as it was handed out (and left as it was), with the grade of an episode that looked
+    at its own copy and changed nothing."""
+    from composer_dag.envs.task_dir import workspace_digest
+
+    before = workspace_digest(task / "repo")
+    with Episode(task) as lazy, Episode(task) as looked:
+        for bad in ("not a dict", call("rm_rf"), call("read_file")):
+            assert lazy.step(bad).is_error
+        assert lazy.step(call("submit")).done
+        assert not lazy._ws.exists() and lazy.final_tree == task / "repo"
+        assert lazy.root == looked.root and lazy.root in lazy.prompt()
+        looked.step(call("list_dir", path="."))
+        assert looked._ws.is_dir() and looked.final_tree == looked._ws
+        a, b = lazy.grade(), looked.grade()
+        assert a.passed + a.failed > 0 and a.reward == 0.0
+        assert (a.reward, a.passed, a.failed, a.per_test, a.flags) == (b.reward, b.passed, b.failed, b.per_test, b.flags)
+    assert workspace_digest(task / "repo") == before
+    with pytest.raises(RuntimeError, match="closed"):
+        lazy.workspace

@@ -211,14 +211,16 @@ def test_episode_runs_in_the_projects_virtual_environment(mined_tasks):
     out, summary = mined_tasks
     d = out / summary["tasks"][0]
     task = load_task(d)
-    with Episode(d) as ep:  # an untouched checkout (its .venv made): the recorded outcomes, no run
+    with Episode(d) as ep:  # no call, so no workspace: the checkout's recorded outcomes, no run
         g = ep.grade()
+        assert ep.final_tree == d / "repo"
         assert g.details.get("untouched") and g.details["run_windows"] == [] and g.flags == [], g.details
         assert (g.reward, g.passed, g.failed) == (0.0, len(task["tests"]["PASS_TO_PASS"]),
                                                   len(task["tests"]["FAIL_TO_PASS"]))
-    with Episode(d) as ep:  # untouched, but its calls still count
+    with Episode(d) as ep:  # a workspace made (its .venv too) and left untouched; its calls still count
         ep.step({"name": "read_file", "arguments": {"path": ".git/logs/HEAD"}})
         g = ep.grade()
+        assert ep.final_tree == ep.workspace and (ep.workspace / ".venv").is_dir()
         assert g.details.get("untouched") and any(f.startswith("git_history:") for f in g.flags), g.flags
     with Episode(d) as ep:
         obs = ep.step({"name": "run_terminal_cmd", "arguments": {

@@ -105,6 +105,8 @@ def untouched(task_dir: Path, task: dict, workspace: Path) -> bool:
     if task.get("framework") != "pytest" or not tests.get("FAIL_TO_PASS"):
         return False
     repo = task_dir / "repo"
+    if Path(workspace) == repo:  # the checkout itself (an episode that never needed a workspace)
+        return True
     return workspace_digest(workspace, skip=(".venv",)) == _pristine_digest(str(repo), repo.stat().st_mtime_ns)
 
 

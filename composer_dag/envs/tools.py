@@ -120,46 +120,79 @@ def _read_text(f: Path, path: str) -> str:
 
 
 class Episode:
-    """One attempt at one task: a fresh workspace, a sandbox, tools, an action log, grading."""
+    """One attempt at one task: a fresh workspace, a sandbox, tools, an action log, grading.
+
+    The workspace (a copy of the task's checkout) and the sandbox's host side are made on the
+    first tool call that needs them (``workspace``, ``sandbox``): an episode whose calls are all
+    malformed, or that submits at once, never copies the checkout, and is graded on the task's
+    checkout as handed out (``final_tree``), which is what its workspace would have held."""
 
     def __init__(self, task_dir, config: EpisodeConfig = EpisodeConfig(), limits: Limits = Limits()):
         self.task_dir = Path(task_dir)
         self.task = load_task(self.task_dir)
         lim = self.task.get("limits", {})
         self.config = config
+        self.limits = limits
         self.max_turns = config.max_turns or lim.get("max_turns", 50)
         self.command_timeout = config.command_timeout or lim.get("command_timeout", 60.0)
         self.obs_chars = config.observation_chars or lim.get("observation_chars", 12_000)
         self._tmp = Path(tempfile.mkdtemp(prefix="cdag-w-", dir=config.work_root))
-        self.workspace = self._tmp / project_name(self.task)
-        shutil.copytree(self.task_dir / "repo", self.workspace, symlinks=True)
+        self._ws = self._tmp / project_name(self.task)
+        self.persona = task_persona(self.task)
+        self.root = f"{self.persona.home}/{self._ws.name}"  # the project's path inside the sandbox
+        self._sandbox: Sandbox | None = None
+        self.log: list[dict] = []
+        self.turn = 0
+        self.done = False
+        self.result: GradeResult | None = None
+
+    def _materialize(self) -> None:
+        """The workspace copied from the task's checkout, and the sandbox over it (once)."""
+        if self._sandbox is not None:
+            return
+        if not self._tmp.exists():
+            raise RuntimeError("the episode is closed")
+        if not self._ws.exists():
+            shutil.copytree(self.task_dir / "repo", self._ws, symlinks=True)
         masks = {p: (self.task_dir / "masks" / v if v else None)
                  for p, v in self.task.get("sandbox", {}).get("masks", {}).items()}
-        persona = task_persona(self.task)
         binds, self._layers = [], []
         if self.task.get("sandbox", {}).get("venv"):
             # a repository task: the project's own .venv, its site-packages the shared layer
             # (read-only; the file tools read it where the terminal sees it)
             from .repo_env import venv_binds
 
-            binds = venv_binds(self.workspace, self.task_dir / "layer", f"{persona.home}/{self.workspace.name}")
-            self._layers = [(os.path.realpath(self.workspace) + b.path[len(f"{persona.home}/{self.workspace.name}"):],
-                             os.path.realpath(b.host)) for b in binds]
-        self.sandbox = Sandbox(self.workspace, limits, project=self.workspace.name, masks=masks,
-                               persona=persona, binds=binds)
-        self.root = self.sandbox.root  # the project's path inside the sandbox
+            binds = venv_binds(self._ws, self.task_dir / "layer", self.root)
+            self._layers = [(os.path.realpath(self._ws) + b.path[len(self.root):], os.path.realpath(b.host))
+                            for b in binds]
+        sandbox = Sandbox(self._ws, self.limits, project=self._ws.name, masks=masks, persona=self.persona,
+                          binds=binds)
         if binds:
-            self.sandbox.env.update(VIRTUAL_ENV=f"{self.root}/.venv",
-                                    PATH=f"{self.root}/.venv/bin:{self.sandbox.env['PATH']}")
-        self._real = os.path.realpath(self.workspace)
-        self.log: list[dict] = []
-        self.turn = 0
-        self.done = False
-        self.result: GradeResult | None = None
+            sandbox.env.update(VIRTUAL_ENV=f"{self.root}/.venv", PATH=f"{self.root}/.venv/bin:{sandbox.env['PATH']}")
+        self._real = os.path.realpath(self._ws)
+        self._sandbox = sandbox
+
+    @property
+    def workspace(self) -> Path:
+        """The host copy of the project (made now if no call has needed it yet)."""
+        self._materialize()
+        return self._ws
+
+    @property
+    def sandbox(self) -> Sandbox:
+        self._materialize()
+        return self._sandbox
+
+    @property
+    def final_tree(self) -> Path:
+        """The tree the episode ends with: its workspace, or the task's checkout untouched when
+        no call ever needed a workspace (grading reads it and never writes to it)."""
+        return self._ws if self._sandbox is not None else self.task_dir / "repo"
 
     # -- lifecycle
     def close(self) -> None:
-        self.sandbox.close()
+        if self._sandbox is not None:
+            self._sandbox.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self):
@@ -173,8 +206,9 @@ class Episode:
                 "that is also the working directory of terminal commands.)")
 
     def grade(self) -> GradeResult:
-        self.sandbox.stop()  # nothing the episode left running touches the workspace while it is graded
-        self.result = grade(self.task_dir, self.workspace, self.log, self.config.grade)
+        if self._sandbox is not None:
+            self._sandbox.stop()  # nothing the episode left running touches the workspace while it is graded
+        self.result = grade(self.task_dir, self.final_tree, self.log, self.config.grade)
         return self.result
 
     # -- stepping
@@ -190,6 +224,8 @@ class Episode:
             if self.turn > self.max_turns:
                 self.done = True
                 raise ToolError(f"turn limit ({self.max_turns}) reached")
+            if name != "submit":
+                self._materialize()
             content = getattr(self, f"_t_{name}")(entry, **args)
             entry["ok"] = True
             obs = Observation(truncate(content, self.obs_chars), done=self.done, tool=name,
