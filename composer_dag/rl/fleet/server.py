@@ -206,7 +206,12 @@ class ServerClient:
         self._call("/pause?mode=wait", {})
         try:
             self._call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
-            self._call("/reset_prefix_cache", {})
+            # the probe is the same sequence at every version: a prefix kept from the last one
+            # would be scored with the old weights' keys and values. vLLM refuses the reset while
+            # blocks are held ({"success": false}); then the holders are preempted and it is retried
+            if not (self._call("/reset_prefix_cache", {}) or {}).get("success", True) and \
+                    not (self._call("/reset_prefix_cache?reset_running_requests=true", {}) or {}).get("success", True):
+                raise RuntimeError(f"{self.url}: the prefix cache could not be dropped after reloading version {version}")
             self._call("/update_weight_version", {"new_version": str(version)})
         finally:
             self._call("/resume", {})
