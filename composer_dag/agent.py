@@ -16,7 +16,6 @@ cannot forge a turn or a call.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import re
@@ -30,7 +29,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .envs.task_dir import workspace_digest
+from .envs.task_dir import checkout_digest, workspace_digest
 from .envs.tools import TOOL_SCHEMAS, Episode, EpisodeConfig, Observation
 from .inference.engine import Completion, Engine, Sampling
 from .runtime.config import StageConfig
@@ -144,11 +143,6 @@ class _Run:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
 
-@functools.lru_cache(maxsize=1024)
-def _checkout_digest(repo: str, mtime_ns: int) -> str:
-    return workspace_digest(repo)
-
-
 class GradeCache:
     """Grades kept by everything the grader reads: the task directory, the final workspace
     (``workspace_digest``) and the action log (each call with its arguments and outcome; the
@@ -167,10 +161,8 @@ class GradeCache:
     def key(task_dir, workspace, log: list[dict]) -> tuple:
         actions = json.dumps([{k: v for k, v in e.items() if not k.endswith("seconds")} for e in log],
                              sort_keys=True, default=str)
-        ws = Path(workspace)
         # the task's own checkout (an episode that never needed a workspace) is digested once
-        tree = _checkout_digest(str(ws), ws.stat().st_mtime_ns) if ws == Path(task_dir) / "repo" else \
-            workspace_digest(ws)
+        tree = checkout_digest(task_dir) if Path(workspace) == Path(task_dir) / "repo" else workspace_digest(workspace)
         return str(task_dir), tree, hashlib.sha256(actions.encode()).hexdigest()
 
     def get(self, key: tuple, grade):

@@ -7,7 +7,6 @@ and flag known cheats by their shape.
 
 from __future__ import annotations
 
-import functools
 import secrets
 import tempfile
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from .cheat_flags import action_flags, behaviour_flags, detect_flags, flag, flag_families
 from .checks import RUNNER_FAILED, GradeConfig, canary_passes, failures, outcomes, run_checks, run_hidden_tests, score
-from .task_dir import apply_reference, canary_files, hidden_files, load_task, workspace_digest
+from .task_dir import apply_reference, canary_files, checkout_digest, hidden_files, load_task, workspace_digest
 
 
 @dataclass
@@ -91,11 +90,6 @@ def grade(task_dir: Path, workspace: Path, action_log: list[dict] | None = None,
                        details=details, canary_passed=canary_passed)
 
 
-@functools.lru_cache(maxsize=256)
-def _pristine_digest(repo: str, mtime_ns: int) -> str:
-    return workspace_digest(repo, skip=(".venv",))
-
-
 def untouched(task_dir: Path, task: dict, workspace: Path) -> bool:
     """Whether ``workspace`` is the task's checkout as handed out, byte for byte (its ``.venv``
     aside, which grading makes afresh), for a task that records its tests' outcomes in that state
@@ -107,7 +101,7 @@ def untouched(task_dir: Path, task: dict, workspace: Path) -> bool:
     repo = task_dir / "repo"
     if Path(workspace) == repo:  # the checkout itself (an episode that never needed a workspace)
         return True
-    return workspace_digest(workspace, skip=(".venv",)) == _pristine_digest(str(repo), repo.stat().st_mtime_ns)
+    return workspace_digest(workspace, skip=(".venv",)) == checkout_digest(task_dir)
 
 
 def untouched_grade(task_dir: Path, task: dict, workspace: Path, action_log: list[dict] | None,

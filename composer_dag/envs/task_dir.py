@@ -3,6 +3,7 @@ reference solution."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -46,6 +47,19 @@ def workspace_digest(root, skip: tuple[str, ...] = ()) -> str:
                         h.update(chunk)
             h.update(b"\n")
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1024)
+def _checkout_digest(repo: str, mtime_ns: int) -> str:
+    return workspace_digest(repo, skip=(".venv",))
+
+
+def checkout_digest(task_dir) -> str:
+    """``workspace_digest`` of a task's checkout as handed out (``repo/``; a ``.venv`` aside),
+    computed once per process: a task directory is not changed once written."""
+    repo = Path(task_dir) / "repo"
+    return _checkout_digest(str(repo), repo.stat().st_mtime_ns)
+
 
 
 def project_name(task: dict) -> str:
