@@ -363,37 +363,57 @@ def followers(servers, tmp_path):
 
 def test_fleet_servers_reload_by_themselves(orchestrator, followers, tmp_path):
     """``weight_sync: server``: each server's own loop pulls, rebuilds and reloads; the
-    orchestrator only reads the version tag, checks it against the manifest and the probe."""
+    orchestrator only reads the version tag, checks it against the manifest and the probe. A
+    server that takes the next version while the probe of the last one waits in its queue is
+    checked again on the new one, not stopped."""
     from composer_dag.rl.fleet.launch import weights_url
     from composer_dag.rl.fleet.serve import parse_tag
     from composer_dag.rl.fleet.sync import ProbeMismatch
     from composer_dag.rl.weights import version_manifest
 
     o, pub, state = orchestrator(fleet={"weight_sync": "server"})
-    procs = followers(weights_url(o.cfg), skip=(1, 2))
+    procs = followers(weights_url(o.cfg), skip=(1, 3))
     logs = lambda: "\n".join((tmp_path / f"follower_{i}.log").read_text()[-1500:] for i in range(2))  # noqa: E731
     o.fleet.wait_serving(0, o.fleet.servers, timeout=120)
+    # server 0's probe of version 1 is held until its own loop has taken version 2: it is then
+    # scored on version 2's weights against version 1's reference
+    s0 = o.fleet.servers[0]
+    real_score, held, raced = s0.client.score, threading.Event(), {}
+
+    def racing_score(ids):
+        if not raced and parse_tag(s0.client.weight_version())[0] == 1:
+            held.set()
+            deadline = time.monotonic() + 120
+            while parse_tag(s0.client.weight_version())[0] != 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            raced["scored_on"] = parse_tag(s0.client.weight_version())[0]
+        return real_score(ids)
+
+    s0.client.score = racing_score
     g = torch.Generator().manual_seed(0)
     pub.publish(1, {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()})
-    o.fleet.wait_serving(1, o.fleet.servers, timeout=120)
-    digest = version_manifest(pub.storage, pub.prefix, 1)["digest"]
+    assert held.wait(120), logs()
+    pub.publish(2, {k: v + 0.03 * torch.randn(v.shape, generator=g) for k, v in state.items()})
+    o.fleet.wait_serving(2, o.fleet.servers, timeout=120)
+    assert raced == {"scored_on": 2} and 1 not in s0.versions_served  # the raced score proved nothing
+    digest = version_manifest(pub.storage, pub.prefix, 2)["digest"]
     for s in o.fleet.servers:
-        assert parse_tag(s.client.weight_version()) == (1, digest[:16]), logs()
-        assert s.versions_served == [0, 1]
+        assert parse_tag(s.client.weight_version()) == (2, digest[:16]), logs()
+        assert s.versions_served[0] == 0 and s.versions_served[-1] == 2
         assert all(x["reload_s"] is None and x["lag_s"] is not None and x["probe_diff"] <= o.cfg.fleet.probe_tolerance
                    for x in s.reloads)
     assert not os.path.exists(os.path.join(o.cfg.out_dir, "fleet_weights"))  # nothing rebuilt for the servers here
     assert all(p.poll() is None for p in procs), logs()
-    rows, secs = o.batch(0, 1)
-    assert len(rows) == 2 and all(r["policy_version"] == 1 and r["infra_error"] is None for r in rows)
+    rows, secs = o.batch(0, 2)
+    assert len(rows) == 2 and all(r["policy_version"] == 2 and r["infra_error"] is None for r in rows)
 
-    # server 1's loop claims version 2 without loading it: the orchestrator's probe stops the run
-    pub.publish(2, {k: v - 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()})
+    # server 1's loop claims version 3 without loading it: the orchestrator's probe stops the run
+    pub.publish(3, {k: v - 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()})
     with pytest.raises(ProbeMismatch) as e:
-        o.fleet.wait_serving(2, o.fleet.servers, timeout=120)
+        o.fleet.wait_serving(3, o.fleet.servers, timeout=120)
     msg = str(e.value)
-    assert "\n" not in msg and "rollout server s1" in msg and "after loading version 2" in msg, logs()
-    assert "skipping the reload of version 2" in (tmp_path / "follower_1.log").read_text()
+    assert "\n" not in msg and "rollout server s1" in msg and "after loading version 3" in msg, logs()
+    assert "skipping the reload of version 3" in (tmp_path / "follower_1.log").read_text()
 
 
 def test_fleet_serve_takes_the_model_from_storage(learnable_base, s3_bucket, tmp_path):

@@ -156,6 +156,23 @@ def print_step_times(instance, results) -> None:
         for st in instance.get_run_step_stats(r.run_id):
             if st.start_time and st.end_time:
                 print(f"step time {r.job_def.name:>14} {st.step_key:<44} {st.end_time - st.start_time:7.1f} s")
+    for line in failed_steps(results):
+        print(line)
+
+
+def failed_steps(results) -> list[str]:
+    """Each failed step of the runs with its error's message and the last lines of its stack, so a
+    failure's cause shows in the test's own report, not only in the run's events."""
+    out = []
+    for r in results:
+        for ev in r.all_events:
+            if ev.is_step_failure and ev.step_failure_data and ev.step_failure_data.error:
+                err = ev.step_failure_data.error
+                while err.cause is not None:  # the innermost cause is the one that names the problem
+                    err = err.cause
+                stack = "".join(err.stack[-4:]).rstrip()
+                out.append(f"step failed {r.job_def.name} {ev.step_key}: {err.message.strip()}\n{stack}")
+    return out
 
 
 def _meta_partition(instance, key, partition):
@@ -174,7 +191,7 @@ def _meta(instance, key):
 def test_slurm_whole_graph_on_s3_with_isolated_jobs(graph):
     instance, results, tmp_path, secrets = graph["instance"], graph["results"], graph["tmp"], graph["secrets"]
     st, cat, root = graph["storage"], graph["catalog"], graph["root"]
-    assert [r.success for r in results] == [True] * len(DOWNSTREAM_JOBS)
+    assert [r.success for r in results] == [True] * len(DOWNSTREAM_JOBS), "\n".join(failed_steps(results))
     checks = check_outcomes(results)
     assert checks and all(checks.values()), {k: v for k, v in checks.items() if not v}
     expected = {

@@ -206,9 +206,10 @@ class ServerClient:
         self._call("/pause?mode=wait", {})
         try:
             self._call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": weights_dir}})
-            # the probe is the same sequence at every version: a prefix kept from the last one
-            # would be scored with the old weights' keys and values. vLLM refuses the reset while
-            # blocks are held ({"success": false}); then the holders are preempted and it is retried
+            # an episode's prompt that shares a prefix with one served before the reload would
+            # reuse the old weights' keys and values (the probe's prompt logprobs never read the
+            # cache). vLLM refuses the reset while blocks are held ({"success": false}); then the
+            # holders are preempted and it is retried
             if not (self._call("/reset_prefix_cache", {}) or {}).get("success", True) and \
                     not (self._call("/reset_prefix_cache?reset_running_requests=true", {}) or {}).get("success", True):
                 raise RuntimeError(f"{self.url}: the prefix cache could not be dropped after reloading version {version}")

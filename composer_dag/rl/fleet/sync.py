@@ -290,12 +290,16 @@ class Fleet:
                 s.versions_served.append(version)
             self.cond.notify_all()
 
-    def _probe(self, s: Server, version: int, state: dict) -> float:
+    def _probe(self, s: Server, version: int, state: dict, moved_on=lambda: False) -> float:
         """Score the probe on ``s`` and compare with the reference of ``version``; stop the run
-        (``ProbeMismatch``) beyond the tolerance. Returns the largest difference."""
+        (``ProbeMismatch``) beyond the tolerance, unless ``moved_on()`` says the server took
+        another version meanwhile (then the score is not of ``version``: -1.0, check again).
+        Returns the largest difference."""
         got = s.client.score(self.reference.probe)
         ref = self.reference.logprobs(version, state)
         diff = max(abs(a - b) for a, b in zip(got, ref))
+        if diff > self.cfg.probe_tolerance and moved_on():
+            return -1.0
         if diff > self.cfg.probe_tolerance:
             raise ProbeMismatch(
                 f"probe check failed: rollout server {s.id} ({s.client.url}) after loading version {version} "
@@ -335,8 +339,11 @@ class Fleet:
         with self._build_lock:
             state = self.cache.get(version)  # verified, as the server's own rebuild
             rebuild_s = self.cache.last_seconds
-        diff = self._probe(s, version, state)
-        if s.client.weight_version() != reported:  # it moved on while scored: check the new one
+        # a server that reloads by itself may take the next version while the probe waits in its
+        # queue (the probe then runs on the new weights): such a score proves nothing either way
+        moved_on = lambda: s.client.weight_version() != reported  # noqa: E731
+        diff = self._probe(s, version, state, moved_on)
+        if diff < 0 or moved_on():  # it moved on while scored: check the new one
             return
         self._serving(s, version, {"reload_s": None, "probe_diff": diff, "rebuild_s": round(rebuild_s, 4)})
 
