@@ -68,6 +68,7 @@ def warm(tree: Path, cache: Path | None = None) -> dict:
         os.close(fd)
         try:
             py_compile.compile(p, cfile=tmp, doraise=True, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+            os.chmod(tmp, 0o644)  # readable where ``lay`` links it
             os.replace(tmp, target)
             stats["compiled"] += 1
         except (py_compile.PyCompileError, OSError, ValueError, SyntaxError):
@@ -78,15 +79,36 @@ def warm(tree: Path, cache: Path | None = None) -> dict:
     return stats
 
 
-def lay(ws: Path, cache: Path | None = None) -> int:
+def keys_of(tree: Path) -> dict[str, str]:
+    """The digest of each regular ``.py`` file of the trusted ``tree`` by its relative path (what
+    ``lay`` looks its bytecode up by), kept per tree and modification time."""
+    tree = Path(tree)
+    stamp = (str(tree), os.stat(tree).st_mtime_ns)
+    got = _KEYS.get(stamp[0])
+    if got is None or got[0] != stamp[1]:
+        got = (stamp[1], {os.path.relpath(p, tree): _key(p) for p in _sources(tree)})
+        _KEYS[stamp[0]] = got
+    return got[1]
+
+
+_KEYS: dict[str, tuple[int, dict[str, str]]] = {}
+
+
+def lay(ws: Path, cache: Path | None = None, keys: dict[str, str] | None = None) -> int:
     """Put the cached bytecode of the ``.py`` files of the copy ``ws`` (made by the caller,
-    without ``__pycache__``) beside them; the number laid."""
+    without ``__pycache__``) beside them; the number laid. ``keys`` (``keys_of``): the digest of
+    each file's bytes by its path relative to ``ws``, known from the trusted tree it was copied
+    from (a file of ``ws`` missing from it is hashed). A cached file on ``ws``'s filesystem is
+    hard-linked, read-only (the interpreter checks it against its source's hash either way)."""
     cache = cache or cache_dir()
     if not cache.is_dir():
         return 0
     laid = 0
-    for p in _sources(Path(ws)):
-        src = cache / f"{_key(p)}.pyc"
+    ws = Path(ws)
+    same_fs = os.stat(cache).st_dev == os.stat(ws).st_dev
+    for p in _sources(ws):
+        key = (keys or {}).get(os.path.relpath(p, ws)) or _key(p)
+        src = cache / f"{key}.pyc"
         if not src.exists():
             continue
         d = os.path.join(os.path.dirname(p), "__pycache__")
@@ -96,6 +118,15 @@ def lay(ws: Path, cache: Path | None = None) -> int:
             if os.path.islink(d) or not os.path.isdir(d):
                 continue
         name = os.path.join(d, f"{os.path.basename(p)[:-3]}.{_TAG}.pyc")
+        if same_fs:
+            try:
+                if os.stat(src).st_mode & 0o777 != 0o644:
+                    os.chmod(src, 0o644)  # written by an older version: owner-only
+                os.link(src, name)  # fails on an existing name: nothing is written through a link
+                laid += 1
+                continue
+            except OSError:
+                pass
         try:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         except OSError:

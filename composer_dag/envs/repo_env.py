@@ -53,6 +53,7 @@ import tomllib
 import urllib.request
 import zipfile
 from dataclasses import asdict, dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -61,7 +62,7 @@ from pydantic import Field
 from ..runtime.config import StageConfig
 from . import bytecode
 from .rootfs import PYVER, Persona, persona_for
-from .sandbox import Bind, Limits, Sandbox
+from .sandbox import Bind, Limits, Sandbox, share_tree
 
 REASONS = ("fetch_failed", "unsupported_layout", "licence_excluded", "install_failed", "needs_network",
            "suite_does_not_start", "no_tests_found", "tests_fail_at_base", "timeout")
@@ -673,9 +674,9 @@ def _digest_files(paths) -> str:
     return h.hexdigest()
 
 
-def _sandbox(workspace: Path, persona: Persona, binds: list[Bind], timeout: float) -> Sandbox:
+def _sandbox(workspace: Path, persona: Persona, binds: list[Bind], timeout: float, chown: bool = True) -> Sandbox:
     return Sandbox(workspace, Limits(timeout=timeout, cpu_seconds=int(timeout) + 60, max_disk_bytes=4 << 30),
-                   project=workspace.name, binds=binds, persona=persona)
+                   project=workspace.name, binds=binds, persona=persona, chown=chown)
 
 
 def _pip(workspace: Path, persona: Persona, wheelhouse: Path, out: Path, args: list[str], cfg: BootstrapConfig):
@@ -838,16 +839,20 @@ def run_tests(project: Path, tests_tree: Path, layer: Path, persona: Persona, pa
     (outcomes by node id, details: seconds, exit code, timed_out, output tail)."""
     with tempfile.TemporaryDirectory(prefix="cdag-rt-") as tmp:
         ws = Path(tmp) / project.name
-        shutil.copytree(project, ws, symlinks=True, ignore=shutil.ignore_patterns(".git", "__pycache__", ".venv"))
+        # the project's files hard-linked, read-only to the run (it may replace them, never write
+        # into them): a copy of networkx's 600 files cost as much as its tests' run
+        share_tree(project, ws, persona.uid, persona.gid, skip=frozenset((".git", "__pycache__", ".venv")))
         for rel, text in (changes or {}).items():
+            (ws / rel).unlink(missing_ok=True)  # never through the link into the project
             (ws / rel).write_text(text)
+            os.lchown(ws / rel, persona.uid, persona.gid)
         bytecode.warm(project)
-        bytecode.lay(ws)
+        bytecode.lay(ws, keys={k: v for k, v in bytecode.keys_of(project).items() if k not in (changes or {})})
         report = Path(tmp) / "report"
         report.mkdir()
         shutil.copy2(PLUGIN, report / "cdag_pytest_report.py")
         binds = venv_binds(ws, layer, f"{persona.home}/{ws.name}") + [Bind(tests_tree, CHECKS_DIR), Bind(report, REPORT_DIR, writable=True)]
-        with _sandbox(ws, persona, binds, timeout) as sb:
+        with _sandbox(ws, persona, binds, timeout, chown=False) as sb:
             shutil.chown(report, sb.persona.uid, sb.persona.gid)
             argv = [f"{sb.root}/.venv/bin/python", "-B", "-m", "pytest", "-p", "cdag_pytest_report",
                     *pytest_args(f"{CHECKS_DIR}/pytest.ini", paths)]
@@ -957,26 +962,43 @@ def reliable_tests(project: Path, tests: Path, layer: Path, persona: Persona, la
     shifted, another hash seed and random seed), then the hack probe on what passed every time."""
     paths = layout.test_paths[:cfg.max_test_files]
     runs, suite_seconds = [], 0.0
-    for i, shifted in enumerate((None, None, cfg.shifted_time)):
-        res, det = run_tests(project, tests, layer, persona, paths, cfg.test_timeout,
-                             hash_seed=cfg.hash_seeds[bool(shifted)], random_seed=cfg.random_seeds[bool(shifted)],
-                             shifted_time=shifted)
-        log(f"run {i + 1}/3{' (clock shifted)' if shifted else ''}: {sum(v == 'passed' for v in res.values())} "
-            f"of {len(res)} passed in {det['seconds']} s")
-        if det["timed_out"]:
-            raise BootstrapError("timeout", f"the suite ran over {cfg.test_timeout:.0f} s")
-        if not res:
-            text = det["output_tail"]
-            if re.search(_NETWORK, text):
-                raise BootstrapError("needs_network", f"the suite needs the network: {text[-300:]}")
-            if det["exit_code"] in (1, 2, 3, 4) and re.search(r"Error|error:", text):
-                # pytest stopped before any test: a conftest or a setting this pytest refuses
-                raise BootstrapError("suite_does_not_start", f"pytest stopped before any test: {text[-400:]}")
-            raise BootstrapError("no_tests_found", f"pytest reported no test: {text[-300:]}")
-        runs.append(res)
-        suite_seconds = max(suite_seconds, det["seconds"])
-        if i == 0:
-            first_messages = det["messages"]
+
+    def suite(shifted):
+        return run_tests(project, tests, layer, persona, paths, cfg.test_timeout,
+                         hash_seed=cfg.hash_seeds[bool(shifted)], random_seed=cfg.random_seeds[bool(shifted)],
+                         shifted_time=shifted)
+
+    # two runs at a time (each one process on one core): the first two, then the third beside the
+    # hack probe, which is given five times the first two's time
+    pool = ThreadPoolExecutor(2)
+    try:
+        futures = [pool.submit(suite, shifted) for shifted in (None, None)]
+        stubbed_run = None
+        for i, shifted in enumerate((None, None, cfg.shifted_time)):
+            if i == 2:
+                futures.append(pool.submit(suite, shifted))
+            res, det = futures[i].result()
+            log(f"run {i + 1}/3{' (clock shifted)' if shifted else ''}: {sum(v == 'passed' for v in res.values())} "
+                f"of {len(res)} passed in {det['seconds']} s")
+            if det["timed_out"]:
+                raise BootstrapError("timeout", f"the suite ran over {cfg.test_timeout:.0f} s")
+            if not res:
+                text = det["output_tail"]
+                if re.search(_NETWORK, text):
+                    raise BootstrapError("needs_network", f"the suite needs the network: {text[-300:]}")
+                if det["exit_code"] in (1, 2, 3, 4) and re.search(r"Error|error:", text):
+                    # pytest stopped before any test: a conftest or a setting this pytest refuses
+                    raise BootstrapError("suite_does_not_start", f"pytest stopped before any test: {text[-400:]}")
+                raise BootstrapError("no_tests_found", f"pytest reported no test: {text[-300:]}")
+            runs.append(res)
+            suite_seconds = max(suite_seconds, det["seconds"])
+            if i == 0:
+                first_messages = det["messages"]
+            if i == 1:
+                stubbed_run = pool.submit(_vacuous_run, project, tests, layer, persona, layout, paths, work,
+                                          min(cfg.test_timeout, max(30.0, 5 * suite_seconds)))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     kept, left = _classify(runs)
     if not kept and any(re.search(_NETWORK, m) for m in first_messages.values()):
         raise BootstrapError("needs_network", "the tests that fail at the base revision fail on the network: "
@@ -987,16 +1009,7 @@ def reliable_tests(project: Path, tests: Path, layer: Path, persona: Persona, la
     if not kept:
         raise BootstrapError("tests_fail_at_base", f"no test passes reliably at the base revision "
                                                    f"({len(left)} left out: {_counts(left.values())})")
-    # hack probe: the code under test replaced by NotImplementedError
-    stubbed = work / "stubbed" / project.name
-    shutil.copytree(project, stubbed, symlinks=True, ignore=shutil.ignore_patterns(".git"))
-    for rel in package_files(stubbed, layout):
-        s = stub_functions((stubbed / rel).read_text(errors="replace"))
-        if s is not None:
-            (stubbed / rel).write_text(s)
-    # stubs can make a suite loop (a retry loop around a call that now raises): five times the
-    # suite's time; tests that had not passed by then are not vacuous
-    res, _ = run_tests(stubbed, tests, layer, persona, paths, min(cfg.test_timeout, max(30.0, 5 * suite_seconds)))
+    res = stubbed_run.result()
     for t in kept:
         if res.get(t) == "passed":
             left[t] = "vacuous"
@@ -1004,8 +1017,25 @@ def reliable_tests(project: Path, tests: Path, layer: Path, persona: Persona, la
     if not kept:
         raise BootstrapError("tests_fail_at_base", "every passing test still passes with the code replaced by "
                                                    "NotImplementedError (vacuous)")
-    shutil.rmtree(work / "stubbed")
     return kept, left, suite_seconds
+
+
+def _vacuous_run(project: Path, tests: Path, layer: Path, persona: Persona, layout: Layout, paths: list[str],
+                 work: Path, timeout: float) -> dict:
+    """The hack probe's outcomes: the suite against the code under test replaced by
+    ``NotImplementedError``. Stubs can make a suite loop (a retry loop around a call that now
+    raises): ``timeout`` is five times the suite's time; tests that had not passed by then are
+    not vacuous."""
+    stubbed = work / "stubbed" / project.name
+    shutil.copytree(project, stubbed, symlinks=True, ignore=shutil.ignore_patterns(".git"))
+    try:
+        for rel in package_files(stubbed, layout):
+            s = stub_functions((stubbed / rel).read_text(errors="replace"))
+            if s is not None:
+                (stubbed / rel).write_text(s)
+        return run_tests(stubbed, tests, layer, persona, paths, timeout)[0]
+    finally:
+        shutil.rmtree(work / "stubbed", ignore_errors=True)
 
 
 def bootstrap(src: str, out: Path, cfg: BootstrapConfig = BootstrapConfig(), log=lambda m: None) -> dict:

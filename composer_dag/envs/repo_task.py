@@ -100,77 +100,110 @@ def verify_canaries(task_dirs: list[Path], workers: int = 2, candidates_per_file
                     per_run: int = 8) -> dict[str, dict]:
     """``add_repo_canaries`` for the tasks of one environment at once (task name -> canaries kept).
     The tasks mined from one environment have the same reference tree (the repository as it
-    was), so their candidates are run side by side: each run lays up to ``per_run`` canaries, of
-    different tasks and each where the file it replaces lies (two canaries of one file never share
-    a run), against one task's reference. A candidate is kept when the reference fails some of
-    its tests; a task whose candidate is not kept has its next one tried in the next round. A run
-    whose result is void or tampered with is run again one canary at a time."""
-    from .canaries import _visible_text, make_canaries
+    was), and the tasks whose FAIL_TO_PASS lies in one test file hide the same file: they share
+    its canaries, made once (seeded by the first task's id, and kept clear of what any of them
+    shows: the first one's visible text and the files the others show besides). Candidates are run
+    side by side: each run lays up to ``per_run`` canaries, each where the file it replaces lies
+    (two canaries of one file never share a run), against the shared reference. A candidate is
+    kept when the reference fails some of its tests; a file whose candidate is not kept has its
+    next one tried in the next round. A run whose result is void or tampered with is run again one
+    canary at a time. Each task takes up to ``keep`` canaries, from its files in order."""
+    import hashlib
+
+    from .canaries import _flat_file, _visible_text, make_canaries
     from .checks import outcomes, run_checks
     from .task_dir import apply_reference
 
     dirs = [Path(d) for d in task_dirs]
     tasks = {d.name: json.loads((d / "task.json").read_text()) for d in dirs}
-    todo: dict[str, list] = {}  # task name -> [(file it replaces, canary source)] in the order tried
-    for d in dirs:
-        task = tasks[d.name]
-        visible = _visible_text(d / "repo", flat=True)
-        todo[d.name] = [(rel, src) for rel in sorted({t.split("::", 1)[0] for t in task["tests"]["FAIL_TO_PASS"]})
-                        for src in make_canaries((d / "hidden_tests" / rel).read_text(), seed=f"{task['id']}:{rel}",
-                                                 visible_flat=visible, n=candidates_per_file)]
-    kept: dict[str, dict] = {d.name: {} for d in dirs}
     by_name = {d.name: d for d in dirs}
+
+    def env_key(name: str) -> str:
+        return str((tasks[name].get("origin") or {}).get("env_digest") or name)
+
+    def hidden(name: str) -> list[str]:
+        return sorted({t.split("::", 1)[0] for t in tasks[name]["tests"]["FAIL_TO_PASS"]})
+
+    # (environment, file, digest of its hidden source) -> the tasks that hide it, in order
+    groups: dict[tuple, list[str]] = {}
+    group_of: dict[tuple, tuple] = {}  # (task name, file) -> its group
+    for d in dirs:
+        for rel in hidden(d.name):
+            text = (d / "hidden_tests" / rel).read_bytes()
+            group_of[(d.name, rel)] = key = (env_key(d.name), rel, hashlib.sha256(text).hexdigest())
+            groups.setdefault(key, []).append(d.name)
+
+    def visible(names: list[str]) -> str:
+        first = names[0]
+        parts = [_visible_text(by_name[first] / "repo", flat=True)]
+        for name in names[1:]:  # what another task shows that the first does not: its change, its files
+            changed = (tasks[name].get("origin") or {}).get("file")
+            if not changed:
+                parts.append(_visible_text(by_name[name] / "repo", flat=True))
+                continue
+            for rel in sorted({changed} | (set(hidden(first)) - set(hidden(name)))):
+                p = by_name[name] / "repo" / rel
+                if p.is_file() and not p.is_symlink():
+                    parts.append(_flat_file(p.read_text(errors="replace")))
+        return "".join(parts)
+
+    todo = {key: make_canaries((by_name[names[0]] / "hidden_tests" / key[1]).read_text(),
+                               seed=f"{tasks[names[0]]['id']}:{key[1]}", visible_flat=visible(names),
+                               n=candidates_per_file)
+            for key, names in groups.items()}
+    found: dict[tuple, list] = {key: [] for key in groups}  # key -> [(canary source, failing tests)]
     with tempfile.TemporaryDirectory(prefix="cdag-k-") as tmp:
         refs: dict[str, Path] = {}  # environment digest -> the reference tree its tasks share
 
-        def env_key(name: str) -> str:
-            return str((tasks[name].get("origin") or {}).get("env_digest") or name)
-
-        def reference(name: str) -> Path:
-            key = env_key(name)
-            if key not in refs:
-                refs[key] = apply_reference(by_name[name], Path(tmp) / f"ref-{len(refs)}")
-            return refs[key]
+        def reference(key: tuple) -> Path:
+            if key[0] not in refs:
+                refs[key[0]] = apply_reference(by_name[groups[key][0]], Path(tmp) / f"ref-{len(refs)}")
+            return refs[key[0]]
 
         def run(batch: list) -> list:
-            """[(task name, rel, source, failing or None)] of one sandboxed run of ``batch``."""
+            """[(group, source, failing or None)] of one sandboxed run of ``batch``."""
             files = {}
-            for name, rel, src in batch:  # a task is in one batch at a time
-                files[rel] = Path(tmp) / f"{name}.py"
-                files[rel].write_text(src)
-            res, det = run_checks(by_name[batch[0][0]], reference(batch[0][0]), [], placed=files)
+            for i, (key, src) in enumerate(batch):  # a group is in one batch at a time
+                files[key[1]] = Path(tmp) / f"canary-{id(batch)}-{i}.py"
+                files[key[1]].write_text(src)
+            res, det = run_checks(by_name[groups[batch[0][0]][0]], reference(batch[0][0]), [], placed=files)
             if (not det["valid"] or det["tamper"]) and len(batch) > 1:
                 return [x for item in batch for x in run([item])]
             got = outcomes(res) if det["valid"] and not det["tamper"] else {}
-            return [(name, rel, src, sorted(k for k, v in got.items() if k.split("::", 1)[0] == rel
-                                            and v in ("failed", "error")) or None) for name, rel, src in batch]
+            return [(key, src, sorted(k for k, v in got.items() if k.split("::", 1)[0] == key[1]
+                                      and v in ("failed", "error")) or None) for key, src in batch]
 
         with ThreadPoolExecutor(max(1, workers)) as pool:
             while True:
-                # one candidate per task still short of ``keep``, all against the one reference
-                groups: dict[str, list] = {}
-                for name, cands in todo.items():
-                    if cands and len(kept[name]) < keep:
-                        rel, src = cands.pop(0)
-                        groups.setdefault(env_key(name), []).append((name, rel, src))
-                if not groups:
+                # one candidate per file still short of ``keep``, all against the one reference
+                by_env: dict[str, list] = {}
+                for key, cands in todo.items():
+                    if cands and len(found[key]) < keep:
+                        by_env.setdefault(key[0], []).append((key, cands.pop(0)))
+                if not by_env:
                     break
-                for name in {n for g in groups.values() for n, _, _ in g}:  # made before the threads share them
-                    reference(name)
+                for items in by_env.values():  # made before the threads share them
+                    reference(items[0][0])
                 batches = []
-                for items in groups.values():
+                for items in by_env.values():
                     while items:
                         batch, rels = [], set()
                         for item in list(items):
-                            if item[1] not in rels and len(batch) < per_run:
+                            if item[0][1] not in rels and len(batch) < per_run:
                                 batch.append(item)
-                                rels.add(item[1])
+                                rels.add(item[0][1])
                                 items.remove(item)
                         batches.append(batch)
                 for results in pool.map(run, batches):
-                    for name, rel, src, failing in results:
+                    for key, src, failing in results:
                         if failing:
-                            kept[name][check_name(src.encode()) + ".py"] = (src, {"replaces": rel, "failing": failing})
+                            found[key].append((src, failing))
+    kept: dict[str, dict] = {d.name: {} for d in dirs}
+    for d in dirs:
+        for rel in hidden(d.name):
+            for src, failing in found[group_of[(d.name, rel)]]:
+                if len(kept[d.name]) < keep:
+                    kept[d.name][check_name(src.encode()) + ".py"] = (src, {"replaces": rel, "failing": failing})
     out = {}
     for d in dirs:
         task = tasks[d.name]
