@@ -66,7 +66,7 @@ from pydantic import Field
 from ..runtime.config import StageConfig
 from . import bytecode
 from .rootfs import PYVER, task_persona
-from .sandbox import Bind, Limits, Sandbox, identity_lease
+from .sandbox import Bind, Limits, Sandbox, identity_lease, share_tree
 from .task_dir import check_name, hidden_files, load_task, project_name
 
 
@@ -86,12 +86,12 @@ RUNNER_FAILED = 3  # the runner's exit code when it could not write its results
 
 
 def grading_sandbox(task: dict, workspace: Path, limits: Limits, binds: list[Bind], identity: int | None = None,
-                    masks: dict[str, Path | None] | None = None) -> Sandbox:
+                    masks: dict[str, Path | None] | None = None, chown: bool = True) -> Sandbox:
     """The sandbox a grading run uses: the task's persona (the episode's laptop), the runner's
     binds, the run's own ``identity`` (a uid no other live run holds) and the episode's ``masks``
     (``grading_masks``)."""
     return Sandbox(workspace, limits, project=workspace.name, binds=binds, persona=task_persona(task),
-                   identity=identity, masks=masks)
+                   identity=identity, masks=masks, chown=chown)
 
 
 def grading_masks(task_dir: Path, task: dict) -> dict[str, Path | None]:
@@ -126,10 +126,13 @@ class GradeConfig(StageConfig):
 
 
 def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: float | None = None,
-               limits: Limits = Limits(), placed: dict[str, Path] | None = None) -> tuple[dict[str, str], dict]:
+               limits: Limits = Limits(), placed: dict[str, Path] | None = None,
+               trusted: bool = False) -> tuple[dict[str, str], dict]:
     """Copy ``workspace`` and run the test ``files`` against it in one sandbox with the runner.
     ``placed`` (a repository task's): more files to run, each laid at its path in the recorded
     test tree (``repo_task.verify_canaries``: the canaries of several tasks, side by side).
+    ``trusted``: ``workspace`` is a tree this process made (a task's checkout, its reference), never
+    an episode's: its files are hard-linked, read-only to the run (``sandbox.share_tree``).
 
     Returns (per_test, details): outcomes by ``<file stem>[.<Class>]::<test>`` (plus
     ``<name>#message`` for failures), and ``details`` with ``valid`` (a sealed, verified result
@@ -140,9 +143,12 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
     timeout = timeout or task.get("limits", {}).get("test_timeout", 120)
     key = secrets.token_hex(32)
     pytest_task = task.get("framework") == "pytest"
-    with tempfile.TemporaryDirectory(prefix="cdag-g-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="cdag-g-") as tmp, identity_lease() as uid:
         ws = Path(tmp) / project_name(task)
-        shutil.copytree(workspace, ws, symlinks=True, ignore=_skip_in_copy)
+        if trusted:
+            share_tree(workspace, ws, uid, uid, skip=frozenset(("__pycache__", ".pytest_cache")))
+        else:
+            shutil.copytree(workspace, ws, symlinks=True, ignore=_skip_in_copy)
         report = Path(tmp) / "report"
         report.mkdir()
         checks = Path(tmp) / "checks"
@@ -185,8 +191,7 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
         for p in [*checks.rglob("*"), checks]:
             os.utime(p, (CHECKS_MTIME, CHECKS_MTIME), follow_symlinks=False)
         binds += [Bind(RUNNER, RUNNER_PATH), Bind(checks, CHECKS_DIR), Bind(report, REPORT_DIR, writable=True)]
-        with identity_lease() as uid, \
-                grading_sandbox(task, ws, limits, binds, uid, grading_masks(task_dir, task)) as sb:
+        with grading_sandbox(task, ws, limits, binds, uid, grading_masks(task_dir, task), chown=not trusted) as sb:
             shutil.chown(report, sb.persona.uid, sb.persona.gid)
             # a repository task: the project's venv python, without site at startup (-S: the runner
             # adds the site directories itself once it holds its key)
@@ -251,10 +256,10 @@ def _read_results(report: Path, key: str) -> tuple[dict | None, list[str], str |
 
 
 def run_hidden_tests(task_dir: Path, workspace: Path, timeout: float | None = None,
-                     limits: Limits = Limits()) -> tuple[dict[str, str], dict]:
+                     limits: Limits = Limits(), trusted: bool = False) -> tuple[dict[str, str], dict]:
     """Run ``task_dir/hidden_tests`` against a copy of ``workspace``; (per_test, details).
     A run whose results are void (see ``run_checks``) has no per-test outcomes."""
-    per_test, details = run_checks(task_dir, workspace, hidden_files(task_dir), timeout, limits)
+    per_test, details = run_checks(task_dir, workspace, hidden_files(task_dir), timeout, limits, trusted=trusted)
     return (per_test if details["valid"] else {}), details
 
 

@@ -175,14 +175,15 @@ def check_task(task_dir: Path) -> dict:
     checks = task.get("checks") or {}
     canaries = canary_files(task_dir, task)
     with tempfile.TemporaryDirectory(prefix="cdag-c-") as tmp:
-        broken, _ = run_hidden_tests(task_dir, task_dir / "repo")
+        # the task's own trees (its checkout, its reference): hard-linked into each run's copy
+        broken, _ = run_hidden_tests(task_dir, task_dir / "repo", trusted=True)
         ref_ws = apply_reference(task_dir, Path(tmp) / "ws")
-        ref, details = run_hidden_tests(task_dir, ref_ws)
+        ref, details = run_hidden_tests(task_dir, ref_ws, trusted=True)
         flags = detect_flags(task_dir, ref_ws) + behaviour_flags(details)
         if task.get("framework") == "pytest":  # a canary replaces a file of the tree: one run each
-            c_runs = [(p, *run_checks(task_dir, ref_ws, [p])) for p in canaries]
+            c_runs = [(p, *run_checks(task_dir, ref_ws, [p], trusted=True)) for p in canaries]
         else:
-            c_tests, c_details = run_checks(task_dir, ref_ws, canaries) if canaries else ({}, {"valid": True})
+            c_tests, c_details = run_checks(task_dir, ref_ws, canaries, trusted=True) if canaries else ({}, {"valid": True})
             c_runs = [(p, {k: v for k, v in c_tests.items() if k.split("::")[0].split(".")[0] == p.stem}, c_details)
                       for p in canaries]
     ref_o, broken_o = outcomes(ref), outcomes(broken)

@@ -329,9 +329,10 @@ def chown_tree(path: Path, uid: int = 1000, gid: int = 1000) -> None:
 def share_tree(src: Path, dst: Path, uid: int = 1000, gid: int = 1000, skip: frozenset = frozenset()) -> None:
     """``dst`` as a working copy of the trusted tree ``src`` for a sandboxed run, at a fraction of
     a copy's cost: directories made and given to the sandbox user (``uid``); regular files this
-    process owns that no one else may write are hard links, so the sandbox user can replace or
-    delete them but never write into them (nor into ``src`` through them); any other file is
-    copied and given to the user; links are copied; names in ``skip`` are left out. Across
+    process owns that no one else may write (and no set-id bit) are hard links, so the sandbox
+    user can replace or delete them but never write into them (nor into ``src`` through them);
+    any other file is copied and given to the user; links are copied; names in ``skip`` are left
+    out. Across
     filesystems every file is copied. The host must not write into ``dst``'s files in place
     (unlink, then write)."""
     src, dst = Path(src), Path(dst)
@@ -357,7 +358,7 @@ def share_tree(src: Path, dst: Path, uid: int = 1000, gid: int = 1000, skip: fro
                 if n in dirs:
                     dirs.remove(n)
             elif n in files and stat.S_ISREG(st.st_mode):
-                if same_fs and st.st_uid == me and not st.st_mode & 0o022:
+                if same_fs and st.st_uid == me and not st.st_mode & (0o022 | stat.S_ISUID | stat.S_ISGID):
                     os.link(s, f)
                 else:
                     shutil.copy2(s, f)
