@@ -40,8 +40,12 @@ TINY_RUN_CONFIG = {
             "sft_trajectories": {"config": {"max_per_source": {"humaneval": 0, "stdlib-bugfix": 0}}},
             # at a constant rate: make run's decay to 2e-4 (the default) under-trains this tiny set (18
             # transcripts after a 16-step mid-training): 2 of 16 parsed and held-out pass@1 0 when tried
-            "sft_checkpoint": {"config": {"max_steps": 80, "min_lr": 2e-3, "eval_every": 40, "save_every": 40,
-                                          "format_samples": 16, "min_format_share": 0.125}},
+            # 120 steps, not 80: the tokenizer is trained per run on a corpus sample, and at 80 steps the
+            # sampled first turns that parsed ranged from 0 to 10 of 16 across runs of one commit (two
+            # of four runs today failed the check); a first turn may take up to 160 new tokens
+            "sft_checkpoint": {"config": {"max_steps": 120, "min_lr": 2e-3, "eval_every": 60, "save_every": 60,
+                                          "format_samples": 16, "min_format_share": 0.125,
+                                          "format_max_new_tokens": 160}},
             # the distributed mode: two vLLM rollout servers started as Slurm service jobs, each
             # taking sft_checkpoint from S3 and following the weights the RL job publishes there;
             # a step's 16 episodes at once, so that each server batches its requests

@@ -146,6 +146,12 @@ def test_mined_tasks_are_sound_and_graded_under_pytest(mined_tasks, repo_envs):
     out, summary = mined_tasks
     assert summary["ok"] and len(summary["tasks"]) == 3, summary
     env = load_env(repo_envs["parse"][0])
+    canaries_by_file: dict = {}  # the tasks that hide one test file share its canary, made and verified once
+    for tid in summary["tasks"]:
+        task = load_task(out / tid)
+        for name, info in task["checks"]["canaries"].items():
+            canaries_by_file.setdefault(info["replaces"], set()).add(name)
+    assert canaries_by_file and all(len(v) == 1 for v in canaries_by_file.values()), canaries_by_file
     for tid in summary["tasks"]:
         d = out / tid
         task = load_task(d)
