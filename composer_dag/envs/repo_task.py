@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .repo_env import _norm, pack_objects
-from .sandbox import share_tree
 from .task_dir import TASK_FORMAT, check_name
 from .task_format import TaskLimits
 
@@ -44,15 +43,12 @@ def write_pytest_task(task_dir: Path, env: dict, env_dir: Path, *, changes: dict
     staging = Path(tempfile.mkdtemp(prefix=f".{task_dir.name}.tmp-", dir=task_dir.parent))
     try:
         repo = staging / "repo"
-        # the checkout's files hard-linked (a task's tree is never written in place), its git
-        # directory copied: git appends to some of its files
-        share_tree(env_dir / "repo", repo, os.geteuid(), os.getegid(), skip=frozenset({".git"}))
-        if (env_dir / "repo" / ".git").exists():
-            shutil.copytree(env_dir / "repo" / ".git", repo / ".git", symlinks=True)
+        shutil.copytree(env_dir / "repo", repo, symlinks=True)
         for rel, text in changes.items():
-            if (repo / rel).exists() or (repo / rel).is_symlink():
-                (repo / rel).unlink()  # never written through a link
-            if text is not None:
+            if text is None:
+                if (repo / rel).exists():
+                    (repo / rel).unlink()
+            else:
                 (repo / rel).write_text(text)
         if changes:
             head = _git(repo, "log", "-1", "--format=%an%x00%ae%x00%ad%x00%cd%x00%B", "--date=raw").stdout.split("\0")
@@ -100,6 +96,44 @@ def add_repo_canaries(task_dir: Path, candidates_per_file: int = 2, keep: int = 
     return verify_canaries([task_dir], 1, candidates_per_file, keep)[Path(task_dir).name]
 
 
+def _shared_visible(dirs: list[Path], tasks: list[dict]) -> str:
+    """The flattened text the tasks ``dirs`` (of one environment, hiding one test file) show
+    between them: the first one's visible text, and what each other one shows besides (its
+    changed module, the test files it does not hide)."""
+    from .canaries import _flat_file, _visible_text
+
+    def hidden(task: dict) -> set[str]:
+        return {t.split("::", 1)[0] for t in task["tests"]["FAIL_TO_PASS"]}
+
+    parts = [_visible_text(dirs[0] / "repo", flat=True)]
+    for d, task in zip(dirs[1:], tasks[1:]):
+        changed = (task.get("origin") or {}).get("file")
+        if not changed:
+            parts.append(_visible_text(d / "repo", flat=True))
+            continue
+        for rel in sorted({changed} | (hidden(tasks[0]) - hidden(task))):
+            p = d / "repo" / rel
+            if p.is_file() and not p.is_symlink():
+                parts.append(_flat_file(p.read_text(errors="replace")))
+    return "".join(parts)
+
+
+def _batches(by_env: dict[str, list], per_run: int) -> list[list]:
+    """The runs of one round: ``(group, canary)`` items of one environment, up to ``per_run`` a
+    run, two canaries of one file never in one run."""
+    batches = []
+    for items in by_env.values():
+        while items:
+            batch, rels = [], set()
+            for item in list(items):
+                if item[0][1] not in rels and len(batch) < per_run:
+                    batch.append(item)
+                    rels.add(item[0][1])
+                    items.remove(item)
+            batches.append(batch)
+    return batches
+
+
 def verify_canaries(task_dirs: list[Path], workers: int = 2, candidates_per_file: int = 2, keep: int = 1,
                     per_run: int = 8) -> dict[str, dict]:
     """``add_repo_canaries`` for the tasks of one environment at once (task name -> canaries kept).
@@ -114,7 +148,7 @@ def verify_canaries(task_dirs: list[Path], workers: int = 2, candidates_per_file
     canary at a time. Each task takes up to ``keep`` canaries, from its files in order."""
     import hashlib
 
-    from .canaries import _flat_file, _visible_text, make_canaries
+    from .canaries import make_canaries
     from .checks import outcomes, run_checks
     from .task_dir import apply_reference
 
@@ -137,22 +171,9 @@ def verify_canaries(task_dirs: list[Path], workers: int = 2, candidates_per_file
             group_of[(d.name, rel)] = key = (env_key(d.name), rel, hashlib.sha256(text).hexdigest())
             groups.setdefault(key, []).append(d.name)
 
-    def visible(names: list[str]) -> str:
-        first = names[0]
-        parts = [_visible_text(by_name[first] / "repo", flat=True)]
-        for name in names[1:]:  # what another task shows that the first does not: its change, its files
-            changed = (tasks[name].get("origin") or {}).get("file")
-            if not changed:
-                parts.append(_visible_text(by_name[name] / "repo", flat=True))
-                continue
-            for rel in sorted({changed} | (set(hidden(first)) - set(hidden(name)))):
-                p = by_name[name] / "repo" / rel
-                if p.is_file() and not p.is_symlink():
-                    parts.append(_flat_file(p.read_text(errors="replace")))
-        return "".join(parts)
-
     todo = {key: make_canaries((by_name[names[0]] / "hidden_tests" / key[1]).read_text(),
-                               seed=f"{tasks[names[0]]['id']}:{key[1]}", visible_flat=visible(names),
+                               seed=f"{tasks[names[0]]['id']}:{key[1]}",
+                               visible_flat=_shared_visible([by_name[n] for n in names], [tasks[n] for n in names]),
                                n=candidates_per_file)
             for key, names in groups.items()}
     found: dict[tuple, list] = {key: [] for key in groups}  # key -> [(canary source, failing tests)]
@@ -188,17 +209,7 @@ def verify_canaries(task_dirs: list[Path], workers: int = 2, candidates_per_file
                     break
                 for items in by_env.values():  # made before the threads share them
                     reference(items[0][0])
-                batches = []
-                for items in by_env.values():
-                    while items:
-                        batch, rels = [], set()
-                        for item in list(items):
-                            if item[0][1] not in rels and len(batch) < per_run:
-                                batch.append(item)
-                                rels.add(item[0][1])
-                                items.remove(item)
-                        batches.append(batch)
-                for results in pool.map(run, batches):
+                for results in pool.map(run, _batches(by_env, per_run)):
                     for key, src, failing in results:
                         if failing:
                             found[key].append((src, failing))
