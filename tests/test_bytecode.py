@@ -96,7 +96,8 @@ def _shared_tree_checks(tmp_path, share_tree, stat):
     (trusted / ".git").mkdir()
     (trusted / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     (trusted / "link.py").symlink_to("pkg/mod.py")
-    bytecode.warm(trusted, cache)
+    keys: dict = {}
+    bytecode.warm(trusted, cache, keys=keys)
     ws = tmp_path / "ws"
     share_tree(trusted, ws, 1000, 1000, skip=frozenset({".git"}))
     assert not (ws / ".git").exists() and os.readlink(ws / "link.py") == "pkg/mod.py"
@@ -106,7 +107,7 @@ def _shared_tree_checks(tmp_path, share_tree, stat):
     assert not os.stat(ws / "tool").st_mode & stat.S_ISUID
     assert all(os.stat(d).st_uid == 1000 for d in (ws, ws / "pkg", ws / "pkg" / "sub"))
 
-    keys = bytecode.keys_of(trusted)
+    assert "pkg/sub/deep.py" in keys and "open.txt" not in keys
     assert bytecode.lay(ws, cache, keys={k: v for k, v in keys.items() if k != "pkg/sub/deep.py"}) == 4
     pyc = ws / "pkg" / "sub" / "__pycache__" / f"deep.{sys.implementation.cache_tag}.pyc"
     assert pyc.stat().st_nlink == 2 and oct(pyc.stat().st_mode & 0o777) == "0o644"  # the cache's, linked

@@ -53,15 +53,20 @@ def _key(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def warm(tree: Path, cache: Path | None = None) -> dict:
+def warm(tree: Path, cache: Path | None = None, keys: dict[str, str] | None = None) -> dict:
     """Compile the ``.py`` files of the trusted ``tree`` that the cache does not hold yet:
-    {"files", "compiled", "failed"} (a file that does not compile is left to the sandbox)."""
+    {"files", "compiled", "failed"} (a file that does not compile is left to the sandbox).
+    ``keys``, when given, receives each file's key by its path relative to ``tree`` (what
+    ``lay`` looks the bytecode of a copy of ``tree`` up by, without hashing it again)."""
     cache = cache or cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     stats = {"files": 0, "compiled": 0, "failed": 0}
     for p in _sources(Path(tree)):
         stats["files"] += 1
-        target = cache / f"{_key(p)}.pyc"
+        key = _key(p)
+        if keys is not None:
+            keys[os.path.relpath(p, tree)] = key
+        target = cache / f"{key}.pyc"
         if target.exists():
             continue
         fd, tmp = tempfile.mkstemp(dir=cache, suffix=".tmp")
@@ -79,24 +84,9 @@ def warm(tree: Path, cache: Path | None = None) -> dict:
     return stats
 
 
-def keys_of(tree: Path) -> dict[str, str]:
-    """The digest of each regular ``.py`` file of the trusted ``tree`` by its relative path (what
-    ``lay`` looks its bytecode up by), kept per tree and modification time."""
-    tree = Path(tree)
-    stamp = (str(tree), os.stat(tree).st_mtime_ns)
-    got = _KEYS.get(stamp[0])
-    if got is None or got[0] != stamp[1]:
-        got = (stamp[1], {os.path.relpath(p, tree): _key(p) for p in _sources(tree)})
-        _KEYS[stamp[0]] = got
-    return got[1]
-
-
-_KEYS: dict[str, tuple[int, dict[str, str]]] = {}
-
-
 def lay(ws: Path, cache: Path | None = None, keys: dict[str, str] | None = None) -> int:
     """Put the cached bytecode of the ``.py`` files of the copy ``ws`` (made by the caller,
-    without ``__pycache__``) beside them; the number laid. ``keys`` (``keys_of``): the digest of
+    without ``__pycache__``) beside them; the number laid. ``keys`` (from ``warm``): the digest of
     each file's bytes by its path relative to ``ws``, known from the trusted tree it was copied
     from (a file of ``ws`` missing from it is hashed). A cached file on ``ws``'s filesystem is
     hard-linked, read-only (the interpreter checks it against its source's hash either way)."""

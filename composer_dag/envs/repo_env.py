@@ -846,8 +846,9 @@ def run_tests(project: Path, tests_tree: Path, layer: Path, persona: Persona, pa
             (ws / rel).unlink(missing_ok=True)  # never through the link into the project
             (ws / rel).write_text(text)
             os.lchown(ws / rel, persona.uid, persona.gid)
-        bytecode.warm(project)
-        bytecode.lay(ws, keys={k: v for k, v in bytecode.keys_of(project).items() if k not in (changes or {})})
+        keys: dict[str, str] = {}
+        bytecode.warm(project, keys=keys)
+        bytecode.lay(ws, keys={k: v for k, v in keys.items() if k not in (changes or {})})
         report = Path(tmp) / "report"
         report.mkdir()
         shutil.copy2(PLUGIN, report / "cdag_pytest_report.py")
