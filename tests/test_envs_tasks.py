@@ -28,7 +28,7 @@ def _all(out):
 
 
 def git(repo, *args):
-    out = subprocess.run(["git", "-c", "safe.directory=*", *args], cwd=repo, capture_output=True, check=True)
+    out = subprocess.run(["git", "--no-optional-locks", "-c", "safe.directory=*", *args], cwd=repo, capture_output=True, check=True)
     return out.stdout.decode(errors="replace")
 
 

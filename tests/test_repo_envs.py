@@ -169,8 +169,9 @@ def test_mined_tasks_are_sound_and_graded_under_pytest(mined_tasks, repo_envs):
         broken = (d / "repo" / task["reference"]["files"][0]).read_text().splitlines()
         fixed_lines = set(ref) - set(broken)
         assert not any(line.strip() and line.strip() in task["instructions"] for line in fixed_lines)
-        git = lambda *a: subprocess.run(["git", "-c", "safe.directory=*", *a], cwd=d / "repo", capture_output=True,
-                                        text=True).stdout
+        # --no-optional-locks: status would otherwise refresh (rewrite) the checkout's .git/index
+        git = lambda *a: subprocess.run(["git", "--no-optional-locks", "-c", "safe.directory=*", *a], cwd=d / "repo",
+                                        capture_output=True, text=True).stdout
         assert git("rev-list", "--all").split() == [git("rev-parse", "HEAD").strip()]  # one commit, no reflog
         assert git("status", "--porcelain") == ""
         objs = git("cat-file", "--batch-all-objects", "--batch-check").split("\n")
