@@ -205,6 +205,31 @@ def test_workspace_digest_sees_bytes_modes_and_links(tmp_path):
     assert len(seen) == len(changes) + 1
 
 
+def test_a_checkouts_digest_follows_git_rewriting_its_index(tmp_path):
+    """The digest of a task's checkout is kept per process, keyed by the times of the checkout and
+    its git directory: a ``git status`` that refreshes ``.git/index`` (here: a file's time moved,
+    its bytes the same) is seen, where the checkout's own time alone missed it."""
+    import os
+    import subprocess
+
+    from composer_dag.envs.task_dir import checkout_digest
+
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "pkg" / "m.py").write_text("x = 1\n")
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *a], cwd=repo,
+                                    check=True, capture_output=True)
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "base")
+    before = checkout_digest(tmp_path)
+    index = (repo / ".git" / "index").read_bytes()
+    os.utime(repo / "pkg" / "m.py", (1_000_000_000, 1_000_000_000))
+    git("status", "--porcelain")
+    assert (repo / ".git" / "index").read_bytes() != index  # git refreshed the entry's stat data
+    assert checkout_digest(tmp_path) == workspace_digest(repo, skip=(".venv",)) != before
+
+
 # ---------------------------------------------------------------- GRPO
 
 def test_group_advantages():

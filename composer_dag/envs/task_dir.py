@@ -50,15 +50,18 @@ def workspace_digest(root, skip: tuple[str, ...] = ()) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _checkout_digest(repo: str, mtime_ns: int) -> str:
+def _checkout_digest(repo: str, mtimes: tuple) -> str:
     return workspace_digest(repo, skip=(".venv",))
 
 
 def checkout_digest(task_dir) -> str:
     """``workspace_digest`` of a task's checkout as handed out (``repo/``; a ``.venv`` aside),
-    computed once per process: a task directory is not changed once written."""
+    computed once per process: a task directory is not changed once written. Except by git: a
+    ``git status`` in the checkout (an operator's look) refreshes ``.git/index`` by a rename,
+    which the git directory's time shows, so that time is part of the key too."""
     repo = Path(task_dir) / "repo"
-    return _checkout_digest(str(repo), repo.stat().st_mtime_ns)
+    git = repo / ".git"
+    return _checkout_digest(str(repo), (repo.stat().st_mtime_ns, git.stat().st_mtime_ns if git.is_dir() else 0))
 
 
 
