@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .repo_env import _norm, pack_objects
+from .sandbox import share_tree
 from .task_dir import TASK_FORMAT, check_name
 from .task_format import TaskLimits
 
@@ -43,12 +44,15 @@ def write_pytest_task(task_dir: Path, env: dict, env_dir: Path, *, changes: dict
     staging = Path(tempfile.mkdtemp(prefix=f".{task_dir.name}.tmp-", dir=task_dir.parent))
     try:
         repo = staging / "repo"
-        shutil.copytree(env_dir / "repo", repo, symlinks=True)
+        # the checkout's files hard-linked (a task's tree is never written in place), its git
+        # directory copied: git appends to some of its files
+        share_tree(env_dir / "repo", repo, os.geteuid(), os.getegid(), skip=frozenset({".git"}))
+        if (env_dir / "repo" / ".git").exists():
+            shutil.copytree(env_dir / "repo" / ".git", repo / ".git", symlinks=True)
         for rel, text in changes.items():
-            if text is None:
-                if (repo / rel).exists():
-                    (repo / rel).unlink()
-            else:
+            if (repo / rel).exists() or (repo / rel).is_symlink():
+                (repo / rel).unlink()  # never written through a link
+            if text is not None:
                 (repo / rel).write_text(text)
         if changes:
             head = _git(repo, "log", "-1", "--format=%an%x00%ae%x00%ad%x00%cd%x00%B", "--date=raw").stdout.split("\0")
