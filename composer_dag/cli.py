@@ -152,7 +152,7 @@ def cmd_sandbox_realism(args: argparse.Namespace) -> dict[str, Any]:
     tells = open_tells(inside)
     sys.stdout.write(f"{inside['count']} of {len(PROBES)} probes tell the sandbox from a laptop "
                      f"(the host: {host['count']}); {inside['count'] - len(tells)} of them allowed "
-                     f"(the host shows through), {len(tells)} open\n")
+                     f"(the host shows through, or isolation keeps them), {len(tells)} open\n")
     return {"probes": len(PROBES), "differences": inside["count"], "open": len(tells), "host_differences": host["count"]}
 
 

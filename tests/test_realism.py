@@ -59,8 +59,6 @@ def test_every_probe_answers_in_the_sandbox_and_on_the_host(reports):
 STILL_OPEN = {
     # the mount table names the runtime's cache (bind mounts from the host's disk)
     "mounts.paths",
-    # bubblewrap sets no_new_privs; an OCI runtime (every mount nosuid instead) would not
-    "priv.no_new_privs",
 }
 # the tells the issue found in one read: none may be allowed, whatever the host shows
 NEVER_ALLOWED = {"mounts.paths", "proc.pid1_cmdline", "proc.pid1_comm", "proc.count", "etc.entries", "etc.passwd",
@@ -80,22 +78,26 @@ def test_the_battery_sees_the_tells_a_model_would_see(reports):
     """The tells a model finds in one read: those closed stay closed (process 1 and the process
     list, /dev, the mount points, a laptop's /etc, home, history, /tmp, /run/user, /sys, locale,
     time zone, session variables, groups, tools), the rest are each found by their probe."""
-    from composer_dag.envs.probes import ALLOWLIST, open_tells
+    from composer_dag.envs.probes import ALLOWLIST, ISOLATION_TRACES, open_tells
 
     v = reports["sandbox"]["verdicts"]
     assert {d.split(":")[0] for d in open_tells(reports["sandbox"])} <= STILL_OPEN
-    # what is allowed shows through from the host: the host's own answer differs the same way
-    for probe in set(ALLOWLIST) & {d.split(":")[0] for d in reports["sandbox"]["differences"]}:
+    # what is allowed shows through from the host (the host's own answer differs the same way), or
+    # is what isolation keeps: / read-only and nosuid, where the host's is neither
+    for probe in set(ALLOWLIST) & {d.split(":")[0] for d in reports["sandbox"]["differences"]} - ISOLATION_TRACES:
         assert reports["host"]["verdicts"][probe], (probe, v[probe])
+    assert ISOLATION_TRACES <= set(ALLOWLIST) and ISOLATION_TRACES == {"mounts.options"}
+    assert set(reports["sandbox"]["outputs"]["mounts.options"].strip().split(",")) >= {"ro", "nosuid", "nodev"}
+    assert v["mounts.options"] and reports["host"]["verdicts"]["mounts.options"] is None
     for probe in ("proc.pid1_cmdline", "proc.pid1_comm", "proc.count", "proc.services", "proc.session",
                   "proc.ancestry", "proc.exe", "ns.same_as_init", "dev.entries", "dev.count", "mounts.points",
                   "mounts.types",
                   "etc.passwd", "etc.group", "etc.entries", "etc.locale", "etc.timezone", "etc.hostname",
                   "run.user", "tmp.entries", "home.history", "home.dotfiles", "home.config", "home.cache",
                   "env.names", "env.lang", "priv.groups", "tools.installed", "tools.editors", "net.interfaces",
-                  "net.address", "net.route", "net.lookup", "net.connect"):
+                  "net.address", "net.route", "net.lookup", "net.connect", "priv.no_new_privs", "priv.seccomp"):
         assert v[probe] is None, (probe, v[probe], reports["sandbox"]["outputs"][probe][:300])
-    for probe in ("mounts.paths", "priv.no_new_privs"):
+    for probe in ("mounts.paths",):
         assert v[probe], (probe, reports["sandbox"]["outputs"][probe][:300])
     out = reports["sandbox"]["outputs"]
     # /sys is there, and is the kernel's as the host has it (at most what the host lacks is missing)
@@ -114,7 +116,7 @@ def test_realism_command_prints_each_difference_and_the_count(realism_cli):
     assert summary["probes"] == len(PROBES) and summary["differences"] == reports["sandbox"]["count"] > 0
     assert 0 < summary["open"] <= len(STILL_OPEN) and "allowed: " in stdout
     assert f"{summary['differences']} of {len(PROBES)} probes tell the sandbox from a laptop" in stdout
-    assert "priv.no_new_privs: " in stdout and "    sandbox: " in stdout and "    host:    " in stdout
+    assert "mounts.paths: " in stdout and "    sandbox: " in stdout and "    host:    " in stdout
 
 
 def test_the_battery_in_a_grading_run_sees_what_the_episode_sees(tmp_path, reports):

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -389,16 +390,30 @@ print("setid-files", found, "on-suid-mounts", suid_mounts)
 
 
 def test_setuid_and_setgid_binaries_gain_nothing(task, host_guard):
-    """A setuid-root and a setgid-root copy of ``id`` put in the workspace by the host, and the
-    system's own sudo and su: inside, the effective uid and gid stay the user's, and every setuid
-    or setgid file the sandbox can see sits on a nosuid mount."""
+    """With ``no_new_privs`` unset, as on a laptop: a setuid-root and a setgid-root copy of ``id``
+    put in the workspace by the host, a copy of ``cat`` given every capability as a file
+    capability, and the system's own sudo and su: inside, the effective uid and gid stay the
+    user's, the capabilities none, and every setuid or setgid file the sandbox can see sits on
+    a nosuid mount."""
+    import struct
+
     ep = host_guard(task)
     for name, mode in (("suid-id", 0o4755), ("sgid-id", 0o2755)):
         shutil.copy("/usr/bin/id", ep.workspace / name)
         os.chown(ep.workspace / name, 0, 0)
         os.chmod(ep.workspace / name, mode)
     assert os.stat(ep.workspace / "suid-id").st_mode & 0o4000  # the bit is really set on the host
+    shutil.copy("/usr/bin/cat", ep.workspace / "fcap-cat")
+    os.chown(ep.workspace / "fcap-cat", 0, 0)
+    # vfs_cap_data, revision 2, effective: every capability of our bounding set permitted
+    # (capabilities(7)); run by uid 1000 on the host, this cat holds them all
+    bnd = int(re.search(r"^CapBnd:\s+(\w+)", Path("/proc/self/status").read_text(), re.M).group(1), 16)
+    os.setxattr(ep.workspace / "fcap-cat", "security.capability",
+                struct.pack("<5I", 0x02000001, bnd & 0xFFFFFFFF, 0, bnd >> 32, 0))
     uid, gid = ep.sandbox.persona.uid, ep.sandbox.persona.gid
+    out, _ = term(ep, "./fcap-cat /proc/self/status")
+    assert re.search(r"^NoNewPrivs:\s+0$", out, re.M) and re.search(r"^CapEff:\s+0{16}$", out, re.M), out
+    assert re.search(r"^CapPrm:\s+0{16}$", out, re.M) and re.search(rf"^Uid:\s+{uid}\s+{uid}\s", out, re.M), out
     out, _ = term(ep, "ls -l suid-id sgid-id; ./suid-id -u; ./suid-id -g; ./sgid-id -u; ./sgid-id -g; "
                       "echo sudo; sudo -n id -u </dev/null 2>&1; echo rc=$?; "
                       "echo su; su -c 'id -u' root </dev/null 2>&1; echo rc=$?")

@@ -172,6 +172,8 @@ def build(root: str) -> dict:
                                                          "fuse.gvfsd-fuse", "nsfs"}),
         f"Type= of the mount units in {src}, systemd's API file systems (mount-setup), ext4 and the EFI partition")
     put("root_fstype", "ext4|btrfs|xfs", "the Debian installer's default root (ext4)")
+    put("root_options_never", r"(^|,)(ro|nosuid|nodev|noexec)(,|$)",
+        "fstab(5) and the Debian installer's /etc/fstab: / is mounted 'errors=remount-ro' over the defaults (rw, suid, dev, exec)")
     put("mount_points", ["/", "/proc", "/sys", "/dev", "/dev/pts", "/dev/shm", "/run", "/run/lock", "/sys/fs/cgroup",
                          "/boot/efi", "/dev/mqueue", "/dev/hugepages", "/sys/kernel/debug", "/sys/kernel/tracing"],
         "systemd's API mounts and mount units, and an EFI laptop's /boot/efi")

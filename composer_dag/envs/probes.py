@@ -243,6 +243,8 @@ PROBES: tuple[Probe, ...] = (
     Probe("mounts.paths", "mounts", "cat /proc/self/mountinfo", never("mount_never", "mount entries that name the host or the runtime")),
     Probe("mounts.types", "mounts", "awk '{print $3}' /proc/mounts | sort -u", subset("mount_types", "file system types")),
     Probe("mounts.root", "mounts", "awk '$2 == \"/\" {print $3}' /proc/mounts | tail -1", matches("root_fstype", "the root file system's type")),
+    Probe("mounts.options", "mounts", "awk '$2 == \"/\" {print $4}' /proc/mounts | tail -1",
+          never("root_options_never", "options of / that a laptop's root is not mounted with")),
     Probe("mounts.points", "mounts", "awk '{print $2}' /proc/mounts | sort -u", includes("mount_points", "mount points", 0.8)),
     Probe("disk.df", "disk", "df -Pk /", _free),
     # ---- /etc
@@ -371,9 +373,18 @@ ALLOWLIST: dict[str, tuple[str, str]] = {
                "long-running workers, or a time namespace with a boot-time offset"),
     "disk.df": ("df reports the size and free space of the host's disk under the workspace",
                 "workers whose scratch disk is laptop-sized"),
+    "mounts.options": ("every mount bubblewrap makes is nosuid and nodev, and / (the runtime's image, shared by every "
+                       "sandbox on the worker) is read-only: with no user namespace and no_new_privs unset, nosuid is "
+                       "what keeps sudo, su and every other set-id binary from making the user root",
+                       "run each worker in a VM of its own (Kata Containers, Firecracker), whose root disk the "
+                       "sandbox may mount read-write with set-id binaries that work"),
 }
-"""Differences the sandbox cannot hide because the host shows through them, with what a deployment
-does about each. ``open_tells`` leaves them out; every other difference is a tell to close."""
+"""Differences the sandbox cannot hide, with what a deployment does about each: the host showing
+through, or (``ISOLATION_TRACES``) what the sandbox's isolation must keep. ``open_tells`` leaves
+them out; every other difference is a tell to close."""
+
+ISOLATION_TRACES = frozenset({"mounts.options"})
+"""Allowed differences that come from the sandbox's isolation, not from the host."""
 
 
 def open_tells(report: dict) -> list[str]:

@@ -49,6 +49,7 @@ from .netns import wifi_for
 
 PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
 DISK_USAGE_SOURCE = Path(__file__).with_name("disk_usage.c")  # the disk cap's walk, built with the runtime
+KEEP_PRIVS_SOURCE = Path(__file__).with_name("keep_privs.c")  # bubblewrap's preload: no no_new_privs
 TOOLING = ("pytest", "pip")  # distributions visible inside, with their requirements
 LAPTOP_ETC = Path(__file__).with_name("laptop_etc.tar.xz")
 # the Debian installer's groups for the first user (user-setup's passwd/user-default-groups)
@@ -225,7 +226,8 @@ def runtime() -> Path:
         return known
     dists = _dist_closure(TOOLING)
     etc_digest = hashlib.sha256(LAPTOP_ETC.read_bytes()).hexdigest()[:16]
-    init_digest = hashlib.sha256(INIT_SOURCE.read_bytes() + DISK_USAGE_SOURCE.read_bytes()).hexdigest()[:16]
+    init_digest = hashlib.sha256(INIT_SOURCE.read_bytes() + DISK_USAGE_SOURCE.read_bytes()
+                                 + KEEP_PRIVS_SOURCE.read_bytes()).hexdigest()[:16]
     root = _build("shared", [sys.version, sys.base_prefix, [(d.metadata["Name"], d.version) for d in dists],
                              etc_digest, init_digest, 8], lambda tmp: _make_shared(tmp, dists))
     _RUNTIMES[_cache_root()] = root
@@ -278,14 +280,16 @@ def _make_shared(tmp: Path, dists) -> None:
     _make_init(tmp / "systemd-lib")
     (tmp / "tools").mkdir()
     _compile(DISK_USAGE_SOURCE, tmp / "tools" / "disk_usage")
+    _compile(KEEP_PRIVS_SOURCE, tmp / "tools" / "keep_privs.so", shared=True)
 
 
-def _compile(src: Path, out: Path) -> None:
-    """``src`` built with the host's C compiler, static where it can be (no loader work per exec)."""
+def _compile(src: Path, out: Path, shared: bool = False) -> None:
+    """``src`` built with the host's C compiler, static where it can be (no loader work per exec),
+    or as a shared library to preload (``shared``)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError(f"building {src.name} needs a C compiler (cc or gcc): run `make system-deps`")
-    for link in (["-static"], []):
+    for link in ([["-shared", "-fPIC"]] if shared else [["-static"], []]):
         r = subprocess.run([cc, "-O2", *link, "-o", str(out), str(src)], capture_output=True, text=True)
         if r.returncode == 0:
             return

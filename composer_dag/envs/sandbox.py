@@ -39,7 +39,10 @@ a router that never answers; nothing it sends reaches anything), made once per S
 bwrap runs as root on the host and the commands run as uid/gid 1000 (with the
 installer's groups of a first user: cdrom, sudo, audio, ...) in the init's terminal, so files keep
 their real owners (system files ``root``, the workspace
-``sam``). Processes: each sandbox is a pids cgroup of its own, capped at
+``sam``). Privileges: ``no_new_privs`` is unset, as in a laptop's session (bwrap is started with
+``keep_privs.so`` preloaded, which turns its one call that sets it into nothing); every mount
+bwrap makes is ``nosuid``, so no set-user-ID or set-group-ID binary and no file capability gains
+anything, which is what the flag would have kept. Processes: each sandbox is a pids cgroup of its own, capped at
 ``Limits.max_processes`` (plus room for its session's 43), where the host lets root make one (the
 v1 ``pids`` hierarchy, or cgroup v2's root with the controller on); the user's RLIMIT_NPROC is then
 a laptop's (half of ``threads-max``). Without one, RLIMIT_NPROC is the cap; it counts every process
@@ -169,6 +172,17 @@ def _base_args(persona: Persona, prt: Path) -> list[str]:
           "--tmpfs", "/boot/efi"]
     _BASE_ARGS[(persona, prt)] = a
     return a
+
+
+def _bwrap_env() -> dict:
+    """bubblewrap's environment: this process's, with ``keep_privs.so`` preloaded where we are
+    root, so that bubblewrap leaves ``no_new_privs`` unset (every mount it makes is nosuid, which
+    keeps what the flag would; ``keep_privs.c``). The sandbox's own environment is set apart
+    (``--clearenv``), so the preload goes no further than bubblewrap."""
+    env = dict(os.environ)
+    if os.geteuid() == 0:
+        env["LD_PRELOAD"] = " ".join(filter(None, [str(runtime() / "tools" / "keep_privs.so"), env.get("LD_PRELOAD")]))
+    return env
 
 
 # ---------------------------------------------------------------- sandbox
@@ -565,7 +579,7 @@ class Sandbox:
         log = open(self._dir / "init.log", "wb")
         try:
             proc = subprocess.Popen(argv, pass_fds=(w_info, inside.fileno()), stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=log, start_new_session=True)
+                                    stdout=log, stderr=log, start_new_session=True, env=_bwrap_env())
         finally:
             os.close(w_info)
             inside.close()
