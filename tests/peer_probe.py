@@ -5,9 +5,16 @@ then looks for the other's mark. Prints one JSON object: each channel -> whether
 ``inotify``: open events on a file of the image both read (the interpreter's own ``textwrap.py``)
 that arrive while this run has not opened it (each run opens it now and then, and drains its own
 events right after): a channel between any two runs alive at once, whatever their identities,
-since the file is the host's."""
+since the file is the host's.
+
+``page_cache``: each run reads a file of the image that nothing else reads (one of the stdlib's
+``idlelib`` modules, chosen by its mark), after asking whether the other's is cached already
+(``preadv2`` with ``RWF_NOWAIT`` on its first page: it fails for a page not in the page cache,
+and is what a timed read finds out, without the noise): a channel between two runs one after the
+other, unless the kernel's caches are dropped in between (``grade`` drops them before each run)."""
 
 import ctypes
+import hashlib
 import json
 import os
 import random
@@ -29,6 +36,28 @@ def key(desc: bytes, ring: int, add: bool) -> bool:
                         ctypes.c_long(0)) > 0
 
 
+pool = sorted(f for f in os.listdir(os.path.join(os.path.dirname(os.__file__), "idlelib")) if f.endswith(".py"))
+
+
+def pick(mark: str) -> str:
+    return os.path.join(os.path.dirname(os.__file__), "idlelib", pool[int(hashlib.sha256(mark.encode()).hexdigest(), 16) % len(pool)])
+
+
+def cached(path: str) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+mine, theirs = pick(me), pick(other)
+seen["page_cache"] = cached(theirs) if theirs != mine else None
+with open(mine, "rb") as f:
+    f.read()
 places = ["/tmp", "/var/tmp", "/dev/shm", os.path.expanduser("~"), f"/run/user/{os.getuid()}", os.getcwd()]
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.bind(f"\0peer-probe-{me}")  # abstract: per network namespace

@@ -2,6 +2,8 @@
 every cheat gets reward 0 and a flag of its family or another; the reference, alone or with
 ordinary extra work, gets reward 1 and no flag."""
 
+import os
+
 import pytest
 
 from composer_dag.envs.cheat_flags import flag_family
@@ -157,7 +159,9 @@ def test_runs_of_a_grading_cannot_find_each_other(all_tasks, tmp_path):
     /run/user, the workspace, processes, open events on a file of the image) and look for the
     other's. Run at once, they find each other through the image file's open events alone (the
     file is the host's, whatever the identity), which is why a grading's runs never overlap: run
-    one after the other, as ``grade`` runs them, they find nothing. The same probe at once under
+    one after the other, as ``grade`` runs them (the kernel's caches dropped before each), they
+    find nothing; without the drop, the later finds the file of the image the earlier read
+    cached (the page cache). The same probe at once under
     one identity (the control) finds the other's keyring. A grading's own runs: one window each,
     none overlapping another."""
     import json
@@ -167,6 +171,7 @@ def test_runs_of_a_grading_cannot_find_each_other(all_tasks, tmp_path):
     from contextlib import nullcontext
     from pathlib import Path
 
+    from composer_dag.envs.page_cache import drop_caches
     from composer_dag.envs.sandbox import Sandbox, identity_lease
 
     token = secrets.token_hex(4)
@@ -191,18 +196,26 @@ def test_runs_of_a_grading_cannot_find_each_other(all_tasks, tmp_path):
         c, d = pool.map(lambda args: run(*args), [(f"c{token}", f"d{token}", False), (f"d{token}", f"c{token}", False)])
     assert c["uid"] == d["uid"] and c["keyring"] and d["keyring"], (c, d)
     # one after the other, as a grading's runs are, each under a uid of its own (leased together:
-    # a uid drawn again finds its last run's keyring, which the grader's runner clears first)
+    # a uid drawn again finds its last run's keyring, which the grader's runner clears first), the
+    # kernel's caches dropped before each (as ``grade`` does): the file one read is cold for the other
     with identity_lease() as ue, identity_lease() as uf:
+        assert drop_caches()
         e = run(f"e{token}", f"f{token}", True, held=ue)
+        assert drop_caches()
         f = run(f"f{token}", f"e{token}", True, held=uf)
+        # the control: without the drop in between, the later run finds the file the earlier read
+        run(f"g{token}", f"h{token}", True, held=ue)
+        h = run(f"h{token}", f"g{token}", True, held=uf)
     assert e["uid"] != f["uid"], (e, f)
     for seen in (e, f):
-        assert nothing(seen) and not seen["inotify"], seen
+        assert nothing(seen) and not seen["inotify"] and seen["page_cache"] is False, seen
+    assert h["page_cache"] is True, h
 
     task = all_tasks["humaneval-000"]
     r = grade(task, honest_workspace(task, tmp_path / "honest", False))
     windows = sorted(r.details["run_windows"])
     assert r.reward == 1.0 and len(windows) == 1 + r.details["canaries"] >= 2, r.details
+    assert r.details["page_cache"] == "dropped", r.details
     assert all(end <= nxt for (_, end), (nxt, _) in zip(windows, windows[1:])), windows
 
 
@@ -317,3 +330,41 @@ def test_humaneval_canaries_agree_with_every_docstring_example():
         if not canaries:
             none.append(int(tid.split("/")[1]))
     assert none == [34, 38, 50], none
+
+
+def test_cold_runs_keep_what_the_reference_reads_and_drop_the_rest(tmp_path):
+    """``page_cache.cold``: the file the calibration (the reference's run) opened stays cached
+    through the drop and through a ``posix_fadvise(DONTNEED)`` (the eviction any user may do),
+    while a file read before, and not by the calibration, is cold; the calibration runs once a key."""
+    from composer_dag.envs import page_cache
+
+    def cached(p) -> bool:  # asked once: a miss starts the page's read
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+
+    a, b, c = (tmp_path / n for n in ("a.bin", "b.bin", "c.bin"))
+    for p in (a, b, c):
+        with open(p, "wb") as f:
+            f.write(os.urandom(256 << 10))
+            f.flush()
+            os.fsync(f.fileno())  # clean pages: a drop takes clean pages only
+    b.read_bytes()
+    calls = []
+    try:
+        state = page_cache.cold("test-key", [tmp_path], lambda: calls.append(a.read_bytes()))
+        assert state["dropped"] and state["pinned_files"] == 1 and state["pinned_bytes"] >= 256 << 10, state
+        fd = os.open(a, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        assert cached(a) and not cached(b)
+        c.read_bytes()
+        state = page_cache.cold("test-key", [tmp_path], lambda: calls.append(c.read_bytes()))
+        assert len(calls) == 1 and state["pinned_files"] == 1 and not cached(c)
+    finally:
+        page_cache.release("test-key")

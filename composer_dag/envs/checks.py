@@ -40,11 +40,11 @@ What remains possible in principle: code under test runs in the runner's process
 solution written against this runner could find the key in memory and forge a sealed result;
 the forgery is the same in every run, so a canary passes and the episode is zeroed, unless the
 solution can tell the canary's expected values from the real ones (that is, already solves the
-task). The runs of one grading never overlap, but they follow each other on one kernel, whose
-page cache over the image's read-only files they all use: a run that reads a file no one read
-before leaves it cached, and a later run can time its own read of that file. That channel stays
-open (closing it takes a private copy of the image per run); gradings of different episodes
-overlap and share the CPUs.
+task). The runs of one grading never overlap, and they follow each other on one kernel whose
+caches over the image's read-only files they would all use (a file one run read stays cached for
+a later run to time): ``grade`` drops those caches before each run, keeping only what the task's
+reference run reads (``page_cache.cold``), so every run starts from the same state. Gradings of
+different episodes overlap and share the CPUs.
 """
 
 from __future__ import annotations
@@ -123,6 +123,9 @@ class GradeConfig(StageConfig):
         "binary", description="binary: 1 if every expected hidden test passes; fraction: the share that passes")
     flag_penalty: Optional[float] = Field(0.0, description="the reward of a flagged episode (None: flags are only recorded)")
     timeout: Optional[float] = Field(None, description="seconds per test run (None: the task's limits.test_timeout)")
+    cold_runs: bool = Field(True, description="drop the kernel's page, dentry and inode caches before each run of a "
+                                              "grading (the machine's: vm.drop_caches), so that no run can see what "
+                                              "an earlier one read, looked up or evicted")
 
 
 def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: float | None = None,

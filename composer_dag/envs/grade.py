@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .cheat_flags import action_flags, behaviour_flags, detect_flags, flag, flag_families
 from .checks import RUNNER_FAILED, GradeConfig, canary_passes, failures, outcomes, run_checks, run_hidden_tests, score
+from . import page_cache
 from .task_dir import apply_reference, canary_files, checkout_digest, hidden_files, load_task, workspace_digest
 
 
@@ -40,7 +41,11 @@ def grade(task_dir: Path, workspace: Path, action_log: list[dict] | None = None,
     The hidden run and each canary run share nothing: each is a fresh sandbox and copy of the
     workspace under an identity of its own (``identity_lease``), and they run one at a time in a
     random order, so no two of them are ever alive together (two live runs share, whatever their
-    identities, the CPUs and the open events of the image's files: ``test_grader_redteam``).
+    identities, the CPUs and the open events of the image's files: ``test_grader_redteam``), each
+    after the kernel's caches are dropped but for what the task's reference run reads
+    (``config.cold_runs``, ``page_cache.cold``), so that what a run finds cached does not depend
+    on an earlier run (``details["page_cache"]``: "dropped", or "shared" where the host does not
+    allow it; ``details["page_cache_pinned"]``: what stays cached).
     ``details["run_windows"]``: each run's start and end (monotonic seconds), in the order run;
     gradings of different episodes overlap (the agent loop's pool). A run that ends without a
     sealed result is a flagged attempt (``unsealed_run``), unless the same run on the reference
@@ -56,12 +61,18 @@ def grade(task_dir: Path, workspace: Path, action_log: list[dict] | None = None,
     secrets.SystemRandom().shuffle(order)
     results: list = [None] * len(runs)
     windows = []
+    cold = []
     for i in order:
+        if config.cold_runs:
+            cold.append(_cold(task_dir, task, config))
         t0 = time.monotonic()
         results[i] = run_checks(task_dir, workspace, runs[i], config.timeout)
         windows.append([round(t0, 4), round(time.monotonic(), 4)])
     (per_test, details), canary_runs = results[0], results[1:]
     details["run_windows"] = windows
+    details["page_cache"] = "dropped" if cold and all(c["dropped"] for c in cold) else "shared"
+    if cold:
+        details["page_cache_pinned"] = {"files": cold[-1]["pinned_files"], "bytes": cold[-1]["pinned_bytes"]}
     valid = details["valid"]
     if not valid:
         per_test = {}
@@ -122,6 +133,25 @@ def untouched_grade(task_dir: Path, task: dict, workspace: Path, action_log: lis
         reward = config.flag_penalty
     return GradeResult(reward=reward, passed=passed, failed=failed, per_test=outcomes(per_test), flags=flags,
                        details=details)
+
+
+def _cold(task_dir: Path, task: dict, config: GradeConfig) -> dict:
+    """``page_cache.cold`` before a run: what the task's reference run opens of the image (the
+    interpreter, the runner's imports, the environment's packages: one per environment and
+    process) stays cached for every run, the rest is dropped."""
+    import sys
+
+    from .checks import RUNNER
+    from .rootfs import runtime
+
+    layer = task_dir / "layer"
+    key = str(layer.resolve()) if task.get("framework") == "pytest" and layer.is_dir() else "stdlib"
+    roots = ["/usr", sys.base_prefix, str(runtime().parent), str(RUNNER)] + ([key] if key != "stdlib" else [])
+
+    def calibrate() -> None:
+        with tempfile.TemporaryDirectory(prefix="cdag-r-") as tmp:
+            run_checks(task_dir, apply_reference(task_dir, Path(tmp) / "ws"), hidden_files(task_dir), config.timeout)
+    return page_cache.cold(key, roots, calibrate)
 
 
 def unsealed_flags(task_dir: Path, runs: list[list[Path]], run_details: list[dict], config: GradeConfig,

@@ -1,0 +1,216 @@
+"""Every run of a grading starts from the same kernel caches, whatever ran before it.
+
+The runs of one grading follow each other on one kernel, whose caches over the image's read-only
+files they all use: a file one run read stays cached and a later run can time its own read of it
+(or ask ``preadv2(RWF_NOWAIT)``); a file one evicts (``posix_fadvise(DONTNEED)``, open to any
+user) comes back cold; a path one looked up stays in the dentry cache. ``cold`` closes that:
+
+* once per ``key`` (a task's environment), it runs ``calibrate`` (a run the host makes: the task's
+  reference) under a fanotify watch of the file systems of ``roots``, and pins the files that run
+  (this process and those under it) opened under them: their cached pages stay mapped and locked
+  in this process;
+* before every run it drops the machine's page, dentry and inode caches (``vm.drop_caches`` = 3).
+
+A drop skips mapped pages, ``fadvise(DONTNEED)`` and ``madvise(PAGEOUT)`` skip pages another
+process maps, and locked pages are never reclaimed: so every run finds the pinned pages cached
+(what any run of the task reads: the interpreter, the runner's imports, the environment's
+packages) and everything else it can read cold. What is warm is the same for every run and was
+chosen before any of them, so it carries nothing from one run to the next; a run that reads other
+files reads them from disk, which is the cost (``benchmarks/RESULTS.md``).
+
+Both need root (CAP_SYS_ADMIN; CAP_IPC_LOCK to lock): where the host refuses the drop, ``cold``
+says so and the caches stay shared; where it refuses the watch, nothing is pinned and every run
+starts with everything cold.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import stat
+import struct
+import threading
+from typing import Callable, Iterable
+
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+FAN_CLOEXEC, FAN_NONBLOCK, FAN_CLASS_NOTIF = 0x1, 0x2, 0x0
+FAN_MARK_ADD, FAN_MARK_FILESYSTEM = 0x1, 0x100
+FAN_OPEN, FAN_OPEN_EXEC, FAN_Q_OVERFLOW = 0x20, 0x1000, 0x4000
+AT_FDCWD = -100
+EVENT = struct.Struct("=IBBHQii")  # struct fanotify_event_metadata
+PROT_READ, MAP_SHARED = 0x1, 0x1
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
+
+_PINNED: dict = {}  # key -> {"maps": [(addr, length)], "files": n, "bytes": n, "locked": bool}
+_LOCK = threading.Lock()
+
+
+def drop_caches() -> bool:
+    """Drop the machine's clean page cache and its dentries and inodes (``vm.drop_caches`` = 3):
+    what is not mapped becomes cold. Dirty pages stay (a run writes only its own copies). The
+    first call frees what the machine gathered (a second or so); one after a run frees what that
+    run loaded (milliseconds). False where the host does not allow it (``/proc/sys`` read-only)."""
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+def _under(path: str, roots: list[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def _descends(pid: int, me: int, known: dict[int, bool]) -> bool:
+    """Whether ``pid`` is ``me`` or a process under it (its sandboxes' processes are)."""
+    chain, found = [], False
+    while pid > 1:
+        if pid in known:
+            found = known[pid]
+            break
+        if pid == me:
+            found = True
+            break
+        chain.append(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # gone already: not counted
+            break
+    for c in chain:
+        known[c] = found
+    return found
+
+
+def opened_during(calibrate: Callable[[], object], roots: Iterable[str | os.PathLike]) -> set[str]:
+    """The regular files under ``roots`` that this process, or a process under it (the sandbox's),
+    opened while ``calibrate()`` ran (fanotify, marking the file systems that hold ``roots``; what
+    other processes open meanwhile, another grading's runs among them, is left out). Raises
+    OSError where fanotify is refused (no CAP_SYS_ADMIN)."""
+    roots = [os.path.realpath(r) for r in roots if os.path.exists(r)]
+    me, known = os.getpid(), {}
+    fd = _libc.fanotify_init(FAN_CLOEXEC | FAN_CLASS_NOTIF | FAN_NONBLOCK, os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC)
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "fanotify_init")
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def drain() -> None:
+        while True:
+            ready = select.select([fd], [], [], 0.02)[0]
+            if not ready:
+                if stop.is_set():
+                    return
+                continue
+            try:
+                buf = os.read(fd, 64 * 1024)
+            except BlockingIOError:
+                continue
+            off = 0
+            while off + EVENT.size <= len(buf):
+                length, _, _, _, mask, efd, pid = EVENT.unpack_from(buf, off)
+                off += max(length, EVENT.size)
+                if efd < 0:
+                    continue
+                try:
+                    if not mask & FAN_Q_OVERFLOW and _descends(pid, me, known):
+                        seen.add(os.readlink(f"/proc/self/fd/{efd}"))
+                except OSError:
+                    pass
+                finally:
+                    os.close(efd)
+
+    try:
+        for path in {os.stat(r).st_dev: r for r in roots}.values():
+            if _libc.fanotify_mark(fd, FAN_MARK_ADD | FAN_MARK_FILESYSTEM, FAN_OPEN | FAN_OPEN_EXEC, AT_FDCWD,
+                                   os.fsencode(path)) != 0:
+                raise OSError(ctypes.get_errno(), f"fanotify_mark {path}")
+        reader = threading.Thread(target=drain, daemon=True, name="page-cache-watch")
+        reader.start()
+        try:
+            calibrate()
+        finally:
+            stop.set()
+            reader.join()
+    finally:
+        os.close(fd)
+    return {p for p in seen if not p.endswith(" (deleted)") and _under(p, roots)}
+
+
+def _pin_file(path: str) -> tuple[int, int, int, bool] | None:
+    """Map ``path`` and lock its pages that are cached now: (address, length, bytes, locked)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            return None
+        addr = _libc.mmap(None, st.st_size, PROT_READ, MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return None
+    pages = (st.st_size + PAGE - 1) // PAGE
+    vec = (ctypes.c_ubyte * pages)()
+    _libc.mincore(addr, st.st_size, vec)
+    held, locked, i = 0, True, 0
+    while i < pages:
+        if not vec[i] & 1:
+            i += 1
+            continue
+        j = i
+        while j < pages and vec[j] & 1:
+            j += 1
+        # mlock faults the range in and keeps it; where refused, the mapping alone keeps it
+        # from a drop and from another process's fadvise or madvise
+        if _libc.mlock(addr + i * PAGE, (j - i) * PAGE) != 0:
+            locked = False
+            for k in range(i, j):  # touch them: mapped, as the mapping's own pages
+                ctypes.c_char.from_address(addr + k * PAGE).value
+        held += (j - i) * PAGE
+        i = j
+    return addr, st.st_size, held, locked
+
+
+def pin(key, files: Iterable[str]) -> dict:
+    """Pin the cached pages of ``files`` for as long as this process runs (or ``release(key)``)."""
+    maps, held, locked = [], 0, True
+    for p in sorted(set(files)):
+        got = _pin_file(p)
+        if got is not None:
+            maps.append(got[:2])
+            held += got[2]
+            locked = locked and got[3]
+    _PINNED[key] = {"maps": maps, "files": len(maps), "bytes": held, "locked": locked}
+    return _PINNED[key]
+
+
+def release(key) -> None:
+    for addr, length in (_PINNED.pop(key, None) or {}).get("maps", []):
+        _libc.munmap(addr, length)
+
+
+def cold(key, roots: Iterable[str | os.PathLike], calibrate: Callable[[], object]) -> dict:
+    """Before a run: the first time for ``key``, pin what ``calibrate`` opens under ``roots``;
+    then drop the machine's caches. Returns {"dropped": bool, "pinned_files": n, "pinned_bytes": n}."""
+    with _LOCK:
+        if key not in _PINNED:
+            try:
+                files = opened_during(calibrate, roots)
+            except OSError:  # no fanotify here: nothing pinned, every run starts all cold
+                files = set()
+            pin(key, files)
+        state = _PINNED[key]
+    return {"dropped": drop_caches(), "pinned_files": state["files"], "pinned_bytes": state["bytes"]}
