@@ -150,7 +150,8 @@ def _cold(task_dir: Path, task: dict, config: GradeConfig) -> dict:
 
     def calibrate() -> None:
         with tempfile.TemporaryDirectory(prefix="cdag-r-") as tmp:
-            run_checks(task_dir, apply_reference(task_dir, Path(tmp) / "ws"), hidden_files(task_dir), config.timeout)
+            # the task's own time limit: a grading's shorter one must not cut what gets pinned
+            run_checks(task_dir, apply_reference(task_dir, Path(tmp) / "ws"), hidden_files(task_dir))
     return page_cache.cold(key, roots, calibrate)
 
 
