@@ -533,6 +533,11 @@ def test_disk_filling_loop_is_stopped(task, host_guard):
     assert entry["exit_code"] == 0  # deleting works over the cap ...
     out, entry = term(ep, "echo small > more.txt && cat more.txt")
     assert entry["exit_code"] == 0 and "small" in out  # ... and brings the room back
+    # the edit tool's writes are counted as they are made, not by a walk before the next command:
+    # the count it keeps is the walk's
+    assert not tool(ep, "edit_file", path="notes/a/b.txt", old="", new="x" * 50000).is_error
+    counted, walked = ep.sandbox._usage, ep.sandbox.disk_usage()
+    assert counted is not None and counted[1] == walked[1] and abs(counted[0] - walked[0]) <= 8192, (counted, walked)
     out, entry = term(ep, "python3 -c 'import os\nos.mkdir(\"many\")\nfor i in range(100000): "
                           "open(f\"many/{i}\", \"w\").close()'")
     assert "killed: disk" in out

@@ -547,10 +547,14 @@ class Sandbox:
     def close(self) -> None:
         self._closer()
 
-    def touched(self) -> None:
-        """The host changed the writable trees (a tool's edit): the next command measures them
-        before it starts (otherwise it takes the last command's measure)."""
-        self._usage = None
+    def touched(self, delta: tuple[int, int] | None = None) -> None:
+        """The host changed the writable trees (a tool's edit): by ``delta`` (bytes, entries, as
+        the disk cap counts them) where the caller knows it, so that the next command takes the
+        last command's measure plus it; otherwise the next command measures them before it starts."""
+        if delta is None or self._usage is None:
+            self._usage = None
+        else:
+            self._usage = (max(0, self._usage[0] + delta[0]), max(0, self._usage[1] + delta[1]))
 
     def stop(self) -> None:
         """End the running sandbox and everything in it; the next ``run`` starts a fresh one."""
