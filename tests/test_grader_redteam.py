@@ -332,10 +332,11 @@ def test_humaneval_canaries_agree_with_every_docstring_example():
     assert none == [34, 38, 50], none
 
 
-def test_cold_runs_keep_what_the_reference_reads_and_drop_the_rest(tmp_path):
+def test_cold_runs_keep_what_the_reference_reads_and_drop_the_rest(tmp_path, monkeypatch):
     """``page_cache.cold``: the file the calibration (the reference's run) opened stays cached
     through the drop and through a ``posix_fadvise(DONTNEED)`` (the eviction any user may do),
-    while a file read before, and not by the calibration, is cold; the calibration runs once a key."""
+    while a file read before, and not by the calibration, is cold; the calibration runs once a key;
+    past the cap on what is pinned, the least recently used key's files are let go."""
     from composer_dag.envs import page_cache
 
     def cached(p) -> bool:  # asked once: a miss starts the page's read
@@ -366,5 +367,11 @@ def test_cold_runs_keep_what_the_reference_reads_and_drop_the_rest(tmp_path):
         c.read_bytes()
         state = page_cache.cold("test-key", [tmp_path], lambda: calls.append(c.read_bytes()))
         assert len(calls) == 1 and state["pinned_files"] == 1 and not cached(c)
+        # a second key past the cap: the first key's file is let go, the second's kept
+        monkeypatch.setattr(page_cache, "MAX_PINNED_BYTES", 300 << 10)
+        state = page_cache.cold("test-key-2", [tmp_path], lambda: calls.append(c.read_bytes()))
+        assert "test-key" not in page_cache._PINNED and state["pinned_files"] == 1, state
+        assert cached(c) and not cached(a)
     finally:
         page_cache.release("test-key")
+        page_cache.release("test-key-2")

@@ -50,7 +50,11 @@ _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
 
-_PINNED: dict = {}  # key -> {"maps": [(addr, length)], "files": n, "bytes": n, "locked": bool}
+MAX_PINNED_BYTES = int(os.environ.get("COMPOSER_MAX_PINNED_BYTES", 1 << 30))
+"""What this process keeps pinned at most, over all keys: past it, the least recently used keys'
+files are let go (their next grading calibrates again). Locked pages cannot be reclaimed, so the
+cap is what a grader with many task environments holds out of the machine's memory."""
+_PINNED: dict = {}  # key -> {"maps": [(addr, length)], "files": n, "bytes": n, "locked": bool}, oldest use first
 _LOCK = threading.Lock()
 
 
@@ -212,5 +216,11 @@ def cold(key, roots: Iterable[str | os.PathLike], calibrate: Callable[[], object
             except OSError:  # no fanotify here: nothing pinned, every run starts all cold
                 files = set()
             pin(key, files)
+        else:
+            _PINNED[key] = _PINNED.pop(key)  # the most recently used last
+        # let go of the least recently used keys past the cap (never the one in use): which files
+        # stay cached then changes between two runs, but by the host's choice, not a run's
+        while len(_PINNED) > 1 and sum(v["bytes"] for v in _PINNED.values()) > MAX_PINNED_BYTES:
+            release(next(iter(_PINNED)))
         state = _PINNED[key]
     return {"dropped": drop_caches(), "pinned_files": state["files"], "pinned_bytes": state["bytes"]}
