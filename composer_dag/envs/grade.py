@@ -8,14 +8,16 @@ and flag known cheats by their shape.
 from __future__ import annotations
 
 import secrets
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .cheat_flags import action_flags, behaviour_flags, detect_flags, flag, flag_families
-from .checks import RUNNER_FAILED, GradeConfig, canary_passes, failures, outcomes, run_checks, run_hidden_tests, score
+from .checks import RUNNER, RUNNER_FAILED, GradeConfig, canary_passes, failures, outcomes, run_checks, run_hidden_tests, score
 from . import page_cache
+from .rootfs import runtime
 from .task_dir import apply_reference, canary_files, checkout_digest, hidden_files, load_task, workspace_digest
 
 
@@ -139,11 +141,6 @@ def _cold(task_dir: Path, task: dict, config: GradeConfig) -> dict:
     """``page_cache.cold`` before a run: what the task's reference run opens of the image (the
     interpreter, the runner's imports, the environment's packages: one per environment and
     process) stays cached for every run, the rest is dropped."""
-    import sys
-
-    from .checks import RUNNER
-    from .rootfs import runtime
-
     layer = task_dir / "layer"
     key = str(layer.resolve()) if task.get("framework") == "pytest" and layer.is_dir() else "stdlib"
     roots = ["/usr", sys.base_prefix, str(runtime().parent), str(RUNNER)] + ([key] if key != "stdlib" else [])

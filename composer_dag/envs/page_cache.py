@@ -54,7 +54,7 @@ MAX_PINNED_BYTES = int(os.environ.get("COMPOSER_MAX_PINNED_BYTES", 1 << 30))
 """What this process keeps pinned at most, over all keys: past it, the least recently used keys'
 files are let go (their next grading calibrates again). Locked pages cannot be reclaimed, so the
 cap is what a grader with many task environments holds out of the machine's memory."""
-_PINNED: dict = {}  # key -> {"maps": [(addr, length)], "files": n, "bytes": n, "locked": bool}, oldest use first
+_PINNED: dict = {}  # key -> {"maps": [(addr, length)], "files": n, "bytes": n}, oldest use first
 _LOCK = threading.Lock()
 
 
@@ -151,8 +151,8 @@ def opened_during(calibrate: Callable[[], object], roots: Iterable[str | os.Path
     return {p for p in seen if not p.endswith(" (deleted)") and _under(p, roots)}
 
 
-def _pin_file(path: str) -> tuple[int, int, int, bool] | None:
-    """Map ``path`` and lock its pages that are cached now: (address, length, bytes, locked)."""
+def _pin_file(path: str) -> tuple[int, int, int] | None:
+    """Map ``path`` and lock its pages that are cached now: (address, length, bytes held)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -169,7 +169,7 @@ def _pin_file(path: str) -> tuple[int, int, int, bool] | None:
     pages = (st.st_size + PAGE - 1) // PAGE
     vec = (ctypes.c_ubyte * pages)()
     _libc.mincore(addr, st.st_size, vec)
-    held, locked, i = 0, True, 0
+    held, i = 0, 0
     while i < pages:
         if not vec[i] & 1:
             i += 1
@@ -180,24 +180,22 @@ def _pin_file(path: str) -> tuple[int, int, int, bool] | None:
         # mlock faults the range in and keeps it; where refused, the mapping alone keeps it
         # from a drop and from another process's fadvise or madvise
         if _libc.mlock(addr + i * PAGE, (j - i) * PAGE) != 0:
-            locked = False
             for k in range(i, j):  # touch them: mapped, as the mapping's own pages
                 ctypes.c_char.from_address(addr + k * PAGE).value
         held += (j - i) * PAGE
         i = j
-    return addr, st.st_size, held, locked
+    return addr, st.st_size, held
 
 
 def pin(key, files: Iterable[str]) -> dict:
     """Pin the cached pages of ``files`` for as long as this process runs (or ``release(key)``)."""
-    maps, held, locked = [], 0, True
+    maps, held = [], 0
     for p in sorted(set(files)):
         got = _pin_file(p)
         if got is not None:
             maps.append(got[:2])
             held += got[2]
-            locked = locked and got[3]
-    _PINNED[key] = {"maps": maps, "files": len(maps), "bytes": held, "locked": locked}
+    _PINNED[key] = {"maps": maps, "files": len(maps), "bytes": held}
     return _PINNED[key]
 
 

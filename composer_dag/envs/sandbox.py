@@ -731,6 +731,17 @@ def _text(buf: bytes, dropped: int) -> str:
     return s + f"\n[... {dropped} bytes truncated ...]" if dropped else s
 
 
+def entry_disk_bytes(p: Path) -> int:
+    """What the disk cap counts for one entry, as ``_disk_usage`` does for every entry (the larger
+    of its allocated and, for a regular file, its apparent size); 0 when it is not there: for a
+    host-side writer that tells the sandbox what it changed (``Sandbox.touched``)."""
+    try:
+        st = os.lstat(p)
+    except OSError:
+        return 0
+    return max(st.st_blocks * 512, st.st_size if stat.S_ISREG(st.st_mode) else 0)
+
+
 def _disk_usage(roots, max_depth: int) -> tuple[int, int, list[str]]:
     """Bytes (per file the larger of allocated and apparent size) and entries under ``roots``,
     links not followed, and the directories nested deeper than ``max_depth`` levels or with an

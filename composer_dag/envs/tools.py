@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from .checks import GradeConfig
 from .grade import GradeResult, grade
 from .task_dir import load_task, project_name
 from .rootfs import task_persona
-from .sandbox import Limits, Sandbox
+from .sandbox import Limits, Sandbox, entry_disk_bytes
 
 SEARCH_SECONDS = 2.0  # time budget of one `search` call (the pattern is the model's)
 
@@ -104,16 +103,6 @@ def _encodable(text: str) -> bool:
         return True
     except UnicodeEncodeError:
         return False
-
-
-def _disk_bytes(p: Path) -> int:
-    """What the disk cap counts for one entry (``disk_usage.c``): the larger of its allocated and,
-    for a regular file, its apparent size; 0 when it is not there."""
-    try:
-        st = os.lstat(p)
-    except OSError:
-        return 0
-    return max(st.st_blocks * 512, st.st_size if stat.S_ISREG(st.st_mode) else 0)
 
 
 MAX_TOOL_FILE_BYTES = 8 << 20  # read_file / edit_file; the terminal (head, sed -n) reads larger files
@@ -386,7 +375,7 @@ class Episode:
     def _t_edit_file(self, entry, path, old, new) -> str:
         f = self._path(path, entry)
         self._read_only(f, path)
-        existed, before = os.path.lexists(f), _disk_bytes(f)
+        existed, before = os.path.lexists(f), entry_disk_bytes(f)
         made = [d for d in f.parents if str(d).startswith(self._real + os.sep) and not os.path.lexists(d)]
         try:
             out = self._edit(f, path, old, new)
@@ -394,7 +383,7 @@ class Episode:
             self.sandbox.touched()  # whatever it wrote before it failed: measured again
             raise
         # what the edit changed in the disk cap's count, so the next command need not measure
-        self.sandbox.touched((_disk_bytes(f) - before + sum(_disk_bytes(d) for d in made), (not existed) + len(made)))
+        self.sandbox.touched((entry_disk_bytes(f) - before + sum(entry_disk_bytes(d) for d in made), (not existed) + len(made)))
         return out
 
     def _edit(self, f: Path, path: str, old: str, new: str) -> str:
