@@ -3,6 +3,7 @@ a Debian root; run in the sandbox and on the host; the command that prints the d
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,10 +57,7 @@ def test_every_probe_answers_in_the_sandbox_and_on_the_host(reports):
 
 # What still tells, each with what closes it; the sandbox's differences must be among these, so a
 # new tell fails here, and a closed one is struck off.
-STILL_OPEN = {
-    # the mount table names the runtime's cache (bind mounts from the host's disk)
-    "mounts.paths",
-}
+STILL_OPEN: set[str] = set()
 # the tells the issue found in one read: none may be allowed, whatever the host shows
 NEVER_ALLOWED = {"mounts.paths", "proc.pid1_cmdline", "proc.pid1_comm", "proc.count", "etc.entries", "etc.passwd",
                  "etc.group", "net.interfaces", "dev.count", "priv.no_new_privs", "tmp.entries", "home.history",
@@ -95,10 +93,9 @@ def test_the_battery_sees_the_tells_a_model_would_see(reports):
                   "etc.passwd", "etc.group", "etc.entries", "etc.locale", "etc.timezone", "etc.hostname",
                   "run.user", "tmp.entries", "home.history", "home.dotfiles", "home.config", "home.cache",
                   "env.names", "env.lang", "priv.groups", "tools.installed", "tools.editors", "net.interfaces",
-                  "net.address", "net.route", "net.lookup", "net.connect", "priv.no_new_privs", "priv.seccomp"):
+                  "net.address", "net.route", "net.lookup", "net.connect", "priv.no_new_privs", "priv.seccomp",
+                  "mounts.paths", "disk.df"):
         assert v[probe] is None, (probe, v[probe], reports["sandbox"]["outputs"][probe][:300])
-    for probe in ("mounts.paths",):
-        assert v[probe], (probe, reports["sandbox"]["outputs"][probe][:300])
     out = reports["sandbox"]["outputs"]
     # /sys is there, and is the kernel's as the host has it (at most what the host lacks is missing)
     assert v["sys.top"] is None or "(hypervisor)" in v["sys.top"], v["sys.top"]
@@ -114,9 +111,12 @@ def test_realism_command_prints_each_difference_and_the_count(realism_cli):
     stdout, reports = realism_cli
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["probes"] == len(PROBES) and summary["differences"] == reports["sandbox"]["count"] > 0
-    assert 0 < summary["open"] <= len(STILL_OPEN) and "allowed: " in stdout
+    assert summary["open"] == len(STILL_OPEN) == 0 and "allowed: " in stdout
     assert f"{summary['differences']} of {len(PROBES)} probes tell the sandbox from a laptop" in stdout
-    assert "mounts.paths: " in stdout and "    sandbox: " in stdout and "    host:    " in stdout
+    assert "kernel.release: " in stdout and "    sandbox: " in stdout and "    host:    " in stdout
+    # every mount inside is a file system's root, or sits at its own path in one: no host path
+    assert reports["sandbox"]["verdicts"]["mounts.paths"] is None
+    assert "/" == reports["sandbox"]["outputs"]["mounts.paths"].split("\n")[0].split()[3]
 
 
 def test_the_battery_in_a_grading_run_sees_what_the_episode_sees(tmp_path, reports):
@@ -125,9 +125,10 @@ def test_the_battery_in_a_grading_run_sees_what_the_episode_sees(tmp_path, repor
     does not have."""
     from dataclasses import replace
 
-    from composer_dag.envs.checks import RUNNER, RUNNER_PATH, grading_sandbox
+    from composer_dag.envs.checks import RUNNER, RUNNER_PATH, SCRATCH, grading_sandbox
     from composer_dag.envs.rootfs import task_persona
-    from composer_dag.envs.sandbox import IDENTITY_UIDS, Bind, Limits, identity_lease
+    from composer_dag.envs.sandbox import IDENTITY_UIDS, Bind, Limits, identity_lease, scratch, volume_workspace
+    from composer_dag.envs.volumes import unmounting
     from composer_dag.envs.tools import Episode
 
     task_dir = tmp_path / "task"
@@ -138,12 +139,17 @@ def test_the_battery_in_a_grading_run_sees_what_the_episode_sees(tmp_path, repor
     persona = task_persona(task)
     with Episode(task_dir) as ep:
         assert ep.sandbox.persona == persona and ep.root == f"/home/{persona.user}/shop"
-    ws = tmp_path / "grade" / "shop"
-    ws.mkdir(parents=True)
-    with identity_lease() as uid, grading_sandbox(task, ws, Limits(), [Bind(RUNNER, RUNNER_PATH)], uid) as sb:
+    # as ``run_checks`` lays a run out: the workspace in a /home of its own, the runner in a /var/tmp of its own
+    vol, ws = volume_workspace(persona, "shop", Limits(), tmp_path / "grade")
+    var = scratch(tmp_path / "var", Limits())
+    shutil.copy2(RUNNER, var / Path(RUNNER_PATH).name)
+    with unmounting(str(tmp_path / "var")), identity_lease() as uid, \
+            grading_sandbox(task, ws, Limits(), [Bind(var, SCRATCH, writable=True)], uid, volume=vol) as sb:
         assert uid in IDENTITY_UIDS and sb.persona == replace(persona, uid=uid, gid=uid)
         rep = run_battery(sb)
         who = sb.run("whoami; hostname; id -u; id -g; stat -c %u ~ .; ls /run/user").stdout.split()
+        assert sb.run(f"test -f {RUNNER_PATH}").exit_code == 0
+    vol.close()
     assert who == [persona.user, persona.hostname, str(uid), str(uid), str(uid), str(uid), str(uid)], who
     from composer_dag.envs.probes import open_tells
 
@@ -168,8 +174,12 @@ def test_personas_vary_with_the_seed_and_share_what_does_not_depend_on_them(tmp_
     ra, rb = persona_runtime(a), persona_runtime(b)
     assert ra != rb and runtime() == runtime()
     # a persona's own files are a few kilobytes: its /etc is hard links into the shared one
-    own = sum(f.stat().st_size for f in ra.rglob("*") if f.is_file() and not f.is_symlink() and f.stat().st_nlink == 1)
+    own = sum(f.stat().st_size for f in ra.rglob("*")
+              if f.is_file() and not f.is_symlink() and f.stat().st_nlink == 1 and f.suffix != ".ext4")
     assert own < 200_000, own
+    # its root image (where the host makes file systems) is a laptop's disk, sparse: megabytes written
+    for img in ra.glob("*.ext4"):
+        assert img.stat().st_size >= 256 * 10**9 and img.stat().st_blocks * 512 < 64 << 20
     ws = tmp_path / "shop"
     ws.mkdir()
     (ws / "cart.py").write_text("x = 1\n")

@@ -66,8 +66,12 @@ from pydantic import Field
 from ..runtime.config import StageConfig
 from . import bytecode
 from .rootfs import PYVER, task_persona
-from .sandbox import Bind, Limits, Sandbox, identity_lease, share_tree
+from .sandbox import Bind, Limits, Sandbox, identity_lease, scratch, share_tree, volume_workspace
+from .volumes import Volume, unmounting as _unmounting
 from .task_dir import check_name, hidden_files, load_task, project_name
+
+
+SCRATCH = "/var/tmp"  # a grading run's: its runner, checks and report directory, on a tmpfs of its own
 
 
 CHECKS_DIR = "/var/tmp/checks"
@@ -86,12 +90,13 @@ RUNNER_FAILED = 3  # the runner's exit code when it could not write its results
 
 
 def grading_sandbox(task: dict, workspace: Path, limits: Limits, binds: list[Bind], identity: int | None = None,
-                    masks: dict[str, Path | None] | None = None, chown: bool = True) -> Sandbox:
+                    masks: dict[str, Path | None] | None = None, chown: bool = True,
+                    volume: Volume | None = None) -> Sandbox:
     """The sandbox a grading run uses: the task's persona (the episode's laptop), the runner's
     binds, the run's own ``identity`` (a uid no other live run holds) and the episode's ``masks``
     (``grading_masks``)."""
     return Sandbox(workspace, limits, project=workspace.name, binds=binds, persona=task_persona(task),
-                   identity=identity, masks=masks, chown=chown)
+                   identity=identity, masks=masks, chown=chown, volume=volume)
 
 
 def grading_masks(task_dir: Path, task: dict) -> dict[str, Path | None]:
@@ -146,15 +151,21 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
     timeout = timeout or task.get("limits", {}).get("test_timeout", 120)
     key = secrets.token_hex(32)
     pytest_task = task.get("framework") == "pytest"
-    with tempfile.TemporaryDirectory(prefix="cdag-g-") as tmp, identity_lease() as uid:
-        ws = Path(tmp) / project_name(task)
+    with tempfile.TemporaryDirectory(prefix="cdag-g-") as tmp, identity_lease() as uid, _unmounting(tmp):
+        volume = None
         if trusted:
+            ws = Path(tmp) / project_name(task)
             share_tree(workspace, ws, uid, uid, skip=frozenset(("__pycache__", ".pytest_cache")))
-        else:
-            shutil.copytree(workspace, ws, symlinks=True, ignore=_skip_in_copy)
-        report = Path(tmp) / "report"
+        else:  # an episode's tree: copied into a /home file system of the run's own, where there is one
+            volume, ws = volume_workspace(task_persona(task), project_name(task), limits, tmp)
+            shutil.copytree(workspace, ws, symlinks=True, ignore=_skip_in_copy, dirs_exist_ok=True)
+        # the runner, the checks and the report directory, in the run's /var/tmp (a tmpfs of its own)
+        var = scratch(Path(tmp) / "var", limits)
+        shutil.copy2(RUNNER, var / Path(RUNNER_PATH).name)
+        os.chmod(var / Path(RUNNER_PATH).name, 0o644)
+        report = var / Path(REPORT_DIR).name
         report.mkdir()
-        checks = Path(tmp) / "checks"
+        checks = var / Path(CHECKS_DIR).name
         stems, inside = {}, []
         binds = []
         if pytest_task:
@@ -193,8 +204,9 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
         os.chmod(checks, 0o755)
         for p in [*checks.rglob("*"), checks]:
             os.utime(p, (CHECKS_MTIME, CHECKS_MTIME), follow_symlinks=False)
-        binds += [Bind(RUNNER, RUNNER_PATH), Bind(checks, CHECKS_DIR), Bind(report, REPORT_DIR, writable=True)]
-        with grading_sandbox(task, ws, limits, binds, uid, grading_masks(task_dir, task), chown=not trusted) as sb:
+        binds += [Bind(var, SCRATCH, writable=True)]
+        with grading_sandbox(task, ws, limits, binds, uid, grading_masks(task_dir, task), chown=not trusted,
+                             volume=volume) as sb:
             shutil.chown(report, sb.persona.uid, sb.persona.gid)
             # a repository task: the project's venv python, without site at startup (-S: the runner
             # adds the site directories itself once it holds its key)

@@ -18,6 +18,7 @@ from .cheat_flags import action_flags, behaviour_flags, detect_flags, flag, flag
 from .checks import RUNNER, RUNNER_FAILED, GradeConfig, canary_passes, failures, outcomes, run_checks, run_hidden_tests, score
 from . import page_cache
 from .rootfs import runtime
+from .sandbox import image_roots
 from .task_dir import apply_reference, canary_files, checkout_digest, hidden_files, load_task, workspace_digest
 
 
@@ -149,7 +150,8 @@ def _cold(task_dir: Path, task: dict, config: GradeConfig) -> dict:
         with tempfile.TemporaryDirectory(prefix="cdag-r-") as tmp:
             # the task's own time limit: a grading's shorter one must not cut what gets pinned
             run_checks(task_dir, apply_reference(task_dir, Path(tmp) / "ws"), hidden_files(task_dir))
-    return page_cache.cold(key, roots, calibrate)
+    # the shared image the sandbox mounts counts whole
+    return page_cache.cold(key, roots + image_roots(), calibrate)
 
 
 def unsealed_flags(task_dir: Path, runs: list[list[Path]], run_details: list[dict], config: GradeConfig,

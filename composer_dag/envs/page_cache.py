@@ -96,18 +96,33 @@ def _descends(pid: int, me: int, known: dict[int, bool]) -> bool:
     return found
 
 
-def opened_during(calibrate: Callable[[], object], roots: Iterable[str | os.PathLike]) -> set[str]:
+def opened_during(calibrate: Callable[[], object], roots: Iterable[str | os.PathLike]) -> dict[str, int]:
     """The regular files under ``roots`` that this process, or a process under it (the sandbox's),
     opened while ``calibrate()`` ran (fanotify, marking the file systems that hold ``roots``; what
-    other processes open meanwhile, another grading's runs among them, is left out). Raises
-    OSError where fanotify is refused (no CAP_SYS_ADMIN)."""
+    other processes open meanwhile, another grading's runs among them, is left out), each with a
+    descriptor of it, open (the caller's to close): a file opened through a sandbox's mount is
+    named by its path there, which the host may not resolve. A root that is a mount point (an
+    image the sandbox binds) counts whole. Raises OSError where fanotify is refused (no
+    CAP_SYS_ADMIN)."""
     roots = [os.path.realpath(r) for r in roots if os.path.exists(r)]
+    whole = {os.stat(r).st_dev for r in roots if os.path.ismount(r)}
     me, known = os.getpid(), {}
     fd = _libc.fanotify_init(FAN_CLOEXEC | FAN_CLASS_NOTIF | FAN_NONBLOCK, os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC)
     if fd < 0:
         raise OSError(ctypes.get_errno(), "fanotify_init")
-    seen: set[str] = set()
+    seen: dict[tuple, tuple[str, int]] = {}
     stop = threading.Event()
+
+    def keep(efd: int) -> bool:
+        st = os.fstat(efd)
+        k = (st.st_dev, st.st_ino)
+        if k in seen or not stat.S_ISREG(st.st_mode) or st.st_nlink == 0:
+            return False
+        path = os.readlink(f"/proc/self/fd/{efd}")
+        if st.st_dev not in whole and not _under(path, roots):
+            return False
+        seen[k] = (path, efd)
+        return True
 
     def drain() -> None:
         while True:
@@ -126,13 +141,14 @@ def opened_during(calibrate: Callable[[], object], roots: Iterable[str | os.Path
                 off += max(length, EVENT.size)
                 if efd < 0:
                     continue
+                kept = False
                 try:
-                    if not mask & FAN_Q_OVERFLOW and _descends(pid, me, known):
-                        seen.add(os.readlink(f"/proc/self/fd/{efd}"))
+                    kept = not mask & FAN_Q_OVERFLOW and _descends(pid, me, known) and keep(efd)
                 except OSError:
                     pass
                 finally:
-                    os.close(efd)
+                    if not kept:
+                        os.close(efd)
 
     try:
         for path in {os.stat(r).st_dev: r for r in roots}.values():
@@ -148,13 +164,14 @@ def opened_during(calibrate: Callable[[], object], roots: Iterable[str | os.Path
             reader.join()
     finally:
         os.close(fd)
-    return {p for p in seen if not p.endswith(" (deleted)") and _under(p, roots)}
+    return dict(seen.values())
 
 
-def _pin_file(path: str) -> tuple[int, int, int] | None:
-    """Map ``path`` and lock its pages that are cached now: (address, length, bytes held)."""
+def _pin_file(path: str | int) -> tuple[int, int, int] | None:
+    """Map ``path`` (or the open descriptor ``path``, closed here) and lock its pages that are
+    cached now: (address, length, bytes held)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = path if isinstance(path, int) else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -187,10 +204,11 @@ def _pin_file(path: str) -> tuple[int, int, int] | None:
     return addr, st.st_size, held
 
 
-def pin(key, files: Iterable[str]) -> dict:
-    """Pin the cached pages of ``files`` for as long as this process runs (or ``release(key)``)."""
+def pin(key, files: Iterable[str | int]) -> dict:
+    """Pin the cached pages of ``files`` (paths, or open descriptors, which are closed) for as long
+    as this process runs (or ``release(key)``)."""
     maps, held = [], 0
-    for p in sorted(set(files)):
+    for p in sorted(set(files), key=str):
         got = _pin_file(p)
         if got is not None:
             maps.append(got[:2])
@@ -210,9 +228,9 @@ def cold(key, roots: Iterable[str | os.PathLike], calibrate: Callable[[], object
     with _LOCK:
         if key not in _PINNED:
             try:
-                files = opened_during(calibrate, roots)
+                files = list(opened_during(calibrate, roots).values())
             except OSError:  # no fanotify here: nothing pinned, every run starts all cold
-                files = set()
+                files = []
             pin(key, files)
         else:
             _PINNED[key] = _PINNED.pop(key)  # the most recently used last

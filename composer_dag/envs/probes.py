@@ -227,6 +227,19 @@ def _env_names(out: str, p: dict) -> Optional[str]:
     return None if not miss else f"session variables missing: {', '.join(miss[:8])}"
 
 
+def _mount_roots(out, p):
+    """No mount names the host or the runtime: no line matches the profile's ``mount_never``, and
+    each mount's root in its file system (mountinfo's fourth field) is that file system's root
+    or the tail of its mount point (``/irq`` at ``/proc/irq``), never a path from elsewhere (a
+    bind of ``/tmp/x`` at ``/home/sam/x`` would say where the tree lives on the host)."""
+    bad = []
+    for line in _lines(out):
+        f = line.split()
+        if re.search(p["mount_never"], line) or (len(f) > 4 and f[3] != "/" and not f[4].endswith(f[3])):
+            bad.append(line)
+    return None if not bad else f"{len(bad)} mount entries that name the host or the runtime: {bad[0][:120]}"
+
+
 PROBES: tuple[Probe, ...] = (
     # ---- /proc, processes, process 1
     Probe("proc.pid1_cmdline", "processes", "tr '\\0' ' ' < /proc/1/cmdline", matches("init_cmdline", "pid 1's command line")),
@@ -240,7 +253,7 @@ PROBES: tuple[Probe, ...] = (
     Probe("proc.exe", "processes",
           "for d in /proc/[0-9]*; do e=$(readlink $d/exe 2>/dev/null) && echo \"$(cat $d/comm) $e\"; done", _exe_agree),
     # ---- mounts and disk
-    Probe("mounts.paths", "mounts", "cat /proc/self/mountinfo", never("mount_never", "mount entries that name the host or the runtime")),
+    Probe("mounts.paths", "mounts", "cat /proc/self/mountinfo", _mount_roots),
     Probe("mounts.types", "mounts", "awk '{print $3}' /proc/mounts | sort -u", subset("mount_types", "file system types")),
     Probe("mounts.root", "mounts", "awk '$2 == \"/\" {print $3}' /proc/mounts | tail -1", matches("root_fstype", "the root file system's type")),
     Probe("mounts.options", "mounts", "awk '$2 == \"/\" {print $4}' /proc/mounts | tail -1",
@@ -396,13 +409,19 @@ def sandbox_realism(workspace: str | os.PathLike | None = None) -> dict:
     """The battery inside a fresh sandbox on ``workspace`` (default: an empty project)."""
     import tempfile
 
-    from .sandbox import Sandbox
+    from .rootfs import Persona
+    from .sandbox import Limits, Sandbox, volume_workspace
 
     with tempfile.TemporaryDirectory(prefix="realism-") as tmp:
-        ws = Path(workspace) if workspace else Path(tmp) / "project"
-        ws.mkdir(parents=True, exist_ok=True)
-        with Sandbox(ws) as sb:
-            return run_battery(sb)
+        # the project copied into the sandbox's home, as an episode's checkout is
+        vol, ws = volume_workspace(Persona(), Path(workspace).name if workspace else "project", Limits(), tmp,
+                                   Path(workspace) if workspace else None)
+        try:
+            with Sandbox(ws, volume=vol) as sb:
+                return run_battery(sb)
+        finally:
+            if vol is not None:
+                vol.close()
 
 
 def differences_table(report: dict) -> str:

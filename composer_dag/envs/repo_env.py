@@ -791,7 +791,7 @@ def venv_binds(workspace: Path, layer: Path, inside: str) -> list[Bind]:
     (venv / "bin" / "activate").write_text(_ACTIVATE)
     (venv / ".gitignore").write_text("*\n")
     (venv / "lib64").symlink_to("lib")
-    return [Bind(layer / "site-packages", f"{inside}/{sp.relative_to(workspace).as_posix()}")]
+    return [Bind(layer / "site-packages", f"{inside}/{sp.relative_to(workspace).as_posix()}", shared=True)]
 
 
 _ACTIVATE = """# This file must be used with "source bin/activate" *from bash*

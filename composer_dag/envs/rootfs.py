@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .laptop_session import INIT_DIR, INIT_SOURCE
+from . import volumes
 from .netns import wifi_for
 
 PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -187,6 +188,8 @@ def _evict(cache: Path, keep: Path) -> list[str]:
         except FileNotFoundError:
             continue
         if old:
+            for img in entry.glob("*.ext4"):  # a mounted image goes with its tree
+                volumes.unmount_image(img)
             shutil.rmtree(entry, ignore_errors=True)
             gone.append(entry.name)
     return gone
@@ -229,7 +232,7 @@ def runtime() -> Path:
     init_digest = hashlib.sha256(INIT_SOURCE.read_bytes() + DISK_USAGE_SOURCE.read_bytes()
                                  + KEEP_PRIVS_SOURCE.read_bytes()).hexdigest()[:16]
     root = _build("shared", [sys.version, sys.base_prefix, [(d.metadata["Name"], d.version) for d in dists],
-                             etc_digest, init_digest, 8], lambda tmp: _make_shared(tmp, dists))
+                             etc_digest, init_digest, 9], lambda tmp: _make_shared(tmp, dists))
     _RUNTIMES[_cache_root()] = root
     return root
 
@@ -281,6 +284,46 @@ def _make_shared(tmp: Path, dists) -> None:
     (tmp / "tools").mkdir()
     _compile(DISK_USAGE_SOURCE, tmp / "tools" / "disk_usage")
     _compile(KEEP_PRIVS_SOURCE, tmp / "tools" / "keep_privs.so", shared=True)
+    if volumes.available():
+        _shared_image(tmp)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """``dst``: ``src`` as hard links where they share a file system, else copied."""
+    if subprocess.run(["cp", "-al", "--", str(src), str(dst)], capture_output=True).returncode != 0:
+        shutil.rmtree(dst, ignore_errors=True)
+        subprocess.run(["cp", "-a", "--", str(src), str(dst)], check=True)
+
+
+def _shared_image(tmp: Path) -> None:
+    """``image.ext4``: the shared trees laid out at the paths the sandbox binds them to
+    (``/usr/local`` with the interpreter, its library and the curated site-packages,
+    ``/usr/lib/systemd``, libpython where the loader looks), so that each bind's root inside
+    the image is its mount point and names nothing of the host (``volumes``)."""
+    stage = tmp / "image-tree"
+    loc = stage / "usr" / "local"
+    loc.parent.mkdir(parents=True)
+    shutil.copytree(tmp / "usr-local", loc, symlinks=True)
+    exe = loc / "bin" / f"python{PYVER}"
+    exe.unlink()
+    shutil.copy2(Path(sys.base_prefix) / "bin" / f"python{PYVER}", exe)
+    lib = Path(sys.base_prefix) / "lib"
+    std = loc / "lib" / f"python{PYVER}"
+    std.mkdir()
+    for e in sorted(lib.iterdir()):
+        if e.name != f"python{PYVER}":
+            _link_or_copy(e, loc / "lib" / e.name)
+    for e in sorted((lib / f"python{PYVER}").iterdir()):
+        if e.name != "site-packages":
+            _link_or_copy(e, std / e.name)
+    _link_or_copy(tmp / "site-packages", std / "site-packages")
+    (stage / INIT_DIR.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(tmp / "systemd-lib", stage / INIT_DIR.lstrip("/"), symlinks=True)
+    for src, inside in _libpython_files():
+        (stage / inside.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, stage / inside.lstrip("/"))
+    volumes.tree_image(stage, tmp / "image.ext4")
+    shutil.rmtree(stage)
 
 
 def _compile(src: Path, out: Path, shared: bool = False) -> None:
@@ -309,7 +352,7 @@ def _make_init(dst: Path) -> None:
 def persona_runtime(persona: Persona) -> Path:
     """The persona's root skeleton and home skeleton (its /etc hard links into ``runtime()``'s)."""
     shared = runtime()
-    return _build("persona", [str(shared), repr(persona), 7], lambda tmp: _make_persona(tmp, shared, persona))
+    return _build("persona", [str(shared), repr(persona), 9], lambda tmp: _make_persona(tmp, shared, persona))
 
 
 def identity_runtime(persona: Persona, uid: int) -> Path:
@@ -319,7 +362,7 @@ def identity_runtime(persona: Persona, uid: int) -> Path:
     base = persona_runtime(persona)
     if uid == persona.uid:
         return base
-    return _build("identity", [str(base), uid, 1], lambda tmp: _make_identity(tmp, base, persona, uid))
+    return _build("identity", [str(base), uid, 3], lambda tmp: _make_identity(tmp, base, persona, uid))
 
 
 def _make_identity(tmp: Path, base: Path, p: Persona, uid: int) -> None:
@@ -332,6 +375,30 @@ def _make_identity(tmp: Path, base: Path, p: Persona, uid: int) -> None:
         if old not in text:
             raise RuntimeError(f"{base}/root/etc/{name} has no line for {p.user} at {p.uid}")
         _replace(etc / name, text.replace(old, new))
+    _root_image(tmp, p)
+
+
+def image_at(tree: Path, inside: str) -> Path:
+    """An ext4 image (cached, once per tree and place) holding the immutable tree ``tree`` at
+    the path ``inside``, for the sandbox to bind ``<mount>/<inside>`` at ``inside``: its root in
+    the image is its mount point, not a host path (``volumes``)."""
+    real = Path(os.path.realpath(tree))
+
+    def make(tmp: Path) -> None:
+        stage = tmp / "tree"
+        (stage / inside.strip("/")).parent.mkdir(parents=True)
+        _link_or_copy(real, stage / inside.strip("/"))
+        volumes.tree_image(stage, tmp / "image.ext4")
+        shutil.rmtree(stage)
+    return _build("image", [str(real), inside, real.stat().st_mtime_ns, 1], make) / "image.ext4"
+
+
+def _root_image(tmp: Path, p: Persona) -> None:
+    """``root.ext4``: ``root/`` as a file system of its own, which the sandbox mounts at ``/``,
+    the size of the persona's laptop's disk (a sparse file: about 13 MB of it is written)."""
+    if volumes.available():
+        disk = random.Random(f"disk:{p!r}").choice((256, 512, 512, 1000, 1000, 2000)) * 10**9
+        volumes.tree_image(tmp / "root", tmp / "root.ext4", size=disk)
 
 
 def stdlib_test_support() -> Path:
@@ -466,6 +533,7 @@ def _make_persona(tmp: Path, shared: Path, p: Persona) -> None:
             t = installed + 600 + rng.randrange(40 * 86400)
             os.utime(os.path.join(d, n), (t, t), follow_symlinks=False)
     os.utime(skel, (installed, installed))
+    _root_image(tmp, p)
 
 
 def shell_history(persona: Persona, project: str, files: list[str]) -> str:
@@ -496,14 +564,18 @@ def _system_binds() -> list[str]:
     return args
 
 
-def _libpython_binds() -> list[str]:
-    """The host python finds libpython through an absolute RUNPATH that is not bound; point
-    the loader's usual location at the right library instead."""
+def _libpython_files() -> list[tuple[Path, str]]:
+    """The host python finds libpython through an absolute RUNPATH that is not bound; the
+    loader's usual location gets the right library instead: (the library, where it goes)."""
     libdir = Path(sys.base_prefix) / "lib"
-    args = []
+    out = []
     for lib in sorted(libdir.glob(f"libpython{PYVER}*.so.*")):
         for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib"):
             if (Path(d) / lib.name).exists():
-                args += ["--ro-bind", str(lib), f"{d}/{lib.name}"]
+                out.append((lib, f"{d}/{lib.name}"))
                 break
-    return args
+    return out
+
+
+def _libpython_binds() -> list[str]:
+    return [x for src, inside in _libpython_files() for x in ("--ro-bind", str(src), inside)]

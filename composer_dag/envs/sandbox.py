@@ -94,10 +94,11 @@ import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from . import volumes
 from .netns import Network
 from .laptop_session import INIT_DIR, init_env
-from .rootfs import (PYVER, Persona, _libpython_binds, _system_binds, identity_runtime, persona_runtime, runtime,
-                     shell_history)
+from .rootfs import (PYVER, Persona, _cache_root, _libpython_binds, _libpython_files, _system_binds,
+                     identity_runtime, image_at, persona_runtime, runtime, shell_history)
 
 BWRAP = shutil.which("bwrap") or "/usr/bin/bwrap"
 START_TIMEOUT = 30.0  # seconds for a sandbox's session to come up
@@ -135,6 +136,7 @@ class Bind:
     host: Path
     path: str  # inside
     writable: bool = False
+    shared: bool = False  # an immutable tree many sandboxes bind (shown from an image of it)
 
 
 # ---------------------------------------------------------------- bwrap arguments (computed once)
@@ -154,16 +156,23 @@ def _base_args(persona: Persona, prt: Path) -> list[str]:
     a = [BWRAP, "--unshare-ipc", "--unshare-pid", "--unshare-uts",
          "--unshare-cgroup-try", "--new-session", "--as-pid-1",
          "--hostname", persona.hostname]
-    a += ["--ro-bind", str(prt / "root"), "/"] + _system_binds()
-    a += ["--ro-bind", str(rt / "usr-local"), "/usr/local",
-          "--ro-bind", str(prefix / "lib"), "/usr/local/lib",
-          "--ro-bind", str(exe), f"/usr/local/bin/python{PYVER}",
-          "--ro-bind", str(rt / "site-packages"), f"/usr/local/lib/python{PYVER}/site-packages"]
-    a += _libpython_binds()
+    shared = _shared_image(rt, prt)
+    if shared is not None:  # each tree the root of a file system, or bound at its own path in one
+        a += ["--ro-bind", ROOT, "/"] + _system_binds() + ["--ro-bind", f"{shared}/usr/local", "/usr/local"]
+        a += [x for _, inside in _libpython_files() for x in ("--ro-bind", f"{shared}{inside}", inside)]
+        init = f"{shared}{INIT_DIR}"
+    else:
+        a += ["--ro-bind", str(prt / "root"), "/"] + _system_binds()
+        a += ["--ro-bind", str(rt / "usr-local"), "/usr/local",
+              "--ro-bind", str(prefix / "lib"), "/usr/local/lib",
+              "--ro-bind", str(exe), f"/usr/local/bin/python{PYVER}",
+              "--ro-bind", str(rt / "site-packages"), f"/usr/local/lib/python{PYVER}/site-packages"]
+        a += _libpython_binds()
+        init = str(rt / "systemd-lib")
     if not Path(INIT_DIR).is_dir():
         raise RuntimeError(f"the sandbox binds its init at {INIT_DIR}, which this host lacks: "
                            f"`mkdir -p {INIT_DIR}` as root (`make system-deps` does)")
-    a += ["--ro-bind", str(rt / "systemd-lib"), INIT_DIR]
+    a += ["--ro-bind", init, INIT_DIR]
     a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--mqueue", "/dev/mqueue",
           "--perms", "0755", "--tmpfs", "/run", "--perms", "1777", "--size", str(5 << 20), "--tmpfs", "/run/lock", "--dir", "/run/user"]
     # a laptop's other mount points, as its user sees them: /dev/hugepages empty, the EFI
@@ -172,6 +181,68 @@ def _base_args(persona: Persona, prt: Path) -> list[str]:
           "--tmpfs", "/boot/efi"]
     _BASE_ARGS[(persona, prt)] = a
     return a
+
+
+ROOT = "@root@"
+"""``_base_args``' stand-in for the sandbox's own mount of its root image (``Sandbox``)."""
+
+
+def _shared_image(rt: Path, prt: Path) -> Path | None:
+    """Where the shared image is mounted, where this host makes file systems for the sandbox
+    (``volumes``) and both images are built; None: bind the cached trees themselves."""
+    if not (volumes.available() and (prt / "root.ext4").exists() and (rt / "image.ext4").exists()):
+        return None
+    return volumes.image(rt / "image.ext4")
+
+
+def image_roots() -> list[str]:
+    """Where the shared image every sandbox reads its interpreter and tools from is mounted
+    (mounted now if it is not yet): what the grader's page-cache pinning watches beside ``/usr``.
+    Empty where the sandbox binds the cached trees instead."""
+    img = runtime() / "image.ext4"
+    return [str(volumes.image(img))] if volumes.available() and img.exists() else []
+
+
+def home_volume(limits: Limits, parent: Path | str | None = None) -> volumes.Volume | None:
+    """A file system for a sandbox's ``/home`` (the caller makes the workspace in it, at
+    ``<path>/<user>/<project>``, and passes it as ``Sandbox(volume=)``), sized past the disk cap
+    so that the cap, not the file system, stops a writer; None where volumes are not available."""
+    if not volumes.available():
+        return None
+    return volumes.Volume(2 * limits.max_disk_bytes + (256 << 20), limits.max_disk_files + 65536,
+                          parent=str(parent) if parent else None)
+
+
+def scratch(path: Path, limits: Limits) -> Path:
+    """``path`` made as a scratch directory to bind writable at ``/var/tmp`` in place of the
+    sandbox's own (mode 1777): a tmpfs of ``limits.max_tmp_bytes`` where the host makes file
+    systems, so that the mount's root is its own. The caller unmounts it (``volumes.unmounting``)."""
+    path.mkdir()
+    if volumes.available():
+        volumes.tmpfs(path, limits.max_tmp_bytes, 0o1777, 0, 0)
+    else:
+        os.chmod(path, 0o1777)
+    return path
+
+
+def volume_workspace(persona: Persona, project: str, limits: Limits, parent: Path | str,
+                     src: Path | None = None) -> tuple[volumes.Volume | None, Path]:
+    """A workspace for a sandbox, and the volume that holds it (pass both to ``Sandbox``): where the
+    host makes file systems, ``<volume>/<user>/<project>`` in a new ``home_volume``, a plain
+    directory of the home inside; elsewhere ``<parent>/<project>``. ``src`` is copied in (links
+    kept) if given, else the directory is made empty."""
+    vol = home_volume(limits, parent)
+    ws = vol.path / persona.user / project if vol is not None else Path(parent) / project
+    try:
+        if src is not None:
+            shutil.copytree(src, ws, symlinks=True)
+        else:
+            ws.mkdir(parents=True)
+    except BaseException:
+        if vol is not None:
+            vol.close()
+        raise
+    return vol, ws
 
 
 def _bwrap_env() -> dict:
@@ -187,8 +258,10 @@ def _bwrap_env() -> dict:
 
 # ---------------------------------------------------------------- sandbox
 
-def _release(tmp: Path, network: Network | None, live: dict) -> None:
+def _release(tmp: Path, network: Network | None, live: dict, mounts: bool) -> None:
     _end(live)
+    if mounts:  # the sandbox's own /home and /run/user (a caller's volume is the caller's to close)
+        volumes.unmount_under(str(tmp))
     shutil.rmtree(tmp, ignore_errors=True)
     if network is not None:
         network.close()
@@ -463,6 +536,8 @@ def sweep_stale_temporaries(root: str | None = None, max_age: float = STALE_TEMP
         try:
             if _TEMP_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False) and \
                     now - e.stat(follow_symlinks=False).st_mtime > max_age:
+                if volumes.available():  # a killed sandbox's /home and /run/user
+                    volumes.unmount_under(e.path)
                 shutil.rmtree(e.path, ignore_errors=True)
                 gone.append(e.name)
         except OSError:
@@ -482,7 +557,8 @@ class Sandbox:
 
     def __init__(self, workspace: Path, limits: Limits = Limits(), *, project: str | None = None,
                  persona: Persona = Persona(), masks: dict[str, Path | None] | None = None,
-                 binds: list[Bind] = (), chown: bool = True, identity: int | None = None):
+                 binds: list[Bind] = (), chown: bool = True, identity: int | None = None,
+                 volume: volumes.Volume | None = None):
         self.workspace = Path(workspace).resolve()
         self.limits = limits
         base = persona
@@ -494,17 +570,40 @@ class Sandbox:
         self.root = f"{persona.home}/{self.project}"
         sweep_stale_temporaries()  # what killed processes left (once per process)
         self._dir = Path(tempfile.mkdtemp(prefix="cdag-h-"))
-        self._home, self._run = self._dir / "home", self._dir / "run"
-        shutil.copytree(prt / "skel", self._home, symlinks=True)
+        self._mounts = volumes.available()
+        if volume is None and self._mounts:
+            volume = self._own_volume = home_volume(limits, self._dir)
+        self._run = self._dir / "run"
+        self._run.mkdir(mode=0o700)
+        if self._mounts:  # a laptop's: a tmpfs of the user's, mode 700 (logind's)
+            volumes.tmpfs(self._run, limits.max_tmp_bytes, 0o700, persona.uid, persona.gid)
+        else:
+            os.lchown(self._run, persona.uid, persona.gid)
+        self._home = (volume.path / persona.user) if volume is not None else self._dir / "home"
+        self._home.mkdir(exist_ok=True)
+        # the workspace made in the volume, as a plain directory of the home (no mount of its own)
+        inside = volume is not None and self.workspace.parent == self._home.resolve()
+        skel = prt / "skel"
+        shutil.copytree(skel, self._home, symlinks=True, dirs_exist_ok=True)
         (self._home / self.project).mkdir(exist_ok=True)
         files = sorted(e.name for e in os.scandir(self.workspace) if e.is_file() and not e.name.startswith("."))[:20]
         (self._home / ".bash_history").write_text(shell_history(persona, self.project, files))
         os.chmod(self._home / ".bash_history", 0o600)
-        self._run.mkdir(mode=0o700)
-        chown_tree(self._dir, persona.uid, persona.gid)
+        os.lchown(self._home, persona.uid, persona.gid)
+        for name in [e.name for e in os.scandir(skel)] + [".bash_history"]:
+            chown_tree(self._home / name, persona.uid, persona.gid)
+        if not inside:
+            os.lchown(self._home / self.project, persona.uid, persona.gid)
         if chown:
             chown_tree(self.workspace, persona.uid, persona.gid)
         a = list(_base_args(base, prt))
+        if ROOT in a:
+            # the persona's root image on a loop device of the sandbox's own, let go with it:
+            # the many personas and grading identities leave no mounts behind
+            root = self._dir / "root"
+            root.mkdir()
+            volumes.mount_file(prt / "root.ext4", root)
+            a[a.index(ROOT)] = str(root)
         try:
             self.network: Network | None = Network(base)
         except OSError:
@@ -516,17 +615,25 @@ class Sandbox:
                   "--perms", "0700", "--size", "4096", "--tmpfs", "/sys/kernel/debug",
                   "--perms", "0700", "--size", "4096", "--tmpfs", "/sys/kernel/tracing"]
         for tmp in ("/tmp", "/var/tmp"):
-            a += ["--perms", "1777", "--size", str(limits.max_tmp_bytes), "--tmpfs", tmp]
+            if not any(b.path == tmp for b in binds):  # a caller's scratch (``scratch``) replaces it
+                a += ["--perms", "1777", "--size", str(limits.max_tmp_bytes), "--tmpfs", tmp]
         for d in (".ICE-unix", ".X11-unix", ".XIM-unix", ".font-unix"):
             a += ["--perms", "1777", "--dir", f"/tmp/{d}"]
         a += ["--bind", str(self._run), f"/run/user/{persona.uid}"]
-        a += ["--bind", str(self._home), persona.home, "--bind", str(self.workspace), self.root]
+        if volume is not None:
+            a += ["--bind", str(volume.path), "/home"] + ([] if inside else ["--bind", str(self.workspace), self.root])
+            # a loop device's backing file shows in sysfs (loop/backing_file): hide the virtual disks
+            if self.network is not None:
+                a += ["--perms", "0755", "--size", "4096", "--tmpfs", "/sys/devices/virtual/block"]
+        else:
+            a += ["--bind", str(self._home), persona.home, "--bind", str(self.workspace), self.root]
         for path, host in (masks or {}).items():
-            a += ["--tmpfs", path] if host is None else ["--ro-bind", str(host), path]
+            a += ["--tmpfs", path] if host is None else ["--ro-bind", self._placed(Path(host), path), path]
         for b in binds:
-            a += ["--bind" if b.writable else "--ro-bind", str(b.host), b.path]
+            a += ["--bind", str(b.host), b.path] if b.writable else ["--ro-bind", self._placed(Path(b.host), b.path, b.shared), b.path]
         self._args = a
-        self._writable = [self._dir, self.workspace] + [Path(b.host) for b in binds if b.writable]
+        self._writable = ([volume.path] if volume is not None else [self._dir]) + ([] if inside else [self.workspace]) \
+            + [Path(b.host) for b in binds if b.writable]
         p = persona
         self.env = {"HOME": p.home, "USER": p.user, "LOGNAME": p.user, "SHELL": "/bin/bash",
                     "PATH": f"{p.home}/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -542,10 +649,33 @@ class Sandbox:
         self._lock = threading.Lock()  # one command at a time; the idle watch waits for it
         self._usage: tuple[int, int] | None = None  # (bytes, entries) after the last command
         self.process_cap: str | None = None  # how max_processes is held once started: "cgroup" or "rlimit"
-        self._closer = weakref.finalize(self, _release, self._dir, self.network, self._live)
+        self._closer = weakref.finalize(self, _release, self._dir, self.network, self._live, self._mounts)
 
     def close(self) -> None:
         self._closer()
+
+    def _placed(self, host: Path, inside: str, shared: bool = False) -> str:
+        """What to bind read-only at ``inside`` for the host tree ``host``, so that the mount's
+        root names no host path: an immutable tree (``shared``: a repository's package layer, or
+        one of the runtime's cache) from an image of it laid out at ``inside``; any other file
+        or tree copied to ``inside`` in a tmpfs of the sandbox's own. ``host`` itself where the
+        host makes no file systems."""
+        if not self._mounts:
+            return str(host)
+        real = Path(os.path.realpath(host))
+        if real.is_dir() and (shared or real.is_relative_to(_cache_root())):
+            return f"{volumes.image(image_at(real, inside))}{inside}"
+        over = self._dir / "over"
+        if not over.exists():
+            over.mkdir()
+            volumes.tmpfs(over, self.limits.max_tmp_bytes, 0o755, 0, 0)
+        dst = over / inside.lstrip("/")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if real.is_dir():
+            shutil.copytree(real, dst, symlinks=True)
+        else:
+            shutil.copy2(real, dst)
+        return str(dst)
 
     def touched(self, delta: tuple[int, int] | None = None) -> None:
         """The host changed the writable trees (a tool's edit): by ``delta`` (bytes, entries, as

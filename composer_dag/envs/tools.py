@@ -27,7 +27,7 @@ from .checks import GradeConfig
 from .grade import GradeResult, grade
 from .task_dir import load_task, project_name
 from .rootfs import task_persona
-from .sandbox import Limits, Sandbox, entry_disk_bytes
+from .sandbox import Limits, Sandbox, entry_disk_bytes, volume_workspace
 
 SEARCH_SECONDS = 2.0  # time budget of one `search` call (the pattern is the model's)
 
@@ -141,6 +141,7 @@ class Episode:
         self.persona = task_persona(self.task)
         self.root = f"{self.persona.home}/{self._ws.name}"  # the project's path inside the sandbox
         self._sandbox: Sandbox | None = None
+        self._volume = None  # the sandbox's /home file system, which holds the workspace
         self.log: list[dict] = []
         self.turn = 0
         self.done = False
@@ -152,8 +153,10 @@ class Episode:
             return
         if not self._tmp.exists():
             raise RuntimeError("the episode is closed")
-        if not self._ws.exists():
-            shutil.copytree(self.task_dir / "repo", self._ws, symlinks=True)
+        if self._volume is None and not self._ws.exists():
+            # in the sandbox's /home file system where the host allows it: no mount of its own
+            self._volume, self._ws = volume_workspace(self.persona, self._ws.name, self.limits, self._tmp,
+                                                      self.task_dir / "repo")
         masks = {p: (self.task_dir / "masks" / v if v else None)
                  for p, v in self.task.get("sandbox", {}).get("masks", {}).items()}
         binds, self._layers = [], []
@@ -166,7 +169,7 @@ class Episode:
             self._layers = [(os.path.realpath(self._ws) + b.path[len(self.root):], os.path.realpath(b.host))
                             for b in binds]
         sandbox = Sandbox(self._ws, self.limits, project=self._ws.name, masks=masks, persona=self.persona,
-                          binds=binds)
+                          binds=binds, volume=self._volume)
         if binds:
             sandbox.env.update(VIRTUAL_ENV=f"{self.root}/.venv", PATH=f"{self.root}/.venv/bin:{sandbox.env['PATH']}")
         self._real = os.path.realpath(self._ws)
@@ -193,6 +196,8 @@ class Episode:
     def close(self) -> None:
         if self._sandbox is not None:
             self._sandbox.close()
+        if self._volume is not None:
+            self._volume.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self):
