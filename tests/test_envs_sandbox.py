@@ -1,10 +1,12 @@
 """The sandbox, for real: bubblewrap, rlimits, timeouts, isolation, realism."""
 
+import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -68,11 +70,14 @@ def test_sandbox_ends_with_the_process_holding_it(tmp_path):
     """The session ends when the host's end of its control socket closes: a process that holds a
     sandbox and dies (SIGKILL, no clean-up) leaves nothing running, daemons included."""
     tag = f"{os.getpid()}.{time.monotonic_ns() % 10**6}"
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "tmp").mkdir()
     script = ("import sys\nfrom pathlib import Path\nfrom composer_dag.envs.sandbox import Sandbox\n"
-              f"sb = Sandbox(Path({str(tmp_path)!r}))\n"
+              f"sb = Sandbox(Path({str(tmp_path / 'ws')!r}))\n"
               f"print(sb.run('setsid sleep 4242.{tag} >/dev/null 2>&1 & echo up').stdout, flush=True)\n"
               "sys.stdin.read()\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
     try:
         assert proc.stdout.readline().strip() == "up"
         assert _procs(f"4242.{tag}")
@@ -83,6 +88,35 @@ def test_sandbox_ends_with_the_process_holding_it(tmp_path):
     while _procs(f"4242.{tag}") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _procs(f"4242.{tag}")
+    # what it mounted for the sandbox (its /home, /run/user, root image) the next process's sweep
+    # lets go of, with the directory
+    from composer_dag.envs import volumes
+    from composer_dag.envs.sandbox import sweep_stale_temporaries
+
+    def mounts():
+        return [ln for ln in Path("/proc/self/mountinfo").read_text().splitlines() if f" {tmp_path}/tmp/" in ln]
+    assert len(mounts()) == (3 if volumes.available() else 0)
+    gone = sweep_stale_temporaries(str(tmp_path / "tmp"), max_age=0, force=True)
+    assert len(gone) == 1 and not mounts() and not list((tmp_path / "tmp").iterdir())
+
+
+def test_without_file_systems_of_its_own_the_sandbox_binds_the_host_trees(tmp_path):
+    """Where the host makes no file systems for it (no root, no loop devices; here turned off),
+    the sandbox binds the runtime's cached trees and the home as before: it still runs the
+    interpreter and the tools, and its mount table names the host (the realism battery's tell)."""
+    (tmp_path / "ws").mkdir()
+    script = ("import json, os\nfrom pathlib import Path\nfrom composer_dag.envs.sandbox import Sandbox\n"
+              f"with Sandbox(Path({str(tmp_path / 'ws')!r})) as sb:\n"
+              "    r = sb.run('python3 -c \"import json; print(json.__name__)\"; pytest --version; '\n"
+              "               'awk \\'$5 == \"/home/sam\" || $5 == \"/\" {print $4}\\' /proc/self/mountinfo')\n"
+              "print(json.dumps([r.exit_code, r.stdout]))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COMPOSER_SANDBOX_VOLUMES": "0"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    code, out = json.loads(r.stdout.strip().splitlines()[-1])
+    lines = out.split("\n")
+    assert code == 0 and lines[0] == "json" and lines[1].startswith("pytest "), out
+    assert lines[2].endswith("/root") and "cdag-rt" in lines[2] and "cdag-h-" in lines[3], out
 
 
 def _procs(marker: str) -> list[str]:

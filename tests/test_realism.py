@@ -203,14 +203,24 @@ def test_the_runtime_cache_evicts_what_no_one_has_used_for_days(tmp_path, monkey
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     made = []
 
-    def build(name):
-        return rootfs._build("persona", [name], lambda tmp: (made.append(name), (tmp / "f").write_text(name)))
+    from composer_dag.envs import volumes
+
+    def build(name, image=False):
+        def make(tmp):
+            made.append(name)
+            (tmp / "f").write_text(name)
+            if image:  # a tree with an image the sandbox mounts (a persona's root.ext4)
+                (tmp / "t").mkdir()
+                volumes.tree_image(tmp / "t", tmp / "t.ext4")
+        return rootfs._build("persona", [name], make)
 
     def age(root, seconds):
         t = time.time() - seconds
         os.utime(root / ".ok", (t, t))
 
-    stale, used, fresh = build("stale"), build("used"), build("fresh")
+    stale, used, fresh = build("stale", image=volumes.available()), build("used"), build("fresh")
+    mounted = volumes.image(stale / "t.ext4") if volumes.available() else None
+    assert mounted is None or os.path.ismount(mounted)
     age(stale, 4 * 86400)  # unused for four days: past the default three
     age(used, 4 * 86400)
     age(fresh, 2 * 86400)
@@ -222,6 +232,7 @@ def test_the_runtime_cache_evicts_what_no_one_has_used_for_days(tmp_path, monkey
     new = build("new")
     assert made[-1] == "new" and (new / "f").read_text() == "new"
     assert not stale.exists() and not half.exists()  # the new build evicted the stale tree and the half-made one
+    assert mounted is None or not os.path.ismount(mounted)  # and let go of its image's mount
     assert (used / "f").read_text() == "used" and (fresh / "f").read_text() == "fresh"
     monkeypatch.setenv("CDAG_RT_MAX_AGE_DAYS", "1")
     build("newer")

@@ -528,6 +528,8 @@ def sweep_stale_temporaries(root: str | None = None, max_age: float = STALE_TEMP
         return []
     _swept.add(root)
     gone, now = [], time.time()
+    if volumes.available():
+        gone += volumes.sweep_images()
     try:
         entries = list(os.scandir(root))
     except OSError:

@@ -142,6 +142,32 @@ def _mount_image(image: Path, target: Path, readonly: bool) -> None:
         os.close(fd)  # mounted, the device lives as long as the mount; unmounted, it clears now
 
 
+def sweep_images() -> list[str]:
+    """Let go of the machine's image mounts whose image file is gone (a cache removed by hand, or
+    a test's); returns their mount points."""
+    gone = []
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return gone
+    for line in lines:
+        f = line.split()
+        if len(f) < 10 or not f[4].startswith(f"{IMAGE_MOUNTS}/"):
+            continue
+        source = f[f.index("-") + 2] if "-" in f else ""
+        try:
+            backing = Path(f"/sys/block/{Path(source).name}/loop/backing_file").read_text().strip()
+        except OSError:
+            continue
+        if backing.endswith("(deleted)"):
+            try:
+                unmount(Path(f[4]))
+                gone.append(f[4])
+            except OSError:
+                pass
+    return gone
+
+
 def unmount_image(path: Path) -> None:
     """Let go of the machine's mount of the image file ``path`` (its tree is being removed)."""
     try:
