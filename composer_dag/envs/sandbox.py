@@ -572,85 +572,92 @@ class Sandbox:
         self.root = f"{persona.home}/{self.project}"
         sweep_stale_temporaries()  # what killed processes left (once per process)
         self._dir = Path(tempfile.mkdtemp(prefix="cdag-h-"))
-        self._mounts = volumes.available()
-        if volume is None and self._mounts:
-            volume = self._own_volume = home_volume(limits, self._dir)
-        self._run = self._dir / "run"
-        self._run.mkdir(mode=0o700)
-        if self._mounts:  # a laptop's: a tmpfs of the user's, mode 700 (logind's)
-            volumes.tmpfs(self._run, limits.max_tmp_bytes, 0o700, persona.uid, persona.gid)
-        else:
-            os.lchown(self._run, persona.uid, persona.gid)
-        self._home = (volume.path / persona.user) if volume is not None else self._dir / "home"
-        self._home.mkdir(exist_ok=True)
-        # the workspace made in the volume, as a plain directory of the home (no mount of its own)
-        inside = volume is not None and self.workspace.parent == self._home.resolve()
-        skel = prt / "skel"
-        shutil.copytree(skel, self._home, symlinks=True, dirs_exist_ok=True)
-        (self._home / self.project).mkdir(exist_ok=True)
-        files = sorted(e.name for e in os.scandir(self.workspace) if e.is_file() and not e.name.startswith("."))[:20]
-        (self._home / ".bash_history").write_text(shell_history(persona, self.project, files))
-        os.chmod(self._home / ".bash_history", 0o600)
-        os.lchown(self._home, persona.uid, persona.gid)
-        for name in [e.name for e in os.scandir(skel)] + [".bash_history"]:
-            chown_tree(self._home / name, persona.uid, persona.gid)
-        if not inside:
-            os.lchown(self._home / self.project, persona.uid, persona.gid)
-        if chown:
-            chown_tree(self.workspace, persona.uid, persona.gid)
-        a = list(_base_args(base, prt))
-        if ROOT in a:
-            # the persona's root image on a loop device of the sandbox's own, let go with it:
-            # the many personas and grading identities leave no mounts behind
-            root = self._dir / "root"
-            root.mkdir()
-            volumes.mount_file(prt / "root.ext4", root)
-            a[a.index(ROOT)] = str(root)
+        self.network: Network | None = None
         try:
-            self.network: Network | None = Network(base)
-        except OSError:
-            self.network = None
-            a.append("--unshare-net")
-        else:
-            # /sys's own mount points: the cgroup tree's, and debugfs and tracefs, root's alone
-            a += ["--ro-bind", self.network.sysfs, "/sys", "--perms", "0755", "--size", "4096", "--tmpfs", "/sys/fs/cgroup",
-                  "--perms", "0700", "--size", "4096", "--tmpfs", "/sys/kernel/debug",
-                  "--perms", "0700", "--size", "4096", "--tmpfs", "/sys/kernel/tracing"]
-        for tmp in ("/tmp", "/var/tmp"):
-            if not any(b.path == tmp for b in binds):  # a caller's scratch (``scratch``) replaces it
-                a += ["--perms", "1777", "--size", str(limits.max_tmp_bytes), "--tmpfs", tmp]
-        for d in (".ICE-unix", ".X11-unix", ".XIM-unix", ".font-unix"):
-            a += ["--perms", "1777", "--dir", f"/tmp/{d}"]
-        a += ["--bind", str(self._run), f"/run/user/{persona.uid}"]
-        if volume is not None:
-            a += ["--bind", str(volume.path), "/home"] + ([] if inside else ["--bind", str(self.workspace), self.root])
-            # a loop device's backing file shows in sysfs (loop/backing_file): hide the virtual disks
+            self._mounts = volumes.available()
+            if volume is None and self._mounts:
+                volume = self._own_volume = home_volume(limits, self._dir)
+            self._run = self._dir / "run"
+            self._run.mkdir(mode=0o700)
+            if self._mounts:  # a laptop's: a tmpfs of the user's, mode 700 (logind's)
+                volumes.tmpfs(self._run, limits.max_tmp_bytes, 0o700, persona.uid, persona.gid)
+            else:
+                os.lchown(self._run, persona.uid, persona.gid)
+            self._home = (volume.path / persona.user) if volume is not None else self._dir / "home"
+            self._home.mkdir(exist_ok=True)
+            # the workspace made in the volume, as a plain directory of the home (no mount of its own)
+            inside = volume is not None and self.workspace.parent == self._home.resolve()
+            skel = prt / "skel"
+            shutil.copytree(skel, self._home, symlinks=True, dirs_exist_ok=True)
+            (self._home / self.project).mkdir(exist_ok=True)
+            files = sorted(e.name for e in os.scandir(self.workspace) if e.is_file() and not e.name.startswith("."))[:20]
+            (self._home / ".bash_history").write_text(shell_history(persona, self.project, files))
+            os.chmod(self._home / ".bash_history", 0o600)
+            os.lchown(self._home, persona.uid, persona.gid)
+            for name in [e.name for e in os.scandir(skel)] + [".bash_history"]:
+                chown_tree(self._home / name, persona.uid, persona.gid)
+            if not inside:
+                os.lchown(self._home / self.project, persona.uid, persona.gid)
+            if chown:
+                chown_tree(self.workspace, persona.uid, persona.gid)
+            a = list(_base_args(base, prt))
+            if ROOT in a:
+                # the persona's root image on a loop device of the sandbox's own, let go with it:
+                # the many personas and grading identities leave no mounts behind
+                root = self._dir / "root"
+                root.mkdir()
+                volumes.mount_file(prt / "root.ext4", root)
+                a[a.index(ROOT)] = str(root)
+            try:
+                self.network = Network(base)
+            except OSError:
+                self.network = None
+                a.append("--unshare-net")
+            else:
+                # /sys's own mount points: the cgroup tree's, and debugfs and tracefs, root's alone
+                a += ["--ro-bind", self.network.sysfs, "/sys", "--perms", "0755", "--size", "4096", "--tmpfs", "/sys/fs/cgroup",
+                      "--perms", "0700", "--size", "4096", "--tmpfs", "/sys/kernel/debug",
+                      "--perms", "0700", "--size", "4096", "--tmpfs", "/sys/kernel/tracing"]
+            for tmp in ("/tmp", "/var/tmp"):
+                if not any(b.path == tmp for b in binds):  # a caller's scratch (``scratch``) replaces it
+                    a += ["--perms", "1777", "--size", str(limits.max_tmp_bytes), "--tmpfs", tmp]
+            for d in (".ICE-unix", ".X11-unix", ".XIM-unix", ".font-unix"):
+                a += ["--perms", "1777", "--dir", f"/tmp/{d}"]
+            a += ["--bind", str(self._run), f"/run/user/{persona.uid}"]
+            if volume is not None:
+                a += ["--bind", str(volume.path), "/home"] + ([] if inside else ["--bind", str(self.workspace), self.root])
+                # a loop device's backing file shows in sysfs (loop/backing_file): hide the virtual disks
+                if self.network is not None:
+                    a += ["--perms", "0755", "--size", "4096", "--tmpfs", "/sys/devices/virtual/block"]
+            else:
+                a += ["--bind", str(self._home), persona.home, "--bind", str(self.workspace), self.root]
+            for path, host in (masks or {}).items():
+                a += ["--tmpfs", path] if host is None else ["--ro-bind", self._placed(Path(host), path), path]
+            for b in binds:
+                a += ["--bind", str(b.host), b.path] if b.writable else ["--ro-bind", self._placed(Path(b.host), b.path, b.shared), b.path]
+            self._args = a
+            self._writable = ([volume.path] if volume is not None else [self._dir]) + ([] if inside else [self.workspace]) \
+                + [Path(b.host) for b in binds if b.writable]
+            p = persona
+            self.env = {"HOME": p.home, "USER": p.user, "LOGNAME": p.user, "SHELL": "/bin/bash",
+                        "PATH": f"{p.home}/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                        "LANG": p.locale, "TERM": "xterm-256color", "EDITOR": p.editor,
+                        "XDG_RUNTIME_DIR": f"/run/user/{p.uid}", "XDG_SESSION_ID": str(p.session),
+                        "XDG_SESSION_TYPE": "wayland", "XDG_SESSION_CLASS": "user", "XDG_CURRENT_DESKTOP": "GNOME",
+                        "DBUS_SESSION_BUS_ADDRESS": f"unix:path=/run/user/{p.uid}/bus"}
+            self._groups = _user_groups(persona, prt)
+            self._etc = prt / "root" / "etc"
+            self._pids = random.Random(f"{persona!r}:{self.project}")
+            self._pid = 4000 + self._pids.randrange(20000)
+            self._live: dict = {}  # the running sandbox: bwrap, the control socket, process 1's host pid
+            self._lock = threading.Lock()  # one command at a time; the idle watch waits for it
+            self._usage: tuple[int, int] | None = None  # (bytes, entries) after the last command
+            self.process_cap: str | None = None  # how max_processes is held once started: "cgroup" or "rlimit"
+        except BaseException:  # nothing left mounted or made
             if self.network is not None:
-                a += ["--perms", "0755", "--size", "4096", "--tmpfs", "/sys/devices/virtual/block"]
-        else:
-            a += ["--bind", str(self._home), persona.home, "--bind", str(self.workspace), self.root]
-        for path, host in (masks or {}).items():
-            a += ["--tmpfs", path] if host is None else ["--ro-bind", self._placed(Path(host), path), path]
-        for b in binds:
-            a += ["--bind", str(b.host), b.path] if b.writable else ["--ro-bind", self._placed(Path(b.host), b.path, b.shared), b.path]
-        self._args = a
-        self._writable = ([volume.path] if volume is not None else [self._dir]) + ([] if inside else [self.workspace]) \
-            + [Path(b.host) for b in binds if b.writable]
-        p = persona
-        self.env = {"HOME": p.home, "USER": p.user, "LOGNAME": p.user, "SHELL": "/bin/bash",
-                    "PATH": f"{p.home}/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                    "LANG": p.locale, "TERM": "xterm-256color", "EDITOR": p.editor,
-                    "XDG_RUNTIME_DIR": f"/run/user/{p.uid}", "XDG_SESSION_ID": str(p.session),
-                    "XDG_SESSION_TYPE": "wayland", "XDG_SESSION_CLASS": "user", "XDG_CURRENT_DESKTOP": "GNOME",
-                    "DBUS_SESSION_BUS_ADDRESS": f"unix:path=/run/user/{p.uid}/bus"}
-        self._groups = _user_groups(persona, prt)
-        self._etc = prt / "root" / "etc"
-        self._pids = random.Random(f"{persona!r}:{self.project}")
-        self._pid = 4000 + self._pids.randrange(20000)
-        self._live: dict = {}  # the running sandbox: bwrap, the control socket, process 1's host pid
-        self._lock = threading.Lock()  # one command at a time; the idle watch waits for it
-        self._usage: tuple[int, int] | None = None  # (bytes, entries) after the last command
-        self.process_cap: str | None = None  # how max_processes is held once started: "cgroup" or "rlimit"
+                self.network.close()
+            _release(self._dir, None, {}, volumes.available())
+            raise
         self._closer = weakref.finalize(self, _release, self._dir, self.network, self._live, self._mounts)
 
     def close(self) -> None:

@@ -137,7 +137,9 @@ def _attach(image: Path, readonly: bool) -> tuple[int, str]:
 def _mount_image(image: Path, target: Path, readonly: bool) -> None:
     fd, dev = _attach(image, readonly)
     try:
-        _mount(dev, target, "ext4", MS_RDONLY if readonly else 0)
+        # noinit_itable: the image is sparse, its inode tables read as zeros already; the kernel's
+        # lazy init would write them all out (68 MB for a sandbox's /home) for nothing
+        _mount(dev, target, "ext4", MS_RDONLY if readonly else 0, "" if readonly else "noinit_itable")
     finally:
         os.close(fd)  # mounted, the device lives as long as the mount; unmounted, it clears now
 
@@ -190,8 +192,11 @@ def mkfs(image: Path, size: int, tree: Path | None = None, inodes: int | None = 
     with open(image, "wb") as f:
         f.truncate(size)
     # a laptop's block and inode sizes, whatever the size (mke2fs would pick 1 KiB blocks and
-    # 128-byte inodes for a small one, which ``ls -la /`` and ``stat`` show)
-    cmd = ["mkfs.ext4", "-q", "-F", "-b", "4096", "-I", "256", "-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1"]
+    # 128-byte inodes for a small one, which ``ls -la /`` and ``stat`` show); no journal: these
+    # file systems die with their sandbox or are read-only, and a journal's kernel thread and
+    # /proc/fs/jbd2 entry would be one more trace (a third less time to make and let go of)
+    cmd = ["mkfs.ext4", "-q", "-F", "-b", "4096", "-I", "256", "-O", "^has_journal",
+           "-E", "nodiscard,lazy_itable_init=1"]
     if inodes:
         cmd += ["-N", str(inodes)]
     if tree is not None:
@@ -238,6 +243,39 @@ def image(path: Path) -> Path:
     return target
 
 
+_templates: dict[tuple[int, int], Path] = {}
+
+
+def _template(size: int, inodes: int) -> Path:
+    """An empty file system of ``size`` bytes and ``inodes`` entries, made once per process:
+    a volume starts as a copy of it (its 2 MB of metadata: about 1 ms, against 10 ms for
+    ``mkfs.ext4``)."""
+    with _lock:
+        path = _templates.get((size, inodes))
+        if path is None or not path.exists():
+            path = Path(tempfile.mkdtemp(prefix="cdag-vt-")) / "empty.ext4"
+            mkfs(path, size, inodes=inodes)
+            _templates[(size, inodes)] = path
+        return path
+
+
+def _sparse_copy(src: Path, dst: Path) -> None:
+    """``dst``: a copy of ``src`` that writes only its data, leaving its holes holes."""
+    with open(src, "rb") as f, open(dst, "wb") as g:
+        size = os.fstat(f.fileno()).st_size
+        g.truncate(size)
+        off = 0
+        while off < size:
+            try:
+                start = os.lseek(f.fileno(), off, os.SEEK_DATA)
+            except OSError:  # ENXIO: nothing but a hole to the end
+                break
+            end = os.lseek(f.fileno(), start, os.SEEK_HOLE)
+            while start < end:
+                start += os.copy_file_range(f.fileno(), g.fileno(), end - start, start, start)
+            off = end
+
+
 class Volume:
     """A sandbox's own ext4 file system (sparse: ``size`` bytes at most, ``inodes`` entries),
     mounted read-write on the host at ``path`` until ``close()``."""
@@ -249,7 +287,7 @@ class Volume:
         self.path = self._dir / "fs"
         self.path.mkdir()
         try:
-            mkfs(self._dir / "image", size, inodes=inodes)
+            _sparse_copy(_template(size, inodes), self._dir / "image")
             _mount_image(self._dir / "image", self.path, readonly=False)
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
