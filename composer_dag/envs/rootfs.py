@@ -232,7 +232,7 @@ def runtime() -> Path:
     init_digest = hashlib.sha256(INIT_SOURCE.read_bytes() + DISK_USAGE_SOURCE.read_bytes()
                                  + KEEP_PRIVS_SOURCE.read_bytes()).hexdigest()[:16]
     root = _build("shared", [sys.version, sys.base_prefix, [(d.metadata["Name"], d.version) for d in dists],
-                             etc_digest, init_digest, 10], lambda tmp: _make_shared(tmp, dists))
+                             etc_digest, init_digest, 11], lambda tmp: _make_shared(tmp, dists))
     _RUNTIMES[_cache_root()] = root
     return root
 
@@ -352,7 +352,7 @@ def _make_init(dst: Path) -> None:
 def persona_runtime(persona: Persona) -> Path:
     """The persona's root skeleton and home skeleton (its /etc hard links into ``runtime()``'s)."""
     shared = runtime()
-    return _build("persona", [str(shared), repr(persona), 10], lambda tmp: _make_persona(tmp, shared, persona))
+    return _build("persona", [str(shared), repr(persona), 11], lambda tmp: _make_persona(tmp, shared, persona))
 
 
 def identity_runtime(persona: Persona, uid: int) -> Path:
@@ -362,7 +362,7 @@ def identity_runtime(persona: Persona, uid: int) -> Path:
     base = persona_runtime(persona)
     if uid == persona.uid:
         return base
-    return _build("identity", [str(base), uid, 4], lambda tmp: _make_identity(tmp, base, persona, uid))
+    return _build("identity", [str(base), uid, 5], lambda tmp: _make_identity(tmp, base, persona, uid))
 
 
 def _make_identity(tmp: Path, base: Path, p: Persona, uid: int) -> None:
@@ -375,7 +375,6 @@ def _make_identity(tmp: Path, base: Path, p: Persona, uid: int) -> None:
         if old not in text:
             raise RuntimeError(f"{base}/root/etc/{name} has no line for {p.user} at {p.uid}")
         _replace(etc / name, text.replace(old, new))
-    _root_image(tmp, p)
 
 
 def image_at(tree: Path, inside: str) -> Path:
@@ -390,7 +389,7 @@ def image_at(tree: Path, inside: str) -> Path:
         _link_or_copy(real, stage / inside.strip("/"))
         volumes.tree_image(stage, tmp / "image.ext4")
         shutil.rmtree(stage)
-    return _build("image", [str(real), inside, real.stat().st_mtime_ns, 2], make) / "image.ext4"
+    return _build("image", [str(real), inside, real.stat().st_mtime_ns, 3], make) / "image.ext4"
 
 
 def _root_image(tmp: Path, p: Persona) -> None:

@@ -156,7 +156,7 @@ def _base_args(persona: Persona, prt: Path) -> list[str]:
     a = [BWRAP, "--unshare-ipc", "--unshare-pid", "--unshare-uts",
          "--unshare-cgroup-try", "--new-session", "--as-pid-1",
          "--hostname", persona.hostname]
-    shared = _shared_image(rt, prt)
+    shared = _shared_image(rt, persona_runtime(persona))  # an identity's tree has no image of its own
     if shared is not None:  # each tree the root of a file system, or bound at its own path in one
         a += ["--ro-bind", ROOT, "/"] + _system_binds() + ["--ro-bind", f"{shared}/usr/local", "/usr/local"]
         a += [x for _, inside in _libpython_files() for x in ("--ro-bind", f"{shared}{inside}", inside)]
@@ -606,8 +606,13 @@ class Sandbox:
                 # the many personas and grading identities leave no mounts behind
                 root = self._dir / "root"
                 root.mkdir()
-                volumes.mount_file(prt / "root.ext4", root)
+                volumes.mount_file(persona_runtime(base) / "root.ext4", root)
                 a[a.index(ROOT)] = str(root)
+                if identity is not None:
+                    # a grading identity's passwd and group (its uid for the persona's user) laid
+                    # over the persona's root: an image per persona and uid would be megabytes each
+                    for f in ("passwd", "group"):
+                        a += ["--ro-bind", self._placed(prt / "root" / "etc" / f, f"/etc/{f}"), f"/etc/{f}"]
             try:
                 self.network = Network(base)
             except OSError:

@@ -187,7 +187,7 @@ def mount_file(path: Path, target: Path) -> None:
     _mount_image(path, target, readonly=True)
 
 
-def mkfs(image: Path, size: int, tree: Path | None = None, inodes: int | None = None) -> None:
+def mkfs(image: Path, size: int, tree: Path | None = None, inodes: int | None = None, extra=()) -> None:
     """An ext4 file system of ``size`` bytes (sparse) in ``image``, holding ``tree`` if given."""
     with open(image, "wb") as f:
         f.truncate(size)
@@ -197,6 +197,7 @@ def mkfs(image: Path, size: int, tree: Path | None = None, inodes: int | None = 
     # /proc/fs/jbd2 entry would be one more trace (a third less time to make and let go of)
     cmd = ["mkfs.ext4", "-q", "-F", "-b", "4096", "-I", "256", "-O", "^has_journal",
            "-E", "nodiscard,lazy_itable_init=1"]
+    cmd += list(extra)
     if inodes:
         cmd += ["-N", str(inodes)]
     if tree is not None:
@@ -216,7 +217,9 @@ def tree_image(tree: Path, image: Path, size: int | None = None) -> None:
             used += (st.st_size + 4095) // 4096 * 4096
             count += 1
     need = int(used * 1.25) + (64 << 20)
-    mkfs(image, max(need, size or 0), tree, inodes=None if size else int(count * 1.25) + 4096)
+    # read-only: inodes for the tree and some, two superblock backups, no room to grow: a 2 TB
+    # image then writes 11 MB (32 MB with mke2fs's defaults), most of it the block groups' bitmaps
+    mkfs(image, max(need, size or 0), tree, inodes=int(count * 1.25) + 8192, extra=("-O", "^resize_inode,sparse_super2"))
 
 
 def _image_target(path: Path) -> tuple[tuple, Path]:
