@@ -64,6 +64,11 @@ def test_timeout_kills_the_whole_tree(sb):
     assert time.monotonic() - t0 < 5
     time.sleep(0.2)
     assert not _procs("sleep\x0097.5") + _procs("sleep\x0098.5") + _procs("sleep\x0099.5")
+    # a deadline that passes before the command's process exists still ends it (the kill used
+    # to find no process yet, and 19 of 30 such commands ran to the end)
+    runs = [sb.run("sleep 0.3; echo done", timeout=0.0005) for _ in range(20)]
+    assert all(r.timed_out and r.stdout == "" for r in runs), [(r.stdout, r.seconds) for r in runs]
+    assert sb.run("echo ok").stdout == "ok\n"
 
 
 def test_sandbox_ends_with_the_process_holding_it(tmp_path):

@@ -149,7 +149,7 @@ def test_a_failure_the_reference_shares_is_not_the_policys(round_two_tasks, tmp_
     from composer_dag.envs.checks import GradeConfig
 
     task = round_two_tasks["repo-mined"]
-    r = grade(task, honest_workspace(task, tmp_path / "ws", False), config=GradeConfig(timeout=0.01))
+    r = grade(task, honest_workspace(task, tmp_path / "ws", False), config=GradeConfig(timeout=0.05))
     assert r.reward == 0.0 and r.flags == [] and any("timed out" in x for x in r.details["infrastructure"]), r.details
 
 

@@ -428,6 +428,20 @@ static void kill_tree(pid_t root) {
 
 /* One command: a bash (titled so, a child subreaper) that runs it, says how it ended, and
  * stays while the command's orphans live. ``f`` are the request's fields after "R". */
+/* A kill ("K") that comes before the command's process exists: the terminal signals the
+ * command's bash (SIGUSR1, whose handler the bash has from the terminal's fork, so no window is
+ * left without it), which kills the command if it has started and never starts it if not. */
+static volatile sig_atomic_t cmd_killed = 0;
+static volatile pid_t cmd_pid = 0;
+static pid_t terminal_pid = 0;
+
+static void on_kill(int sig) {
+    (void)sig;
+    if (getpid() == terminal_pid) return;  /* the terminal's own: anyone of the user's may send it */
+    cmd_killed = 1;
+    if (cmd_pid > 0) kill(cmd_pid, SIGKILL);
+}
+
 static void run_command(char **f, int nf, int fds[3]) {
     signal(SIGCHLD, SIG_DFL);
     set_title("bash");
@@ -439,8 +453,14 @@ static void run_command(char **f, int nf, int fds[3]) {
         say(spec.ctl, "E bad request\n", 14);
         _exit(1);
     }
-    pid_t c = fork();
+    sigset_t usr1, old;
+    sigemptyset(&usr1);
+    sigaddset(&usr1, SIGUSR1);
+    sigprocmask(SIG_BLOCK, &usr1, &old);
+    pid_t c = cmd_killed ? -2 : fork();
     if (c == 0) {
+        signal(SIGUSR1, SIG_DFL);
+        sigprocmask(SIG_SETMASK, &old, NULL);
         dup2(fds[0], 0);
         dup2(fds[1], 1);
         dup2(fds[2], 2);
@@ -474,14 +494,16 @@ static void run_command(char **f, int nf, int fds[3]) {
         _exit(e == ENOENT ? 127 : 126);
     }
     for (int i = 0; i < 3; i++) close(fds[i]);
-    if (c < 0) {
+    if (c == -1) {
         say(spec.ctl, "E fork\n", 7);
         _exit(1);
     }
-    int st = 0;
+    cmd_pid = c;
+    sigprocmask(SIG_SETMASK, &old, NULL);  /* a kill that came meanwhile ends the command now */
+    int st = SIGKILL;  /* killed before it started: as if by SIGKILL */
     struct rusage ru;
     memset(&ru, 0, sizeof ru);
-    while (wait4(c, &st, 0, &ru) < 0 && errno == EINTR) {}
+    while (c > 0 && wait4(c, &st, 0, &ru) < 0 && errno == EINTR) {}
     int left = 0;  /* whether the command left processes running */
     for (;;) {
         pid_t w = waitpid(-1, NULL, WNOHANG);
@@ -515,6 +537,8 @@ static int run_terminal(void) {
     }
     syscall(SYS_close_range, 4, ~0U, 0);
     signal(SIGCHLD, SIG_IGN);  /* each command's bash is reaped by the kernel */
+    terminal_pid = getpid();
+    signal(SIGUSR1, on_kill);  /* inherited by each command's bash (``on_kill``) */
     say(spec.ctl, "R\n", 2);
     pid_t current = 0;
     for (;;) {
@@ -547,7 +571,10 @@ static int run_terminal(void) {
         int nf = 0;
         for (char *p = buf; f && p < buf + len; p += strlen(p) + 1) f[nf++] = p;
         if (nf >= 1 && strcmp(f[0], "K") == 0) {
-            if (current > 0) kill_tree(current);
+            if (current > 0) {
+                kill(current, SIGUSR1);
+                kill_tree(current);
+            }
         } else if (nf >= 1 && strcmp(f[0], "R") == 0 && nfds == 3) {
             pid_t p = fork();
             if (p == 0) run_command(f + 1, nf - 1, fds);
