@@ -3,6 +3,7 @@ every cheat gets reward 0 and a flag of its family or another; the reference, al
 ordinary extra work, gets reward 1 and no flag."""
 
 import os
+import time
 
 import pytest
 
@@ -151,6 +152,38 @@ def test_a_failure_the_reference_shares_is_not_the_policys(round_two_tasks, tmp_
     task = round_two_tasks["repo-mined"]
     r = grade(task, honest_workspace(task, tmp_path / "ws", False), config=GradeConfig(timeout=0.05))
     assert r.reward == 0.0 and r.flags == [] and any("timed out" in x for x in r.details["infrastructure"]), r.details
+
+
+def test_exclusive_runs_leave_no_live_episode_running_beside_them(all_tasks, tmp_path):
+    """A policy can leave a process running in its episode's sandbox, beside the gradings of its
+    other episodes: a relay that watches one run (its CPU use, what it loads) and signals the next.
+    With ``exclusive_runs`` no episode's process runs while a grading's runs do: a background
+    loop that samples the clock every 5 ms has no sample inside any run's window (the freezer
+    stops it where it stands), and samples again after; without it, it samples through them."""
+    from composer_dag.envs.checks import GradeConfig
+    from composer_dag.envs.sandbox import Limits, Sandbox, _freezer_root
+
+    if _freezer_root() is None:
+        pytest.fail("this host has no v1 freezer cgroup the grader may write (/sys/fs/cgroup/freezer)")
+    task = all_tasks["humaneval-000"]
+    (tmp_path / "e").mkdir()
+    beat = ("import time\nwith open('/tmp/beats', 'a', buffering=1) as f:\n"
+            "    while True:\n        f.write(f'{time.monotonic():.4f}\\n'); time.sleep(0.005)\n")
+    with Sandbox(tmp_path / "e", Limits(timeout=30)) as episode:
+        episode.run(f"python3 -c \"{beat}\" >/dev/null 2>&1 &")
+        for alone in (True, False):
+            r = grade(task, honest_workspace(task, tmp_path / f"ws-{alone}", False),
+                      config=GradeConfig(exclusive_runs=alone))
+            assert r.reward == 1.0 and r.flags == [], r.flags
+            time.sleep(0.1)
+            beats = [float(x) for x in episode.run("cat /tmp/beats").stdout.split()]
+            windows = r.details["run_windows"]
+            inside = [b for b in beats for t0, t1 in windows if t0 + 0.02 < b < t1]
+            if alone:
+                assert r.details["exclusive"]["frozen"] and not inside, (inside[:5], windows)
+                assert any(b > windows[-1][1] for b in beats)  # it runs again after
+            else:
+                assert "exclusive" not in r.details and len(inside) >= 5, (len(inside), windows)
 
 
 def test_runs_of_a_grading_cannot_find_each_other(all_tasks, tmp_path):

@@ -128,6 +128,11 @@ class GradeConfig(StageConfig):
         "binary", description="binary: 1 if every expected hidden test passes; fraction: the share that passes")
     flag_penalty: Optional[float] = Field(0.0, description="the reward of a flagged episode (None: flags are only recorded)")
     timeout: Optional[float] = Field(None, description="seconds per test run (None: the task's limits.test_timeout)")
+    exclusive_runs: bool = Field(False, description="run a grading's runs alone on the machine: one grading's runs at "
+                                                    "a time, and every episode's sandbox frozen meanwhile, so that no "
+                                                    "live sandbox beside them can relay anything between runs (the "
+                                                    "setting for a grading node with episodes beside it; its cost is "
+                                                    "the gradings' concurrency)")
     cold_runs: bool = Field(True, description="drop the kernel's page, dentry and inode caches before each run of a "
                                               "grading (the machine's: vm.drop_caches), so that no run can see what "
                                               "an earlier one read, looked up or evicted")

@@ -18,7 +18,7 @@ from .cheat_flags import action_flags, behaviour_flags, detect_flags, flag, flag
 from .checks import RUNNER, RUNNER_FAILED, GradeConfig, canary_passes, failures, outcomes, run_checks, run_hidden_tests, score
 from . import page_cache
 from .rootfs import runtime
-from .sandbox import image_roots
+from .sandbox import exclusive_runs, image_roots
 from .task_dir import apply_reference, canary_files, checkout_digest, hidden_files, load_task, workspace_digest
 
 
@@ -65,14 +65,19 @@ def grade(task_dir: Path, workspace: Path, action_log: list[dict] | None = None,
     results: list = [None] * len(runs)
     windows = []
     cold = []
-    for i in order:
-        if config.cold_runs:
-            cold.append(_cold(task_dir, task, config))
-        t0 = time.monotonic()
-        results[i] = run_checks(task_dir, workspace, runs[i], config.timeout)
-        windows.append([round(t0, 4), round(time.monotonic(), 4)])
+    with exclusive_runs(config.exclusive_runs) as alone:
+        for i in order:
+            if config.cold_runs:
+                cold.append(_cold(task_dir, task, config))
+            t0 = time.monotonic()
+            results[i] = run_checks(task_dir, workspace, runs[i], config.timeout)
+            windows.append([round(t0, 4), round(time.monotonic(), 4)])
+        if alone["frozen"]:  # what the runs left in the caches goes before the episodes wake
+            page_cache.drop_caches()
     (per_test, details), canary_runs = results[0], results[1:]
     details["run_windows"] = windows
+    if config.exclusive_runs:
+        details["exclusive"] = alone
     details["page_cache"] = "dropped" if cold and all(c["dropped"] for c in cold) else "shared"
     if cold:
         details["page_cache_pinned"] = {"files": cold[-1]["pinned_files"], "bytes": cold[-1]["pinned_bytes"]}

@@ -363,6 +363,86 @@ def _remove_cgroup(cg: Path) -> None:
             time.sleep(0.01)
 
 
+FREEZER = Path("/sys/fs/cgroup/freezer")
+_FREEZER: dict = {}
+
+
+def _freezer_root() -> Path | None:
+    """The v1 freezer cgroup every episode's sandbox on this machine joins (``cdag-episodes``,
+    shared by all processes), or None where the host has no v1 freezer we may write; found once,
+    clearing what dead processes left."""
+    if "root" in _FREEZER:
+        return _FREEZER["root"]
+    root = FREEZER / "cdag-episodes"
+    try:
+        root.mkdir(exist_ok=True)
+        ok = (root / "freezer.state").exists()
+    except OSError:
+        ok = False
+    if ok:
+        for old in root.glob("cdag-*"):
+            pid = old.name.split("-")[1]
+            if not (pid.isdigit() and os.path.exists(f"/proc/{pid}")):
+                with contextlib.suppress(OSError):
+                    old.rmdir()
+    _FREEZER["root"], _FREEZER["n"] = (root if ok else None), 0
+    return _FREEZER["root"]
+
+
+def _freezer_cgroup() -> Path | None:
+    root = _freezer_root()
+    if root is None:
+        return None
+    _FREEZER["n"] += 1
+    cg = root / f"cdag-{os.getpid()}-{_FREEZER['n']}"
+    try:
+        cg.mkdir()
+    except OSError:
+        return None
+    return cg
+
+
+def _set_frozen(root: Path, frozen: bool, timeout: float = 10.0) -> bool:
+    want = "FROZEN" if frozen else "THAWED"
+    (root / "freezer.state").write_text(want)
+    deadline = time.monotonic() + timeout
+    while (root / "freezer.state").read_text().strip() != want:  # FREEZING while tasks stop
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+@contextlib.contextmanager
+def exclusive_runs(enabled: bool = True):
+    """While the block runs, nothing else sandboxed runs on this machine: it waits for any other
+    process's exclusive block (a lock of the machine's), and every episode's sandbox, this
+    process's and every other's, is frozen (the v1 freezer: its processes are stopped where
+    they stand, background ones included, and cannot run, observe or relay anything until the
+    block ends). Grading runs' own sandboxes (an identity's) are not. Yields what holds:
+    {"frozen": bool, "waited_s": seconds spent waiting for the machine}. A frozen command's
+    wall clock runs on: a long block can time out episodes' commands."""
+    if not enabled:
+        yield {"frozen": False, "waited_s": 0.0}
+        return
+    import fcntl
+
+    t0 = time.monotonic()
+    fd = os.open(_lock_dir() / "exclusive-runs", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        waited = time.monotonic() - t0
+        root = _freezer_root()
+        frozen = root is not None and _set_frozen(root, True)
+        try:
+            yield {"frozen": frozen, "waited_s": round(waited, 3)}
+        finally:
+            if root is not None:
+                _set_frozen(root, False)
+    finally:
+        os.close(fd)
+
+
 def _laptop_nproc() -> int:
     """RLIMIT_NPROC as a laptop's kernel sets it for its first process: half of threads-max."""
     try:
@@ -375,6 +455,7 @@ def _end(live: dict) -> None:
     """End a running sandbox: SIGKILL its process 1 (the kernel then ends the rest of the
     namespace), close the control socket, reap bwrap."""
     proc, ctl, init, cg = live.pop("proc", None), live.pop("ctl", None), live.pop("init", None), live.pop("cgroup", None)
+    fz = live.pop("freezer", None)
     live.clear()
     if proc is None:  # not running, or ended by another thread
         return
@@ -388,8 +469,9 @@ def _end(live: dict) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    if cg is not None:
-        _remove_cgroup(cg)
+    for c in (cg, fz):
+        if c is not None:
+            _remove_cgroup(c)
 
 
 def _user_groups(persona: Persona, prt: Path) -> str:
@@ -567,6 +649,7 @@ class Sandbox:
         prt = identity_runtime(base, identity) if identity is not None else persona_runtime(base)
         if identity is not None:
             persona = replace(base, uid=identity, gid=identity)
+        self._kind = "grading" if identity is not None else "episode"
         self.persona = persona
         self.project = project or self.workspace.name
         self.root = f"{persona.home}/{self.project}"
@@ -710,7 +793,20 @@ class Sandbox:
         return bool(self._live)
 
     def _start(self) -> None:
-        """Start bwrap with the laptop's init as process 1 and wait for its terminal."""
+        """Start bwrap with the laptop's init as process 1 and wait for its terminal; an episode's
+        sandbox not while ``exclusive_runs`` holds the machine (its start would be frozen midway)."""
+        if self._kind != "episode" or _freezer_root() is None:
+            return self._start_now()
+        import fcntl
+
+        fd = os.open(_lock_dir() / "exclusive-runs", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            self._start_now()
+        finally:
+            os.close(fd)
+
+    def _start_now(self) -> None:
         host, inside = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         r_info, w_info = os.pipe()
         self._pid = self._pid + 3 + self._pids.randrange(60) if self._pid < 30000 else 2000
@@ -721,18 +817,25 @@ class Sandbox:
             argv += ["--setenv", k, v]
         argv += ["--", "systemd"]  # found on PATH: /proc/1/cmdline becomes "/sbin/init"
         cg = _pids_cgroup(self.limits.max_processes)
-        if cg is not None:  # bwrap joins the sandbox's pids cgroup before it forks anything
-            argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg / "cgroup.procs"), *argv]
+        # an episode's sandbox (not a grading run's) in a freezer cgroup ``exclusive_runs`` freezes
+        fz = _freezer_cgroup() if self._kind == "episode" else None
+        procs = [str(c / "cgroup.procs") for c in (cg, fz) if c is not None]
+        if procs:  # bwrap joins them before it forks anything
+            argv = ["/bin/sh", "-c", 'for f in $CDAG_CGROUPS; do echo $$ > "$f" || exit 1; done; unset CDAG_CGROUPS; exec "$@"',
+                    "sh", *argv]
         self.process_cap = "cgroup" if cg is not None else "rlimit"
         log = open(self._dir / "init.log", "wb")
         try:
+            env = _bwrap_env()
+            if procs:
+                env["CDAG_CGROUPS"] = " ".join(procs)
             proc = subprocess.Popen(argv, pass_fds=(w_info, inside.fileno()), stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=log, start_new_session=True, env=_bwrap_env())
+                                    stdout=log, stderr=log, start_new_session=True, env=env)
         finally:
             os.close(w_info)
             inside.close()
             log.close()
-        self._live.update(proc=proc, ctl=host, buf=bytearray(), gen=object(), cgroup=cg)
+        self._live.update(proc=proc, ctl=host, buf=bytearray(), gen=object(), cgroup=cg, freezer=fz)
         try:
             info = b""
             with os.fdopen(r_info, "rb") as f:  # bwrap writes it and closes it once process 1 runs
