@@ -323,12 +323,7 @@ def _pids_root() -> Path | None:
             continue
         if ok:
             root = cand
-            for old in cand.glob("cdag-*"):  # left by processes that died: removable once empty
-                pid = old.name.split("-")[1]
-                if pid.isdigit() and os.path.exists(f"/proc/{pid}"):
-                    continue  # a live process's, maybe made a moment ago and still empty
-                with contextlib.suppress(OSError):
-                    old.rmdir()
+            _clear_dead(cand)
             break
     _PIDS["root"], _PIDS["n"] = root, 0
     return root
@@ -336,17 +331,32 @@ def _pids_root() -> Path | None:
 
 def _pids_cgroup(max_processes: int) -> Path | None:
     """A new pids cgroup capped at ``max_processes`` (plus the session's room), or None."""
-    root = _pids_root()
+    return _child_cgroup(_pids_root(), _PIDS, {"pids.max": str(max_processes + SESSION_PIDS)})
+
+
+def _child_cgroup(root: Path | None, state: dict, files: dict[str, str] | None = None) -> Path | None:
+    """A new cgroup of this process's under ``root`` (``cdag-<pid>-<n>``) with ``files`` written, or None."""
     if root is None:
         return None
-    _PIDS["n"] += 1
-    cg = root / f"cdag-{os.getpid()}-{_PIDS['n']}"
+    state["n"] += 1
+    cg = root / f"cdag-{os.getpid()}-{state['n']}"
     try:
         cg.mkdir()
-        (cg / "pids.max").write_text(str(max_processes + SESSION_PIDS))
+        for name, value in (files or {}).items():
+            (cg / name).write_text(value)
     except OSError:
         return None
     return cg
+
+
+def _clear_dead(root: Path) -> None:
+    """Remove the ``cdag-<pid>-*`` cgroups under ``root`` that processes which died left (once empty)."""
+    for old in root.glob("cdag-*"):
+        pid = old.name.split("-")[1]
+        if pid.isdigit() and os.path.exists(f"/proc/{pid}"):
+            continue  # a live process's, maybe made a moment ago and still empty
+        with contextlib.suppress(OSError):
+            old.rmdir()
 
 
 def _remove_cgroup(cg: Path) -> None:
@@ -380,26 +390,13 @@ def _freezer_root() -> Path | None:
     except OSError:
         ok = False
     if ok:
-        for old in root.glob("cdag-*"):
-            pid = old.name.split("-")[1]
-            if not (pid.isdigit() and os.path.exists(f"/proc/{pid}")):
-                with contextlib.suppress(OSError):
-                    old.rmdir()
+        _clear_dead(root)
     _FREEZER["root"], _FREEZER["n"] = (root if ok else None), 0
     return _FREEZER["root"]
 
 
 def _freezer_cgroup() -> Path | None:
-    root = _freezer_root()
-    if root is None:
-        return None
-    _FREEZER["n"] += 1
-    cg = root / f"cdag-{os.getpid()}-{_FREEZER['n']}"
-    try:
-        cg.mkdir()
-    except OSError:
-        return None
-    return cg
+    return _child_cgroup(_freezer_root(), _FREEZER)
 
 
 def _set_frozen(root: Path, frozen: bool, timeout: float = 10.0) -> bool:
