@@ -664,20 +664,9 @@ class Sandbox:
             else:
                 os.lchown(self._run, persona.uid, persona.gid)
             self._home = (volume.path / persona.user) if volume is not None else self._dir / "home"
-            self._home.mkdir(exist_ok=True)
             # the workspace made in the volume, as a plain directory of the home (no mount of its own)
             inside = volume is not None and self.workspace.parent == self._home.resolve()
-            skel = prt / "skel"
-            shutil.copytree(skel, self._home, symlinks=True, dirs_exist_ok=True)
-            (self._home / self.project).mkdir(exist_ok=True)
-            files = sorted(e.name for e in os.scandir(self.workspace) if e.is_file() and not e.name.startswith("."))[:20]
-            (self._home / ".bash_history").write_text(shell_history(persona, self.project, files))
-            os.chmod(self._home / ".bash_history", 0o600)
-            os.lchown(self._home, persona.uid, persona.gid)
-            for name in [e.name for e in os.scandir(skel)] + [".bash_history"]:
-                chown_tree(self._home / name, persona.uid, persona.gid)
-            if not inside:
-                os.lchown(self._home / self.project, persona.uid, persona.gid)
+            self._make_home(prt / "skel", inside)
             if chown:
                 chown_tree(self.workspace, persona.uid, persona.gid)
             a = list(_base_args(base, prt))
@@ -747,6 +736,22 @@ class Sandbox:
 
     def close(self) -> None:
         self._closer()
+
+    def _make_home(self, skel: Path, inside: bool) -> None:
+        """The user's home: the persona's skeleton, a history that fits the project, the user's own
+        (the workspace in it, ``inside``, is given to the user or not by the caller's ``chown``)."""
+        p = self.persona
+        self._home.mkdir(exist_ok=True)
+        shutil.copytree(skel, self._home, symlinks=True, dirs_exist_ok=True)
+        (self._home / self.project).mkdir(exist_ok=True)
+        files = sorted(e.name for e in os.scandir(self.workspace) if e.is_file() and not e.name.startswith("."))[:20]
+        (self._home / ".bash_history").write_text(shell_history(p, self.project, files))
+        os.chmod(self._home / ".bash_history", 0o600)
+        os.lchown(self._home, p.uid, p.gid)
+        for name in [e.name for e in os.scandir(skel)] + [".bash_history"]:
+            chown_tree(self._home / name, p.uid, p.gid)
+        if not inside:
+            os.lchown(self._home / self.project, p.uid, p.gid)
 
     def _placed(self, host: Path, inside: str, shared: bool = False) -> str:
         """What to bind read-only at ``inside`` for the host tree ``host``, so that the mount's
