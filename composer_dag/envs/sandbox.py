@@ -422,12 +422,8 @@ def exclusive_runs(enabled: bool = True):
     if not enabled:
         yield {"frozen": False, "waited_s": 0.0}
         return
-    import fcntl
-
     t0 = time.monotonic()
-    fd = os.open(_lock_dir() / "exclusive-runs", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with _machine_lock(exclusive=True):
         waited = time.monotonic() - t0
         root = _freezer_root()
         frozen = root is not None and _set_frozen(root, True)
@@ -436,6 +432,18 @@ def exclusive_runs(enabled: bool = True):
         finally:
             if root is not None:
                 _set_frozen(root, False)
+
+
+@contextlib.contextmanager
+def _machine_lock(exclusive: bool):
+    """The machine's lock between ``exclusive_runs`` (held alone) and episodes' sandbox starts
+    (held shared, so that no start is frozen midway)."""
+    import fcntl
+
+    fd = os.open(_lock_dir() / "exclusive-runs", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
     finally:
         os.close(fd)
 
@@ -799,14 +807,8 @@ class Sandbox:
         sandbox not while ``exclusive_runs`` holds the machine (its start would be frozen midway)."""
         if self._kind != "episode" or _freezer_root() is None:
             return self._start_now()
-        import fcntl
-
-        fd = os.open(_lock_dir() / "exclusive-runs", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+        with _machine_lock(exclusive=False):
             self._start_now()
-        finally:
-            os.close(fd)
 
     def _start_now(self) -> None:
         host, inside = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
