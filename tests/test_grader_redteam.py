@@ -369,7 +369,8 @@ def test_cold_runs_keep_what_the_reference_reads_and_drop_the_rest(tmp_path, mon
     """``page_cache.cold``: the file the calibration (the reference's run) opened stays cached
     through the drop and through a ``posix_fadvise(DONTNEED)`` (the eviction any user may do),
     while a file read before, and not by the calibration, is cold; the calibration runs once a key;
-    past the cap on what is pinned, the least recently used key's files are let go."""
+    past the cap on what is pinned, the least recently used key's files are let go; a sparse file
+    is pinned by its data."""
     from composer_dag.envs import page_cache
 
     def cached(p) -> bool:  # asked once: a miss starts the page's read
@@ -405,6 +406,33 @@ def test_cold_runs_keep_what_the_reference_reads_and_drop_the_rest(tmp_path, mon
         state = page_cache.cold("test-key-2", [tmp_path], lambda: calls.append(c.read_bytes()))
         assert "test-key" not in page_cache._PINNED and state["pinned_files"] == 1, state
         assert cached(c) and not cached(a)
+        # a sparse file (a persona's root image: terabytes nominal, megabytes written) is pinned by
+        # its data: its holes are neither mapped nor scanned
+        d, parts = tmp_path / "d.img", (0, 300 << 30, (1 << 40) - (64 << 10))
+        with open(d, "wb") as f:
+            f.truncate(1 << 40)
+            for off in parts:
+                f.seek(off)
+                f.write(os.urandom(64 << 10))
+            f.flush()
+            os.fsync(f.fileno())
+
+        def read_parts():
+            with open(d, "rb") as f:
+                for off in parts:
+                    f.seek(off)
+                    calls.append(f.read(64 << 10))
+        state = page_cache.cold("test-key-3", [tmp_path], read_parts)
+        maps = page_cache._PINNED["test-key-3"]["maps"]
+        assert state["pinned_files"] == 1 and state["pinned_bytes"] >= 3 * (64 << 10), state
+        assert len(maps) == 3 and sum(n for _, n in maps) == 3 * (64 << 10), maps
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            for off in parts:
+                os.preadv(fd, [bytearray(1)], off, os.RWF_NOWAIT)  # cached after the drop
+        finally:
+            os.close(fd)
     finally:
         page_cache.release("test-key")
         page_cache.release("test-key-2")
+        page_cache.release("test-key-3")
