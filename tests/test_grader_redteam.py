@@ -154,23 +154,56 @@ def test_a_failure_the_reference_shares_is_not_the_policys(round_two_tasks, tmp_
     assert r.reward == 0.0 and r.flags == [] and any("timed out" in x for x in r.details["infrastructure"]), r.details
 
 
-def test_exclusive_runs_leave_no_live_episode_running_beside_them(all_tasks, tmp_path):
+@pytest.fixture(params=["v1", "v2"])
+def freezer(request, tmp_path, monkeypatch):
+    """The freezer cgroup ``exclusive_runs`` uses: the host's v1 hierarchy, or (``v2``) what a host
+    whose only freezer is cgroup v2's offers: a cgroup2 mount of the test's own, with the v1
+    freezer out of the grader's sight. Yields (the hierarchy, its mount or None)."""
+    import contextlib
+    import subprocess
+
+    from composer_dag.envs import sandbox as sbx
+
+    if request.param == "v1":
+        yield "v1", None
+        return
+    mnt = tmp_path / "cgroup2"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "cgroup2", "cgroup2", str(mnt)], check=True)
+    monkeypatch.setattr(sbx, "FREEZER", tmp_path / "no-v1-freezer")
+    monkeypatch.setattr(sbx, "_cgroup2_mount", lambda: mnt)
+    monkeypatch.setattr(sbx, "_FREEZER", {})
+    try:
+        yield "v2", mnt
+    finally:
+        with contextlib.suppress(OSError):
+            (mnt / "cdag-episodes").rmdir()
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_exclusive_runs_leave_no_live_episode_running_beside_them(all_tasks, tmp_path, freezer):
     """A policy can leave a process running in its episode's sandbox, beside the gradings of its
     other episodes: a relay that watches one run (its CPU use, what it loads) and signals the next.
     With ``exclusive_runs`` no episode's process runs while a grading's runs do: a background
     loop that samples the clock every 5 ms has no sample inside any run's window (the freezer
-    stops it where it stands), and samples again after; without it, it samples through them."""
+    stops it where it stands), and samples again after; without it, it samples through them.
+    Under cgroup v2 the episode's sandbox is in a v2 cgroup, frozen through ``cgroup.freeze``."""
     from composer_dag.envs.checks import GradeConfig
     from composer_dag.envs.sandbox import Limits, Sandbox, _freezer_root
 
-    if _freezer_root() is None:
-        pytest.fail("this host has no v1 freezer cgroup the grader may write (/sys/fs/cgroup/freezer)")
+    hierarchy, mnt = freezer
+    root = _freezer_root()
+    if root is None:
+        pytest.fail("this host has no freezer cgroup the grader may write (v1's, or cgroup v2's)")
+    assert (root / ("freezer.state" if hierarchy == "v1" else "cgroup.freeze")).exists(), root
     task = all_tasks["humaneval-000"]
     (tmp_path / "e").mkdir()
     beat = ("import time\nwith open('/tmp/beats', 'a', buffering=1) as f:\n"
             "    while True:\n        f.write(f'{time.monotonic():.4f}\\n'); time.sleep(0.005)\n")
     with Sandbox(tmp_path / "e", Limits(timeout=30)) as episode:
         episode.run(f"python3 -c \"{beat}\" >/dev/null 2>&1 &")
+        if mnt is not None:  # the episode's processes, in a cgroup under the v2 freezer's
+            assert any((c / "cgroup.procs").read_text().split() for c in (mnt / "cdag-episodes").glob("cdag-*"))
         for alone in (True, False):
             r = grade(task, honest_workspace(task, tmp_path / f"ws-{alone}", False),
                       config=GradeConfig(exclusive_runs=alone))

@@ -373,37 +373,69 @@ def _remove_cgroup(cg: Path) -> None:
             time.sleep(0.01)
 
 
-FREEZER = Path("/sys/fs/cgroup/freezer")
+FREEZER = Path("/sys/fs/cgroup/freezer")  # the v1 freezer hierarchy
 _FREEZER: dict = {}
 
 
+def _cgroup2_mount() -> Path | None:
+    """Where this host mounts cgroup v2 (``/sys/fs/cgroup`` on a v2-only host), or None."""
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 2 and parts[2] == "cgroup2":
+                return Path(parts[1].replace("\\040", " "))
+    return None
+
+
 def _freezer_root() -> Path | None:
-    """The v1 freezer cgroup every episode's sandbox on this machine joins (``cdag-episodes``,
-    shared by all processes), or None where the host has no v1 freezer we may write; found once,
-    clearing what dead processes left."""
+    """The freezer cgroup every episode's sandbox on this machine joins (``cdag-episodes``, shared
+    by all processes): in the v1 freezer hierarchy, else in cgroup v2's (``cgroup.freeze``); None
+    where the host has neither we may write. Found once, clearing what dead processes left."""
     if "root" in _FREEZER:
         return _FREEZER["root"]
-    root = FREEZER / "cdag-episodes"
-    try:
-        root.mkdir(exist_ok=True)
-        ok = (root / "freezer.state").exists()
-    except OSError:
-        ok = False
-    if ok:
-        _clear_dead(root)
-    _FREEZER["root"], _FREEZER["n"] = (root if ok else None), 0
-    return _FREEZER["root"]
+    root = None
+    for base, knob in ((FREEZER, "freezer.state"), (_cgroup2_mount(), "cgroup.freeze")):
+        if base is None or not base.is_dir():
+            continue
+        try:
+            (base / "cdag-episodes").mkdir(exist_ok=True)
+            if (base / "cdag-episodes" / knob).exists():
+                root = base / "cdag-episodes"
+                _clear_dead(root)
+                break
+        except OSError:
+            continue
+    _FREEZER["root"], _FREEZER["n"] = root, 0
+    return root
 
 
-def _freezer_cgroup() -> Path | None:
-    return _child_cgroup(_freezer_root(), _FREEZER)
+def _episode_cgroups(max_processes: int) -> tuple[Path | None, Path | None]:
+    """An episode's sandbox's cgroups: (its pids cgroup, its freezer cgroup). Where both are cgroup
+    v2's, one hierarchy in which a process has one cgroup, they are one: a pids cgroup under the
+    freezer's (the controller enabled for ``cdag-episodes``' children), returned as the first."""
+    root, pids = _freezer_root(), _pids_root()
+    if root is not None and pids is not None and root.parent == pids and (root / "cgroup.freeze").exists():
+        if "pids" not in _FREEZER:
+            try:
+                (root / "cgroup.subtree_control").write_text("+pids")
+                _FREEZER["pids"] = True
+            except OSError:
+                _FREEZER["pids"] = False
+        if _FREEZER["pids"]:
+            return _child_cgroup(root, _FREEZER, {"pids.max": str(max_processes + SESSION_PIDS)}), None
+    return _pids_cgroup(max_processes), _child_cgroup(root, _FREEZER)
 
 
 def _set_frozen(root: Path, frozen: bool, timeout: float = 10.0) -> bool:
-    want = "FROZEN" if frozen else "THAWED"
-    (root / "freezer.state").write_text(want)
+    """Freeze (or thaw) everything under ``root`` and wait until it is: v1's ``freezer.state``
+    (FREEZING while tasks stop), or v2's ``cgroup.freeze`` and ``cgroup.events``."""
+    v1 = (root / "freezer.state").exists()
+    knob, want = ("freezer.state", "FROZEN" if frozen else "THAWED") if v1 else ("cgroup.freeze", "1" if frozen else "0")
+    (root / knob).write_text(want)
+    done = (lambda: (root / knob).read_text().strip() == want) if v1 else \
+        (lambda: f"frozen {want}" in (root / "cgroup.events").read_text().splitlines())
     deadline = time.monotonic() + timeout
-    while (root / "freezer.state").read_text().strip() != want:  # FREEZING while tasks stop
+    while not done():
         if time.monotonic() > deadline:
             return False
         time.sleep(0.001)
@@ -414,9 +446,9 @@ def _set_frozen(root: Path, frozen: bool, timeout: float = 10.0) -> bool:
 def exclusive_runs(enabled: bool = True):
     """While the block runs, nothing else sandboxed runs on this machine: it waits for any other
     process's exclusive block (a lock of the machine's), and every episode's sandbox, this
-    process's and every other's, is frozen (the v1 freezer: its processes are stopped where
-    they stand, background ones included, and cannot run, observe or relay anything until the
-    block ends). Grading runs' own sandboxes (an identity's) are not. Yields what holds:
+    process's and every other's, is frozen (the freezer, v1's or cgroup v2's: its processes are
+    stopped where they stand, background ones included, and cannot run, observe or relay
+    anything until the block ends). Grading runs' own sandboxes (an identity's) are not. Yields what holds:
     {"frozen": bool, "waited_s": seconds spent waiting for the machine}. A frozen command's
     wall clock runs on: a long block can time out episodes' commands."""
     if not enabled:
@@ -820,9 +852,9 @@ class Sandbox:
         for k, v in dict(env, PATH=INIT_DIR).items():
             argv += ["--setenv", k, v]
         argv += ["--", "systemd"]  # found on PATH: /proc/1/cmdline becomes "/sbin/init"
-        cg = _pids_cgroup(self.limits.max_processes)
         # an episode's sandbox (not a grading run's) in a freezer cgroup ``exclusive_runs`` freezes
-        fz = _freezer_cgroup() if self._kind == "episode" else None
+        cg, fz = _episode_cgroups(self.limits.max_processes) if self._kind == "episode" else \
+            (_pids_cgroup(self.limits.max_processes), None)
         procs = [str(c / "cgroup.procs") for c in (cg, fz) if c is not None]
         if procs:  # bwrap joins them before it forks anything
             argv = ["/bin/sh", "-c", 'for f in $CDAG_CGROUPS; do echo $$ > "$f" || exit 1; done; unset CDAG_CGROUPS; exec "$@"',
