@@ -23,6 +23,7 @@ Each prints a Markdown table and, on its last line, a JSON summary.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -202,9 +203,12 @@ def round2(args) -> dict:
 
 
 def timing(args) -> dict:
-    from composer_dag.envs.grade import grade
+    from composer_dag.envs.checks import GradeConfig
+    from composer_dag.envs.grade import grade as grade_default
     from tests.cheats import honest_workspace
 
+    # --exclusive: the new side grades with exclusive_runs (one grading's runs at a time on the machine)
+    grade = functools.partial(grade_default, config=GradeConfig(exclusive_runs=True)) if args.exclusive else grade_default
     tasks = build(Path(args.tasks) / "he", {"humaneval_limit": 3, "bugfix_count": 0, "learnable_count": 0})
     tasks += build(Path(args.tasks) / "bf", {"humaneval_limit": 0, "bugfix_count": 2,
                                              "bugfix_modules": ["colorsys", "fnmatch"], "max_per_module": 1,
@@ -276,6 +280,7 @@ def main() -> None:
         s.add_argument("--repeat", type=int, default=5)
         s.add_argument("--all-humaneval", action="store_true", help="fp: all 164 HumanEval problems (default 80)")
         s.add_argument("--workers", type=int, default=1, help="timing: gradings at a time (the agent loop's default: 4)")
+        s.add_argument("--exclusive", action="store_true", help="timing: the new side with GradeConfig(exclusive_runs=True)")
     w = sub.add_parser("old-worker")
     w.add_argument("jobs")
     w.add_argument("--workers", type=int, default=1)
