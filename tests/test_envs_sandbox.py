@@ -159,21 +159,22 @@ def test_rlimits(tmp_path):
 def test_a_new_process_clears_only_the_cgroups_of_dead_ones(tmp_path):
     """The first sandbox of a process removes the empty pids cgroups that processes which died left
     behind, and no other: a live process's cgroup is empty for a moment after it is made, and two
-    processes starting sandboxes at once (an evaluation beside an RL run) must not take it away."""
+    processes starting sandboxes at once (an evaluation beside an RL run) must not take it away; a
+    name that is no process's (cgroup v2's ``cdag-episodes``, beside the pids cgroups) stays."""
     root = _pids_root()
     if root is None:
         pytest.skip("no writable pids cgroup on this host: sandboxes cap processes with RLIMIT_NPROC")
     dead = subprocess.Popen(["true"])
     dead.wait()
-    live, gone = root / f"cdag-{os.getpid()}-test", root / f"cdag-{dead.pid}-test"
-    for cg in (live, gone):
+    live, gone, other = root / f"cdag-{os.getpid()}-test", root / f"cdag-{dead.pid}-test", root / "cdag-shared-test"
+    for cg in (live, gone, other):
         cg.mkdir(exist_ok=True)
     try:
         subprocess.run([sys.executable, "-c", "from composer_dag.envs.sandbox import _pids_root; _pids_root()"],
                        check=True, timeout=60)
-        assert live.is_dir() and not gone.exists()
+        assert live.is_dir() and other.is_dir() and not gone.exists()
     finally:
-        for cg in (live, gone):
+        for cg in (live, gone, other):
             if cg.exists():
                 cg.rmdir()
 

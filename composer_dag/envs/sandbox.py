@@ -350,11 +350,12 @@ def _child_cgroup(root: Path | None, state: dict, files: dict[str, str] | None =
 
 
 def _clear_dead(root: Path) -> None:
-    """Remove the ``cdag-<pid>-*`` cgroups under ``root`` that processes which died left (once empty)."""
+    """Remove the ``cdag-<pid>-*`` cgroups under ``root`` that processes which died left (once empty);
+    never another name (under cgroup v2's root, the pids cgroups sit beside ``cdag-episodes``)."""
     for old in root.glob("cdag-*"):
         pid = old.name.split("-")[1]
-        if pid.isdigit() and os.path.exists(f"/proc/{pid}"):
-            continue  # a live process's, maybe made a moment ago and still empty
+        if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue  # not a process's, or a live one's, maybe made a moment ago and still empty
         with contextlib.suppress(OSError):
             old.rmdir()
 
