@@ -398,6 +398,27 @@ def test_humaneval_canaries_agree_with_every_docstring_example():
     assert none == [34, 38, 50], none
 
 
+def test_a_host_that_refuses_the_drop_and_the_watch_still_grades(all_tasks, tmp_path, monkeypatch):
+    """An unprivileged host (``/proc/sys`` read-only, fanotify refused): grading still judges (the
+    honest work 1 unflagged, a forged result 0 with a flag) and says what it could not do: the
+    caches are ``shared`` between the runs and nothing is pinned."""
+    from composer_dag.envs import page_cache
+
+    def refused(*args, **kwargs):
+        raise OSError(1, "fanotify_init")
+    monkeypatch.setattr(page_cache, "DROP_CACHES", str(tmp_path / "read-only" / "drop_caches"))
+    monkeypatch.setattr(page_cache, "opened_during", refused)
+    monkeypatch.setattr(page_cache, "_PINNED", {})
+    task = all_tasks["humaneval-000"]
+    r = grade(task, honest_workspace(task, tmp_path / "honest", False))
+    assert r.reward == 1.0 and r.flags == [], r.flags
+    assert r.details["page_cache"] == "shared" and r.details["page_cache_pinned"] == {"files": 0, "bytes": 0}, r.details
+    cheat = next(c for c in CHEATS if c.name == "results_forge")
+    ws, log = cheat_workspace(cheat, task, tmp_path / "forged")
+    r = grade(task, ws, log)
+    assert r.reward == 0.0 and r.flags and r.details["page_cache"] == "shared", (r.flags, r.details.get("page_cache"))
+
+
 def test_cold_runs_keep_what_the_reference_reads_and_drop_the_rest(tmp_path, monkeypatch):
     """``page_cache.cold``: the file the calibration (the reference's run) opened stays cached
     through the drop and through a ``posix_fadvise(DONTNEED)`` (the eviction any user may do),
