@@ -329,9 +329,11 @@ def _pids_root() -> Path | None:
     return root
 
 
-def _pids_cgroup(max_processes: int) -> Path | None:
-    """A new pids cgroup capped at ``max_processes`` (plus the session's room), or None."""
-    return _child_cgroup(_pids_root(), _PIDS, {"pids.max": str(max_processes + SESSION_PIDS)})
+def _pids_cgroup(max_processes: int, root: Path | None = None, state: dict | None = None) -> Path | None:
+    """A new pids cgroup capped at ``max_processes`` (plus the session's room), under ``root``
+    (the pids hierarchy's, by default), or None."""
+    return _child_cgroup(root or _pids_root(), _PIDS if state is None else state,
+                         {"pids.max": str(max_processes + SESSION_PIDS)})
 
 
 def _child_cgroup(root: Path | None, state: dict, files: dict[str, str] | None = None) -> Path | None:
@@ -423,7 +425,7 @@ def _episode_cgroups(max_processes: int) -> tuple[Path | None, Path | None]:
             except OSError:
                 _FREEZER["pids"] = False
         if _FREEZER["pids"]:
-            return _child_cgroup(root, _FREEZER, {"pids.max": str(max_processes + SESSION_PIDS)}), None
+            return _pids_cgroup(max_processes, root, _FREEZER), None
     return _pids_cgroup(max_processes), _child_cgroup(root, _FREEZER)
 
 
