@@ -16,11 +16,11 @@ PYTEST_WORKERS ?= 0
 # Debian packages the sandboxes, the browser test and the Slurm clusters of the tests need
 # (installed when missing, as root; the two-node cluster: ip, nsenter, unshare, pgrep).
 # (nano, htop, ping, sudo and the locales: what a laptop has, seen from inside the sandboxes;
-# gcc builds the sandboxes' init, composer_dag/envs/laptop_init.c; faketime shifts the clock of a
-# repository environment's third test run, composer_dag/envs/repo_env.py)
+# gcc builds the sandboxes' init, composer_dag/laptop/laptop_init.c; faketime shifts the clock of a
+# repository environment's third test run, composer_dag/repos/env.py)
 SYSTEM_BINS := bwrap gcc git faketime chromium chromedriver slurmctld slurmd sbatch munged nano htop ping sudo localedef ip nsenter unshare pgrep
 SYSTEM_PKGS := bubblewrap gcc libc6-dev git faketime chromium chromium-driver slurmctld slurmd slurm-client munge nano htop iputils-ping sudo locales iproute2 util-linux procps
-# the locales a sandbox persona may have (composer_dag/envs/rootfs.py: LOCALES), generated when missing
+# the locales a sandbox persona may have (composer_dag/laptop/image.py: LOCALES), generated when missing
 PERSONA_LOCALES := en_US en_GB en_IN en_CA en_AU en_IE en_NZ en_ZA
 system-deps:
 	@missing=""; for b in $(SYSTEM_BINS); do PATH="$$PATH:/usr/sbin:/sbin" command -v $$b >/dev/null || missing="$$missing $$b"; done; \
@@ -29,7 +29,7 @@ system-deps:
 	  if [ "$$(id -u)" != 0 ]; then echo "need root (or sudo) to apt-get install $(SYSTEM_PKGS)" >&2; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PKGS) >/dev/null; \
 	fi
-	@# the sandbox binds its init at /usr/lib/systemd (composer_dag/envs/sandbox.py): the directory must exist
+	@# the sandbox binds its init at /usr/lib/systemd (composer_dag/sandbox/bwrap.py): the directory must exist
 	@test -d /usr/lib/systemd || mkdir -p /usr/lib/systemd || { echo "need root to mkdir /usr/lib/systemd" >&2; exit 1; }
 	@have="$$(locale -a 2>/dev/null)"; for l in $(PERSONA_LOCALES); do \
 	  echo "$$have" | grep -qx "$$l.utf8" && continue; echo "generating the locale $$l.UTF-8"; \

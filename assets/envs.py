@@ -10,9 +10,9 @@ from pathlib import Path
 import dagster as dg
 
 from assets._common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, record_provenance
-from composer_dag.envs import tasks as engine
-from composer_dag.envs.probes import differences_table, open_tells, sandbox_realism
-from composer_dag.envs.task_format import RepoEnvConfig, RepoSpec, TaskBuildConfig, task_dirs
+from composer_dag.tasks.sources import build as engine
+from composer_dag.laptop.probes import differences_table, open_tells, sandbox_realism
+from composer_dag.tasks.format import RepoEnvConfig, RepoSpec, TaskBuildConfig, task_dirs
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
 from resources.dagster_config import dagster_config, engine_config
 from resources.source_registry import SourceError

@@ -34,7 +34,7 @@ def main() -> None:
     root = Path(args.out or tempfile.mkdtemp(prefix="bench-cycle-"))
 
     from composer_dag.definitions import build_defs
-    from composer_dag.envs.rootfs import task_persona
+    from composer_dag.laptop.image import task_persona
     from composer_dag.rl.learnable import build_learnable_tasks, make_learnable_setup
     from composer_dag.sft.trajectories import reference_calls
     from composer_dag.storage import open_storage

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parents[1]
 
 def worker(tasks: list[str], episodes: int) -> None:
     from composer_dag.agent import GradeCache
-    from composer_dag.envs.tools import Episode
+    from composer_dag.harness.episode import Episode
 
     out = {}
     for t in map(Path, tasks):
@@ -55,8 +55,8 @@ def main() -> None:
     if args.worker is not None:
         return worker(args.worker, args.episodes)
     with tempfile.TemporaryDirectory(prefix="bench-episode-") as tmp:
-        from composer_dag.envs.task_format import NETWORKX, task_dirs
-        from composer_dag.envs.tasks import build_tasks, repo_environment
+        from composer_dag.tasks.format import NETWORKX, task_dirs
+        from composer_dag.tasks.sources.build import build_tasks, repo_environment
 
         env_out = Path(args.tasks) if args.tasks else Path(tmp) / "env"
         if not args.tasks:

@@ -39,8 +39,8 @@ if sys.argv[1:2] != ["old-worker"]:
 
 
 def build(out: Path, cfg: dict) -> list[Path]:
-    from composer_dag.envs.task_format import task_dirs
-    from composer_dag.envs.tasks import build_tasks
+    from composer_dag.tasks.format import task_dirs
+    from composer_dag.tasks.sources.build import build_tasks
 
     if not (out / "summary.json").exists():
         build_tasks(out, cfg)
@@ -48,10 +48,10 @@ def build(out: Path, cfg: dict) -> list[Path]:
 
 
 def old_worker(jobs_file: str, workers: int = 1) -> None:
-    """Grade each job with whatever ``composer_dag.envs.grade`` is first on the path."""
+    """Grade each job with whatever ``composer_dag.grading.grade`` is first on the path."""
     import importlib
 
-    g = importlib.import_module("composer_dag.envs.grade")
+    g = importlib.import_module("composer_dag.grading.grade")
 
     jobs = json.loads(Path(jobs_file).read_text())
     print(json.dumps({"grader": g.__file__, "results": grade_all(g.grade, jobs, workers)}))
@@ -93,13 +93,13 @@ def run_old(old: Path, jobs: list[dict], workers: int = 1) -> tuple[str, list[di
 
 
 def _short(flags: list[str]) -> str:
-    from composer_dag.envs.cheat_flags import flag_family
+    from composer_dag.grading.cheat_flags import flag_family
 
     return ", ".join(sorted({flag_family(f) for f in flags})) or "-"
 
 
 def redteam(args) -> dict:
-    from composer_dag.envs.grade import grade
+    from composer_dag.grading.grade import grade
     from tests.cheats import CHEATS, applicable, cheat_workspace, honest_workspace
 
     tasks = build(Path(args.tasks) / "he", {"humaneval_limit": 3, "bugfix_count": 0, "learnable_count": 0})
@@ -150,8 +150,8 @@ def redteam(args) -> dict:
 
 def mined_tasks(where: Path) -> list[Path]:
     """Tasks mined from parse (the sdist the tests cached), made once under ``where``."""
-    from composer_dag.envs.repo_env import BootstrapConfig, bootstrap
-    from composer_dag.envs.tasks_repo import mine
+    from composer_dag.repos.env import BootstrapConfig, bootstrap
+    from composer_dag.tasks.sources.repo_mined import mine
 
     out = where / "tasks"
     if not (where / "done").exists():
@@ -164,7 +164,7 @@ def mined_tasks(where: Path) -> list[Path]:
 
 
 def round2(args) -> dict:
-    from composer_dag.envs.grade import grade
+    from composer_dag.grading.grade import grade
     from tests.cheats import ROUND_TWO, applicable, cheat_workspace
 
     tasks = build(Path(args.tasks) / "he", {"humaneval_limit": 3, "bugfix_count": 0, "learnable_count": 0})
@@ -203,8 +203,8 @@ def round2(args) -> dict:
 
 
 def timing(args) -> dict:
-    from composer_dag.envs.checks import GradeConfig
-    from composer_dag.envs.grade import grade as grade_default
+    from composer_dag.grading.checks import GradeConfig
+    from composer_dag.grading.grade import grade as grade_default
     from tests.cheats import honest_workspace
 
     # --exclusive: the new side grades with exclusive_runs (one grading's runs at a time on the machine)
@@ -251,7 +251,7 @@ def timing(args) -> dict:
 
 
 def fp(args) -> dict:
-    from composer_dag.envs.grade import false_positive_rate
+    from composer_dag.grading.grade import false_positive_rate
 
     out = Path(args.tasks) / ("full-all" if args.all_humaneval else "full")
     t0 = time.monotonic()

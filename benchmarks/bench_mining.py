@@ -24,8 +24,8 @@ HERE = Path(__file__).resolve().parents[1]
 
 
 def worker() -> None:
-    from composer_dag.envs.task_format import NETWORKX
-    from composer_dag.envs.tasks import repo_environment
+    from composer_dag.tasks.format import NETWORKX
+    from composer_dag.tasks.sources.build import repo_environment
     from composer_dag.storage import Storage
 
     with tempfile.TemporaryDirectory(prefix="bench-mining-") as tmp:

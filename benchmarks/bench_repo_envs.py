@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from composer_dag.envs.grade import check_task
-from composer_dag.envs.repo_env import BootstrapConfig, bootstrap
-from composer_dag.envs.repo_map import map_repos
+from composer_dag.grading.grade import check_task
+from composer_dag.repos.env import BootstrapConfig, bootstrap
+from composer_dag.tasks.sources.repo_map import map_repos
 from composer_dag.storage import open_storage
 
 PACKAGES = (("more-itertools", "10.5.0"), ("toolz", "1.0.0"), ("boltons", "24.1.0"), ("six", "1.16.0"),

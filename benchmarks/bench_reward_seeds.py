@@ -1,5 +1,5 @@
 """The learnable family's reward curve across seeds: one warmed-up policy (the setup of
-tests/test_rl_learn.py), then `python -m composer_dag.rl.run` once per seed with
+tests/rl/test_rl_learn.py), then `python -m composer_dag.rl.run` once per seed with
 LEARNABLE_RUN and the overrides given. Prints each curve, the first and last four steps' means
 and their difference against twice its standard error (binomial over the window's episodes).
 

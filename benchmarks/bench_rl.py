@@ -72,7 +72,7 @@ def _vllm_procs(me) -> list[dict]:
 
 def rollout_prompts(policy_dir: str, tasks_dir: str, batch: int, system_style: str = "compact") -> list[list[int]]:
     """First-turn prompts of the learnable tasks, tokenized as the agent loop does."""
-    from composer_dag.envs.tools import Episode
+    from composer_dag.harness.episode import Episode
     from composer_dag.agent import render_prompt
     from composer_dag.rl.step import find_tasks
     from composer_dag.train.tokenizer import load_tokenizer
@@ -92,7 +92,7 @@ def later_turn_prompts(policy_dir: str, tasks_dir: str, groups: int, group_size:
     (the samples of one group share their prompt), the context being the first turn, a
     ``read_file`` call and its observation (the task's files, cut so the prompt is ``context``
     tokens long)."""
-    from composer_dag.envs.tools import Episode
+    from composer_dag.harness.episode import Episode
     from composer_dag.agent import system_prompt
     from composer_dag.rl.step import find_tasks
     from composer_dag.train.tokenizer import load_tokenizer

@@ -58,7 +58,7 @@ def episode_overhead(task: Path, cfg) -> tuple[float, float, float]:
     """(total, inside the commands, set-up) of a 50-action episode: reads, searches, edits,
     commands; the set-up (the workspace copied from the task's checkout, the sandbox's host side,
     which the episode makes on its first call) is timed apart, before the actions."""
-    from composer_dag.envs.tools import Episode
+    from composer_dag.harness.episode import Episode
 
     with Episode(task, cfg) as ep:
         t0 = time.perf_counter()
@@ -86,10 +86,10 @@ def episode_overhead(task: Path, cfg) -> tuple[float, float, float]:
 
 
 def measure(n: int) -> dict:
-    from composer_dag.envs.sandbox import Sandbox
-    from composer_dag.envs.task_format import task_dirs
-    from composer_dag.envs.tasks import build_tasks
-    from composer_dag.envs.tools import Episode, EpisodeConfig
+    from composer_dag.sandbox.bwrap import Sandbox
+    from composer_dag.tasks.format import task_dirs
+    from composer_dag.tasks.sources.build import build_tasks
+    from composer_dag.harness.episode import Episode, EpisodeConfig
 
     tmp = Path(tempfile.mkdtemp(prefix="cdag-bench-"))
     res: dict = {}

@@ -31,7 +31,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from composer_dag.envs.tools import Episode
+from composer_dag.harness.episode import Episode
 
 BOUND = 3.0  # p95 at N may be at most this many times the p95 at N = 1
 

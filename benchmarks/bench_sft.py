@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.bench_train import stdlib_docs  # noqa: E402
-from composer_dag.envs.tasks_learnable import WORD_POOL, build_learnable_tasks  # noqa: E402
+from composer_dag.tasks.sources.learnable import WORD_POOL, build_learnable_tasks  # noqa: E402
 from composer_dag.sft import trajectories  # noqa: E402
 from composer_dag.train.data import pack_documents  # noqa: E402
 from composer_dag.train.model import build_base_model  # noqa: E402

@@ -29,8 +29,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from .envs.task_dir import checkout_digest, workspace_digest
-from .envs.tools import TOOL_SCHEMAS, Episode, EpisodeConfig, Observation
+from composer_dag.tasks.taskdir import checkout_digest, workspace_digest
+from composer_dag.harness.episode import TOOL_SCHEMAS, Episode, EpisodeConfig, Observation
 from .inference.engine import Completion, Engine, Sampling
 from .runtime.config import StageConfig
 

@@ -65,7 +65,7 @@ def cmd_dedup(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_env_grade(args: argparse.Namespace) -> dict[str, Any]:
-    from composer_dag.envs.grade import grade_cli
+    from composer_dag.grading.grade import grade_cli
 
     for path, what in ((args.task_dir, "task directory"), (args.workspace_dir, "workspace")):
         if not os.path.isdir(path):
@@ -76,7 +76,7 @@ def cmd_env_grade(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_env_bootstrap(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
-    from composer_dag.envs.repo_env import BootstrapConfig, bootstrap
+    from composer_dag.repos.env import BootstrapConfig, bootstrap
 
     cfg = BootstrapConfig.load({k: v for k, v in {"test_timeout": args.test_timeout, "store": args.store}.items()
                                 if v is not None})
@@ -86,7 +86,7 @@ def cmd_env_bootstrap(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
 
 def cmd_tasks_mine(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
-    from composer_dag.envs.tasks_repo import mine
+    from composer_dag.tasks.sources.repo_mined import mine
 
     if not os.path.exists(os.path.join(args.env_dir, "env.json")):
         raise ValueError(f"{args.env_dir} has no env.json: not an environment (make one with `env bootstrap`)")
@@ -96,8 +96,8 @@ def cmd_tasks_mine(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
 
 def cmd_tasks_import(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
-    from composer_dag.envs.repo_env import BootstrapConfig
-    from composer_dag.envs.swebench import import_instances
+    from composer_dag.repos.env import BootstrapConfig
+    from composer_dag.tasks.sources.swebench import import_instances
 
     if not os.path.isfile(args.instances):
         raise ValueError(f"{args.instances} does not exist")
@@ -107,7 +107,7 @@ def cmd_tasks_import(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
 
 def cmd_tasks_export(args: argparse.Namespace) -> dict[str, Any]:
-    from composer_dag.envs.swebench import export_tasks
+    from composer_dag.tasks.sources.swebench import export_tasks
 
     if not os.path.isdir(args.tasks_dir):
         raise ValueError(f"{args.tasks_dir} is not a directory")
@@ -115,7 +115,7 @@ def cmd_tasks_export(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_sandbox_exec(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
-    from composer_dag.envs.sandbox import Limits, Sandbox
+    from composer_dag.sandbox.bwrap import Limits, Sandbox
 
     if not os.path.isdir(args.workspace_dir):
         raise ValueError(f"workspace {args.workspace_dir} does not exist")
@@ -134,7 +134,7 @@ def cmd_sandbox_exec(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
 
 def cmd_sandbox_realism(args: argparse.Namespace) -> dict[str, Any]:
-    from composer_dag.envs.probes import ALLOWLIST, PROBES, open_tells, run_battery, sandbox_realism
+    from composer_dag.laptop.probes import ALLOWLIST, PROBES, open_tells, run_battery, sandbox_realism
 
     if args.workspace_dir and not os.path.isdir(args.workspace_dir):
         raise ValueError(f"workspace {args.workspace_dir} does not exist")

@@ -12,7 +12,7 @@ from typing import Optional
 
 from composer_dag.corpus import CorpusConfig, SourceSpec
 from composer_dag.corpus.sources import SourceEntry, load_sources, sources_file
-from composer_dag.envs.task_format import RepoSpec, load_repositories
+from composer_dag.tasks.format import RepoSpec, load_repositories
 from composer_dag.storage import Storage
 from resources.artifacts import ArtifactStorage
 from resources.base import ClearConfigResource

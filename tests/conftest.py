@@ -24,13 +24,13 @@ def _free_port() -> int:
 
 # Modules whose tests take minutes: started first, so that the two workers of `make test` end
 # together rather than one waiting for the other's last long module.
-LONG_FIRST = ("tests.test_fleet", "tests.test_rl_learn", "tests.test_ui_browser", "tests.test_faults_kill",
-              "tests.test_train_midtrain", "tests.test_sft")
+LONG_FIRST = ("tests.rl.test_fleet", "tests.rl.test_rl_learn", "tests.graph.test_ui_browser", "tests.graph.test_faults_kill",
+              "tests.train.test_midtrain", "tests.rl.test_sft")
 
 
 # Modules that read the whole-graph run (the session's ``graph``) without running Slurm jobs of
 # their own: they keep their place after the Slurm group.
-READ_GRAPH = ("tests.test_realtime_traces",)
+READ_GRAPH = ("tests.traces.test_realtime_traces",)
 
 
 def _group(item) -> str:
@@ -150,9 +150,9 @@ def composer_home(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def graph(tmp_path_factory, two_node_cluster, repo_sdists):
     """The whole graph materialized once per session on the tiny configuration, on S3 and the
-    two-node Slurm cluster (``tests/test_graph_full.py``: ``materialize_graph``); the production
-    cycles (``tests/test_realtime_traces.py``) continue from its promoted model."""
-    from tests.test_graph_full import materialize_graph
+    two-node Slurm cluster (``tests/graph/test_graph_full.py``: ``materialize_graph``); the production
+    cycles (``tests/traces/test_realtime_traces.py``) continue from its promoted model."""
+    from tests.graph.test_graph_full import materialize_graph
 
     yield from materialize_graph(tmp_path_factory, two_node_cluster, repo_sdists)
 
@@ -161,7 +161,7 @@ def graph(tmp_path_factory, two_node_cluster, repo_sdists):
 def humaneval_tasks(tmp_path_factory):
     """Three HumanEval tasks built once per session (``out``, ``summary``): read them, copy them
     before changing anything."""
-    from composer_dag.envs.tasks import build_tasks
+    from composer_dag.tasks.sources.build import build_tasks
 
     out = tmp_path_factory.mktemp("humaneval-tasks")
     return out, build_tasks(out, {"humaneval_limit": 3, "bugfix_count": 0, "learnable_count": 0})
@@ -273,7 +273,7 @@ def learnable_warm(tmp_path_factory):
 def bugfix_tasks(tmp_path_factory):
     """Two stdlib bug-fix tasks (one module each) built once per session (``out``, ``summary``):
     read them, copy them before changing anything."""
-    from composer_dag.envs.tasks import build_tasks
+    from composer_dag.tasks.sources.build import build_tasks
 
     out = tmp_path_factory.mktemp("bugfix-tasks")
     return out, build_tasks(out, {"humaneval_limit": 0, "bugfix_count": 2, "bugfix_modules": ["colorsys", "fnmatch"],
@@ -291,7 +291,7 @@ SDIST_DIR = Path(__file__).parent / "artifacts" / "sdists"
 def repo_sdists():
     """The sdists of ``REPO_SDISTS`` from the package index, downloaded once and kept under
     ``tests/artifacts/sdists``: {name: path}."""
-    from composer_dag.envs.repo_env import fetch_sdist
+    from composer_dag.repos.env import fetch_sdist
 
     return {name: fetch_sdist(name, version, SDIST_DIR) for name, version in REPO_SDISTS}
 
@@ -315,7 +315,7 @@ def repo_envs(repo_sdists, tmp_path_factory):
 @pytest.fixture(scope="session")
 def mined_tasks(repo_envs, tmp_path_factory):
     """Three tasks mined from the parse environment once per session (``out``, ``summary``)."""
-    from composer_dag.envs.tasks_repo import mine
+    from composer_dag.tasks.sources.repo_mined import mine
 
     out = tmp_path_factory.mktemp("mined")
     return out, mine(repo_envs["parse"][0], out, max_tasks=3, seed=0)

@@ -74,7 +74,7 @@ def job_argv(cluster: ClusterConfig, spec_url: str, scratch: str, env: dict[str,
     if not cluster.isolate:
         return argv
     # compiled kernels (DeepSpeed's ops: ~90 s to build on 2 cores) and the sandboxes' runtime
-    # tree (composer_dag.envs.rootfs) kept across jobs, node-local
+    # tree (composer_dag.laptop.image) kept across jobs, node-local
     cache = cache_dir(cluster)
     inner = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch, "TMPDIR": "/tmp",
              "PYTHONPATH": REPO_ROOT, "TORCH_EXTENSIONS_DIR": f"{cache}/torch_extensions",

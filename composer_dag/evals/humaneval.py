@@ -9,7 +9,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..envs.sandbox import Limits, Sandbox
+from composer_dag.sandbox.bwrap import Limits, Sandbox
 from .metrics import pass_at_k
 
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")

@@ -79,7 +79,7 @@ LEARNABLE_RUN = {"steps": 10, "tasks_per_step": 4, "group_size": 8, "async_gener
                                   "workers": 2},
                  "inference": {"engine": "hf"}}
 """``environment: learnable``: the small task family a tiny model learns on CPU within minutes
-(tests/test_rl_learn.py), with a freshly built policy warmed up on the tool-call syntax; these
+(tests/rl/test_rl_learn.py), with a freshly built policy warmed up on the tool-call syntax; these
 settings replace the run's. The KL term to the warmed-up policy keeps this learning rate from
 collapsing the policy: without it, some runs drift into repeating one token, every episode fails,
 and with no group-relative signal left nothing brings them back (benchmarks/RESULTS.md, "The

@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 
 from ..agent import tool_call_text
-from ..envs.tasks_learnable import ANSWER_FILE, build_learnable_tasks
+from composer_dag.tasks.sources.learnable import ANSWER_FILE, build_learnable_tasks
 
 WORDS = ("red", "green", "blue", "gold")
 
@@ -31,7 +31,7 @@ def format_warmup_texts(tokenizer, task_dirs, n: int, seed: int = 0, words=WORDS
     right answer is never shown more often than chance. ``segments`` are (text, supervised)
     pieces after the prompt, tokenized piece by piece as the agent loop does.
     """
-    from ..envs.tools import Episode
+    from composer_dag.harness.episode import Episode
     from ..agent import render_prompt
 
     rng = random.Random(seed)

@@ -115,7 +115,7 @@ def reference_calls(task_dir: Path, task: dict, context_lines: int = 3) -> list[
 def play(task_dir: Path, calls: list[dict]) -> tuple[list[dict] | None, str]:
     """Play ``calls`` in a real episode of the task: ``(messages, "ok")`` when every call
     succeeds and the grade passes unflagged, else ``(None, reason)``."""
-    from ..envs.tools import Episode
+    from composer_dag.harness.episode import Episode
 
     with Episode(task_dir) as ep:
         messages = [{"role": "user", "content": ep.prompt()}]

@@ -85,7 +85,7 @@ def token_stream(record: dict, tok) -> tuple[list[int], list[int], list[int], li
 def regrade(record: dict, task_dir: Path) -> tuple[float, list[str], int, int]:
     """Play the session's tool calls again in an episode of ``task_dir`` and grade it:
     ``(reward, flags, tests passed, tests failed)``."""
-    from ..envs.tools import Episode
+    from composer_dag.harness.episode import Episode
 
     with Episode(task_dir) as ep:
         for m in from_openai(record["messages"]):

@@ -46,8 +46,8 @@ def batch_url(ex, step: int, ext: str) -> str:
 
 def reproduces_with_reference(task_dir: str) -> bool:
     """Does grading the task's reference state fail the same way (raise)?"""
-    from ...envs.grade import grade
-    from ...envs.task_dir import apply_reference
+    from composer_dag.grading.grade import grade
+    from composer_dag.tasks.taskdir import apply_reference
 
     tmp = Path(tempfile.mkdtemp(prefix="refcheck-"))
     try:

@@ -1,0 +1,81 @@
+"""The command line as a user runs it: a real subprocess, JSON summary on the last line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.graph.test_graph_data import make_source
+
+CLI = [sys.executable, "-m", "composer_dag.cli"]
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+def last_json(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_corpus_then_dedup_local(tmp_path: Path):
+    make_source(tmp_path / "src")
+    corpus = last_json(run("corpus", str(tmp_path / "src"), "--out", str(tmp_path / "corpus")))
+    assert corpus["files_seen"] == 7
+    assert corpus["files_ingested"] == 6 and corpus["skipped"] == {"binary": 1}
+    assert (tmp_path / "corpus/manifest.json").exists()
+    out = last_json(run("dedup", str(tmp_path / "corpus"), "--out", str(tmp_path / "shards")))
+    assert out["files_in"] == 6
+    assert out["files_in"] == out["files_kept"] + sum(out["dropped"].values())
+    assert out["dropped"].get("contaminated") == 1
+    assert (tmp_path / "shards/manifest.json").exists()
+
+
+def test_corpus_and_dedup_on_s3(tmp_path: Path, s3_bucket):
+    make_source(tmp_path / "src")
+    env = {
+        "COMPOSER_S3_ENDPOINT_URL": s3_bucket["endpoint"],
+        "AWS_ACCESS_KEY_ID": s3_bucket["options"]["key"],
+        "AWS_SECRET_ACCESS_KEY": s3_bucket["options"]["secret"],
+    }
+    b = s3_bucket["bucket"]
+    corpus = run("corpus", str(tmp_path / "src"), "--out", f"s3://{b}/corpus", env=env)
+    assert last_json(corpus)["files_ingested"] == 6
+    shards = run("dedup", f"s3://{b}/corpus", "--out", f"s3://{b}/shards", env=env)
+    assert last_json(shards)["files_kept"] >= 1
+    for proc in (corpus, shards):
+        assert s3_bucket["options"]["secret"] not in proc.stdout + proc.stderr
+
+
+def test_errors_are_one_line(tmp_path: Path):
+    proc = run("dedup", str(tmp_path / "nothing"), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "error:" in proc.stderr
+    proc = run("corpus", str(tmp_path / "does-not-exist"), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_sandbox_exec_passes_exit_code(tmp_path: Path):
+    (tmp_path / "hello.txt").write_text("hi\n")
+    proc = run("sandbox", "exec", str(tmp_path), "--", "sh", "-c", "cat hello.txt; exit 7")
+    assert proc.returncode == 7
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "hi" and json.loads(lines[-1])["exit_code"] == 7
+
+
+def test_env_grade_broken_and_reference(tmp_path: Path, humaneval_tasks):
+    from composer_dag.tasks.taskdir import apply_reference
+
+    out, summary = humaneval_tasks
+    assert summary["tasks"] == 3
+    task = sorted(out.glob("*/*/task.json"))[0].parent
+    broken = last_json(run("env", "grade", str(task), str(task / "repo")))
+    assert broken["reward"] == 0.0 and broken["failed"] >= 1
+    ws = apply_reference(task, tmp_path / "ws")
+    good = last_json(run("env", "grade", str(task), str(ws)))
+    assert good["reward"] == 1.0 and good["flags"] == [] and good["passed"] >= 1
