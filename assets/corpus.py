@@ -3,7 +3,7 @@
 
 import dagster as dg
 
-from assets._common import RETRY, column_schema, counts_table, progress_logger, record_provenance
+from assets.common import RETRY, column_schema, counts_table, progress_logger, record_provenance
 from composer_dag.corpus import ingest
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
 

@@ -31,7 +31,7 @@ import sys
 
 import dagster as dg
 
-from assets._common import RETRY, counts_table, latest_metadata, latest_uri, progress_logger, record_provenance
+from assets.common import RETRY, counts_table, latest_metadata, latest_uri, progress_logger, record_provenance
 from assets.corpus import code_corpus, sources_partitions
 from assets.envs import eval_task_texts
 from composer_dag import dedup as engine

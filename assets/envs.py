@@ -9,7 +9,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets._common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, record_provenance
+from assets.common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, record_provenance
 from composer_dag.tasks.sources import build as engine
 from composer_dag.laptop.probes import differences_table, open_tells, sandbox_realism
 from composer_dag.tasks.format import RepoEnvConfig, RepoSpec, TaskBuildConfig, task_dirs

@@ -12,7 +12,7 @@ import os
 
 import dagster as dg
 
-from assets._common import latest_metadata, latest_uri, local_copy, plot_md, run_stage, record_provenance
+from assets.common import latest_metadata, latest_uri, local_copy, plot_md, run_stage, record_provenance
 from composer_dag.evals.contamination import contamination_report
 from composer_dag.evals.evaluate import EvalConfig, summary_record
 from composer_dag.evals.gate import decide
@@ -26,6 +26,28 @@ CANDIDATES = ("base_model", "midtrained_checkpoint", "sft_checkpoint", "rl_check
 LABELS = ("base", "mid-trained", "SFT", "RL")
 
 EvalParams = dagster_config(EvalConfig, module=__name__)
+
+
+def _contamination(context, storage) -> list:
+    """Contamination guard: the latest eval tasks against the latest training shards."""
+    shard_base = latest_uri(context.instance, "deduped_shards")
+    shard_urls = [u for u in storage.find(shard_base) if u.rsplit("/", 1)[-1].startswith("shard-")]
+
+    def shard_texts():
+        for u in shard_urls:
+            t = storage.read_parquet(u, columns=["path", "content"])
+            yield from zip(t.column("path").to_pylist(), t.column("content").to_pylist())
+
+    with local_copy(storage, latest_uri(context.instance, "eval_tasks")) as tasks_dir:
+        return contamination_report(shard_texts(), tasks_dir)
+
+
+def _by_source_table(summaries: dict, names: list[str], sources: list[str], by_source) -> str:
+    """pass@1 per task source (rows) and checkpoint (columns), as markdown."""
+    return "\n".join(["| source | tasks | " + " | ".join(LABELS) + " |", "|---|---:|" + "---:|" * len(names)] + [
+        f"| {src} | {max(((summaries[k].get('by_source') or {}).get(src) or {}).get('tasks') or 0 for k in names)} | "
+        + " | ".join("–" if by_source(k, src) is None else f"{by_source(k, src):.3f}" for k in names) + " |"
+        for src in sources])
 
 
 @dg.asset(
@@ -80,27 +102,13 @@ def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artif
     catalog.get().insert_records("eval_summaries", [
         {**summary_record(k, s), "run_id": context.run.run_id} for k, s in summaries.items()])
 
-    # Contamination guard: the eval tasks against the training shards.
-    shard_base = latest_uri(context.instance, "deduped_shards")
-    shard_urls = [u for u in storage.find(shard_base) if u.rsplit("/", 1)[-1].startswith("shard-")]
-
-    def shard_texts():
-        for u in shard_urls:
-            t = storage.read_parquet(u, columns=["path", "content"])
-            yield from zip(t.column("path").to_pylist(), t.column("content").to_pylist())
-
-    with local_copy(storage, latest_uri(context.instance, "eval_tasks")) as tasks_dir:
-        leaks = contamination_report(shard_texts(), tasks_dir)
-
+    leaks = _contamination(context, storage)
     names = list(CANDIDATES)
     p1 = [summaries[k].get("pass@1") or 0.0 for k in names]
     he = [(summaries[k].get("humaneval") or {}).get("pass@1") or 0.0 for k in names]
     sources = sorted({src for k in names for src in summaries[k].get("by_source") or {}})
     by_source = lambda k, src: ((summaries[k].get("by_source") or {}).get(src) or {}).get("pass@1")
-    source_md = "\n".join(["| source | tasks | " + " | ".join(LABELS) + " |", "|---|---:|" + "---:|" * len(names)] + [
-        f"| {src} | {max(((summaries[k].get('by_source') or {}).get(src) or {}).get('tasks') or 0 for k in names)} | "
-        + " | ".join("–" if by_source(k, src) is None else f"{by_source(k, src):.3f}" for k in names) + " |"
-        for src in sources])
+    source_md = _by_source_table(summaries, names, sources, by_source)
     yield dg.MaterializeResult(
         metadata={
             "dagster/uri": url,

@@ -14,7 +14,7 @@ import os
 
 import dagster as dg
 
-from assets._common import latest_uri, md_table, plot_md, run_stage, record_provenance
+from assets.common import latest_uri, md_table, plot_md, run_stage, record_provenance
 from assets.sft import sft_checkpoint
 from assets.train import CHECKPOINT_FILES
 from composer_dag.rl.fleet.config import FleetConfig

@@ -13,7 +13,7 @@ import tempfile
 
 import dagster as dg
 
-from assets._common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, plot_md, run_stage, record_provenance
+from assets.common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, plot_md, run_stage, record_provenance
 from assets.train import CHECKPOINT_FILES, midtrained_checkpoint
 from composer_dag.sft import trajectories as engine
 from composer_dag.sft.run import SFTConfig

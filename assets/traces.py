@@ -17,7 +17,7 @@ import tempfile
 
 import dagster as dg
 
-from assets._common import (RETRY, counts_table, latest_metadata, latest_uri, local_copy, md_table, record_provenance,
+from assets.common import (RETRY, counts_table, latest_metadata, latest_uri, local_copy, md_table, record_provenance,
                             run_stage)
 from assets.train import CHECKPOINT_FILES
 from composer_dag.evals.gate import decide

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets._common import RETRY, counts_table, latest_uri, local_copy, plot_md, run_stage, record_provenance
+from assets.common import RETRY, counts_table, latest_uri, local_copy, plot_md, run_stage, record_provenance
 from assets.dedup import deduped_shards
 from composer_dag.train import data as data_engine
 from composer_dag.train import model as model_engine

@@ -220,10 +220,8 @@ def cmd_serve(args):
     return {"served": line, "promoted": registry.current(storage)}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="composer-dag", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_data_commands(sub) -> None:
+    """`corpus`, `dedup` and `eval`."""
     c = sub.add_parser("corpus", help="ingest a source (directory, git URL/path[@rev], s3://prefix, or 'python')")
     c.add_argument("source")
     c.add_argument("--out", required=True, help="output directory or s3:// URL")
@@ -252,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--baseline", default=None, help="a summary.json to gate against")
     v.set_defaults(func=cmd_eval)
 
+
+def _add_env_commands(sub) -> None:
+    """`env grade` and `env bootstrap`."""
     e = sub.add_parser("env", help="RL environments").add_subparsers(dest="env_command", required=True)
     g = e.add_parser("grade", help="grade a workspace as if submitted: reward, per-test results, cheat flags")
     g.add_argument("task_dir")
@@ -265,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--store", default=None, help="the wheel store (default $COMPOSER_HOME/wheel-store)")
     b.set_defaults(func=cmd_env_bootstrap)
 
+
+def _add_tasks_commands(sub) -> None:
+    """`tasks mine`, `tasks import` and `tasks export`."""
     t = sub.add_parser("tasks", help="RL tasks").add_subparsers(dest="tasks_command", required=True)
     m = t.add_parser("mine", help="synthetic-bug tasks from an environment made by `env bootstrap`")
     m.add_argument("env_dir")
@@ -285,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--mirror-dir", default=None, help="also write a bare mirror per repository with every base commit")
     x.set_defaults(func=cmd_tasks_export)
 
+
+def _add_traces_commands(sub) -> None:
+    """`traces validate`, `traces delete` and `serve`."""
     tr = sub.add_parser("traces", help="production sessions").add_subparsers(dest="traces_command", required=True)
     x = tr.add_parser("validate", help="check session files (composer-session/1, JSON lines) against the schema")
     x.add_argument("files", nargs="+")
@@ -307,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--weights-uri", default=None, help="the serving fleet's weights prefix (default: none published)")
     x.set_defaults(func=cmd_serve)
 
+
+def _add_sandbox_commands(sub) -> None:
+    """`sandbox exec` and `sandbox realism`."""
     s = sub.add_parser("sandbox", help="the bubblewrap sandbox").add_subparsers(dest="sandbox_command", required=True)
     x = s.add_parser("exec", help="run a command in the sandbox; its exit code is passed through")
     x.add_argument("workspace_dir")
@@ -317,6 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     rz.add_argument("workspace_dir", nargs="?", help="the project the sandbox opens (default: an empty one)")
     rz.add_argument("--json", metavar="FILE", help="also write both reports (outputs, verdicts) here")
     rz.set_defaults(func=cmd_sandbox_realism)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="composer-dag", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_data_commands, _add_env_commands, _add_tasks_commands, _add_traces_commands,
+                _add_sandbox_commands):
+        add(sub)
     return p
 
 

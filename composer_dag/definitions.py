@@ -14,7 +14,7 @@ import dagster as dg
 
 from assets import corpus, dedup, envs, evals, rl, sensors, sft, traces, train
 from assets import jobs as jobs_module
-from assets._common import code_version
+from assets.common import code_version
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
 from resources.cluster import ClusterResource
 from resources.model_settings import ModelSettings
@@ -70,7 +70,7 @@ def make_resources() -> dict:
 
 def versioned(*groups) -> list[dg.AssetsDefinition]:
     """Each ``(module, *assets)``'s assets with the code version of their module: a digest of the
-    code it runs (``assets._common.code_version``)."""
+    code it runs (``assets.common.code_version``)."""
     out = []
     for module, *assets_defs in groups:
         version = code_version(module.__file__)

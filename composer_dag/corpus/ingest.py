@@ -111,6 +111,20 @@ def _capped(res: CorpusResult, cap_bytes: int | None, cap_files: int | None) -> 
         cap_files is not None and res.files_ingested >= cap_files)
 
 
+def _clear_own_output(storage: Storage, out_url: str) -> None:
+    """Remove the files an earlier run of ``ingest`` wrote directly under ``out_url``."""
+    for url in storage.find(out_url):
+        if posixpath.dirname(url) == out_url and _OWN_FILES.fullmatch(posixpath.basename(url)):
+            storage.fs.rm(url)
+
+
+def _file_row(source: str, e, lang: str, text: str, data: bytes) -> dict[str, Any]:
+    """A kept file's row of the files table (``data``: ``text`` encoded)."""
+    return {"id": file_id(source, e.path), "source": source, "repo": e.repo, "path": e.path, "language": lang,
+            "content": text, "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "revision": e.revision}
+
+
 def ingest(
     source: SourceSpec,
     storage: Storage,
@@ -121,9 +135,7 @@ def ingest(
     """Read every file of ``source`` and write the corpus tables under ``out_url``."""
     start = time.monotonic()
     out_url = out_url.rstrip("/")
-    for url in storage.find(out_url):  # a retried run replaces its own earlier output
-        if posixpath.dirname(url) == out_url and _OWN_FILES.fullmatch(posixpath.basename(url)):
-            storage.fs.rm(url)
+    _clear_own_output(storage, out_url)  # a retried run replaces its own earlier output
     res = CorpusResult(skipped_url=posixpath.join(out_url, "skipped.parquet"))
     skipped, langs, lang_bytes = Counter(), Counter(), Counter()
     batch: list[dict[str, Any]] = []
@@ -168,12 +180,7 @@ def ingest(
                     skip_writer.write_table(pa.Table.from_pylist(skip_rows, schema=SKIPPED_SCHEMA))
                     skip_rows = []
             else:
-                batch.append({
-                    "id": file_id(source.name, e.path), "source": source.name, "repo": e.repo,
-                    "path": e.path, "language": lang, "content": note,
-                    "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                    "revision": e.revision,
-                })
+                batch.append(_file_row(source.name, e, lang, note, data))
                 res.files_ingested += 1
                 res.bytes_ingested += len(data)
                 langs[lang] += 1

@@ -315,6 +315,50 @@ def _seal(out: Path, summary: dict) -> dict:
     return summary
 
 
+def _open(out: Path, checkpoint_dir: str) -> str:
+    """Make ``out`` and unmark it as finished (whatever it held is no longer a finished evaluation
+    until the new manifest); verify the checkpoint's manifest where it has one (never read a
+    half-copied checkpoint); return the checkpoint's digest."""
+    from ..storage import Storage
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.json").unlink(missing_ok=True)
+    if (Path(checkpoint_dir) / "manifest.json").is_file():
+        ckpt_store = Storage(checkpoint_dir)
+        ckpt_store.verify_manifest(ckpt_store.root)
+    return checkpoint_digest(checkpoint_dir)
+
+
+def _fit_context(cfg: EvalConfig, checkpoint_dir: str, log) -> EvalConfig:
+    """``cfg`` with its inference settings and the agent's context fitted to the checkpoint (its
+    positions bound the context)."""
+    from ..inference import fit_to_model
+
+    inference = fit_to_model(cfg.inference, checkpoint_dir, log)
+    if cfg.agent.max_context > inference.max_model_len or inference != cfg.inference:
+        cfg = cfg.replace(inference=inference.to_dict(),
+                          agent={"max_context": min(cfg.agent.max_context, inference.max_model_len)})
+    return cfg
+
+
+def _perplexity(cfg: EvalConfig, checkpoint_dir: str, log) -> dict | None:
+    """The checkpoint's perplexity on ``cfg.val_dir`` (None without one)."""
+    if not cfg.val_dir:
+        return None
+    from .perplexity import perplexity
+
+    ppl = perplexity(checkpoint_dir, cfg.val_dir, cfg.ppl_seq_len, cfg.ppl_batch_size, cfg.ppl_max_batches)
+    log(f"eval: val loss {ppl['val_loss']:.4f}, perplexity {ppl['val_ppl']:.2f}")
+    return ppl
+
+
+def _token_cost(rows: list[dict], num_tasks: int, solved: int) -> dict:
+    """The tokens generated in all, per sample, per task (all its samples) and per solved task."""
+    total = sum(r["generated_tokens"] for r in rows)
+    return {"generated_tokens": total, "tokens_per_sample": total / len(rows), "tokens_per_task": total / num_tasks,
+            "tokens_per_solved_task": total / solved if solved else None}
+
+
 def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | None = None, rep=None,
              engine=None, grades=None) -> dict:
     """Evaluate the Hugging Face checkpoint at ``checkpoint_dir`` on the tasks under
@@ -325,8 +369,7 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
     ``grades``: the grades kept from earlier candidates (``agent.GradeCache``)."""
     import torch
 
-    from ..inference import engine_from_config, fit_to_model
-    from ..storage import Storage
+    from ..inference import engine_from_config
     from ..train.tokenizer import load_tokenizer
     from . import humaneval as he
 
@@ -335,32 +378,17 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
     t_start = time.perf_counter()
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # whatever this directory held is no longer a finished evaluation until the new manifest
-    (out / "manifest.json").unlink(missing_ok=True)
-    checkpoint_dir = str(checkpoint_dir)
-    if (Path(checkpoint_dir) / "manifest.json").is_file():  # never read a half-copied checkpoint
-        ckpt_store = Storage(checkpoint_dir)
-        ckpt_store.verify_manifest(ckpt_store.root)
-    digest = checkpoint_digest(checkpoint_dir)
+    out, checkpoint_dir = Path(out_dir), str(checkpoint_dir)
+    digest = _open(out, checkpoint_dir)
     tasks = select_tasks(tasks_dir, cfg)
     source = {t.get("id", d.name): t.get("source", "unknown") for d, t in tasks}
     he_ids = he.held_out_ids(tasks_dir) if cfg.humaneval_ids is None else list(cfg.humaneval_ids)
     log(f"eval: checkpoint {digest[:12]}, {len(tasks)} tasks x {cfg.samples_per_task} samples, "
         f"{len(he_ids)} HumanEval problems, perplexity {'on' if cfg.val_dir else 'off'}")
 
-    ppl = None
-    if cfg.val_dir:  # before the engine takes its memory
-        from .perplexity import perplexity
+    ppl = _perplexity(cfg, checkpoint_dir, log)  # before the engine takes its memory
 
-        ppl = perplexity(checkpoint_dir, cfg.val_dir, cfg.ppl_seq_len, cfg.ppl_batch_size, cfg.ppl_max_batches)
-        log(f"eval: val loss {ppl['val_loss']:.4f}, perplexity {ppl['val_ppl']:.2f}")
-
-    inference = fit_to_model(cfg.inference, checkpoint_dir, log)  # the checkpoint's positions bound the context
-    if cfg.agent.max_context > inference.max_model_len or inference != cfg.inference:
-        cfg = cfg.replace(inference=inference.to_dict(),
-                          agent={"max_context": min(cfg.agent.max_context, inference.max_model_len)})
+    cfg = _fit_context(cfg, checkpoint_dir, log)
     key = progress_key(digest, tasks, cfg)
     progress_dir = out / "progress" / key
     if progress_dir.is_dir():
@@ -387,7 +415,6 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
     rows, per_task, agg = _score(rollouts, digest, source, cfg.ks)
     flagged = sum(bool(r["flags"]) for r in rows)
     solved = sum(r["passed"] for r in rows)
-    total_gen = sum(r["generated_tokens"] for r in rows)
 
     files, he_summary = _write_tables(out, rows, rollouts, digest, he_res, he_tokens, cfg.humaneval_samples)
     summary = {
@@ -402,11 +429,7 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
         "flags_by_kind": dict(Counter(f.split(":", 1)[0] for r in rows for f in r["flags"]).most_common()),
         "humaneval": he_summary, "perplexity": ppl,
         "cost": {
-            "generated_tokens": total_gen,
-            "tokens_per_sample": total_gen / len(rows),
-            "tokens_per_task": total_gen / len(per_task),           # all samples of a task
-            "tokens_per_solved_task": total_gen / solved if solved else None,  # tokens spent per pass
-            "tokens_per_s": gen_tokens / gen_seconds if gen_seconds else None,
+            **_token_cost(rows, len(per_task), solved), "tokens_per_s": gen_tokens / gen_seconds if gen_seconds else None,
             "generation_seconds": round(gen_seconds, 3), "agent_seconds": round(agent_wall, 3),
             "wall_seconds": round(time.perf_counter() - t_start, 3),
         },

@@ -47,13 +47,8 @@ def reward_slope(curve: list[float]) -> float:
     return sum((i - mid) * v for i, v in enumerate(curve)) / sum((i - mid) ** 2 for i in range(n))
 
 
-def rl_summary(result: dict, rows: list[dict] | None = None, metrics: list[dict] | None = None) -> dict:
-    rows, metrics = list(rows or []), list(metrics or [])
-    fleet = result.get("fleet") or {}
-    mode = "fleet" if result.get("mode") == "fleet" or fleet else "one_process"
-    out: dict = {"mode": mode, "max_staleness": result.get("max_staleness")}
-
-    # -- per step: rollout rows first (they are what the trainer used), else metrics.jsonl
+def _steps(rows: list[dict], metrics: list[dict]) -> list[dict]:
+    """Per step: from the rollout rows (what the trainer used), else from metrics.jsonl."""
     steps: dict[int, dict] = {}
     by_step = defaultdict(list)
     for r in rows:
@@ -78,19 +73,11 @@ def rl_summary(result: dict, rows: list[dict] | None = None, metrics: list[dict]
                     "retried": int(m.get("retried") or 0), "staleness_max": m.get("staleness"),
                     "policy_versions": m.get("policy_versions") or ([m["policy_version"]] if "policy_version" in m else []),
                     "servers": dict(m.get("servers") or {})}
-    out["steps"] = [steps[s] for s in sorted(steps)]
+    return [steps[s] for s in sorted(steps)]
 
-    stal = [r["staleness"] for r in rows if r.get("staleness") is not None]
-    if stal:
-        out["staleness_max"], out["staleness_mean"] = max(stal), sum(stal) / len(stal)
-    else:
-        st = result.get("staleness") or {}
-        out["staleness_max"], out["staleness_mean"] = st.get("max"), st.get("mean")
-    out["rollouts"] = len(rows) if rows else sum(x["rollouts"] or 0 for x in out["steps"])
-    out["retried_episodes"] = sum(x["retried"] for x in out["steps"])
-    out["infra_masked_episodes"] = sum(x["infra_masked"] for x in out["steps"])
 
-    # -- servers (fleet): the orchestrator's view, episodes counted from the rows
+def _servers(fleet: dict, rows: list[dict]) -> list[dict]:
+    """The fleet's servers as the orchestrator saw them, episodes counted from the rows."""
     servers = []
     for sid, s in sorted((fleet.get("servers") or {}).items()):
         mine = [r for r in rows if r.get("server_id") == sid]
@@ -104,11 +91,13 @@ def rl_summary(result: dict, rows: list[dict] | None = None, metrics: list[dict]
                         "reload_s_mean": _mean([x.get("reload_s") for x in reloads]),
                         "probe_diff_max": max((x["probe_diff"] for x in reloads if x.get("probe_diff") is not None),
                                               default=None)})
-    out["servers"] = servers
+    return servers
 
-    # -- published weights
+
+def _published(result: dict) -> dict:
+    """The weights published: each version's kind and size, the full size and the deltas' shares."""
     pubs = [{k: p.get(k) for k in ("version", "kind", "bytes", "fraction")} for p in result.get("published") or []]
-    out["published"] = pubs
+    out = {"published": pubs}
     fulls = [p["bytes"] for p in pubs if p["kind"] == "full" and p.get("bytes") is not None]
     deltas = [p for p in pubs if p["kind"] == "delta"]
     full = fulls[-1] if fulls else next((int(round(p["bytes"] / p["fraction"])) for p in deltas
@@ -120,8 +109,11 @@ def rl_summary(result: dict, rows: list[dict] | None = None, metrics: list[dict]
     if out["delta_share_mean"] is None and (result.get("delta_fraction") or {}).get("n"):
         out["delta_share_mean"] = result["delta_fraction"]["mean"]
         out["delta_share_max"] = result["delta_fraction"]["max"]
+    return out
 
-    # -- reload time per version
+
+def _reloads(result: dict, fleet: dict, servers: list[dict]) -> list[dict]:
+    """Reload time per version: each server's (fleet), or the engine's (one process)."""
     per_version: dict[int, dict] = {}
     for s in servers:
         for x in (fleet["servers"][s["server"]].get("reloads") or []):
@@ -138,7 +130,29 @@ def rl_summary(result: dict, rows: list[dict] | None = None, metrics: list[dict]
     for x in result.get("weight_syncs") or []:  # one process: the engine's reloads
         per_version[int(x["version"])] = {"version": int(x["version"]), "reload_s": {"engine": x.get("seconds")},
                                           "rebuild_s": None, "lag_s_max": None, "probe_diff_max": None}
-    out["reloads"] = [per_version[v] for v in sorted(per_version)]
+    return [per_version[v] for v in sorted(per_version)]
+
+
+def rl_summary(result: dict, rows: list[dict] | None = None, metrics: list[dict] | None = None) -> dict:
+    rows, metrics = list(rows or []), list(metrics or [])
+    fleet = result.get("fleet") or {}
+    mode = "fleet" if result.get("mode") == "fleet" or fleet else "one_process"
+    out: dict = {"mode": mode, "max_staleness": result.get("max_staleness")}
+
+    out["steps"] = _steps(rows, metrics)
+    stal = [r["staleness"] for r in rows if r.get("staleness") is not None]
+    if stal:
+        out["staleness_max"], out["staleness_mean"] = max(stal), sum(stal) / len(stal)
+    else:
+        st = result.get("staleness") or {}
+        out["staleness_max"], out["staleness_mean"] = st.get("max"), st.get("mean")
+    out["rollouts"] = len(rows) if rows else sum(x["rollouts"] or 0 for x in out["steps"])
+    out["retried_episodes"] = sum(x["retried"] for x in out["steps"])
+    out["infra_masked_episodes"] = sum(x["infra_masked"] for x in out["steps"])
+
+    out["servers"] = servers = _servers(fleet, rows)
+    out.update(_published(result))
+    out["reloads"] = _reloads(result, fleet, servers)
     return out
 
 

@@ -164,8 +164,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
             publish_info.append(pub)
             if not cfg.async_generation:
                 gen.sync()
-            for d in sorted((out / "sync").iterdir())[:-2]:
-                shutil.rmtree(d, ignore_errors=True)
+            _prune_syncs(out / "sync")
             counters.update(next_batch=source.next_index,
                             dropped_stale_rollouts=dropped0[0] + source.dropped_rollouts,
                             dropped_stale_batches=dropped0[1] + source.dropped_batches)
@@ -180,9 +179,7 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
             append_metrics(metrics_path, rec)
             if version % cfg.save_every == 0 or version == cfg.steps:
                 tag = trainer.commit_checkpoint(str(out), cfg.policy_dir, {"counters": counters}, cfg.keep_checkpoints)
-            rep.progress(f"step {version:>4}/{cfg.steps} reward {rec['reward_mean']:.3f} pass {rec['pass_rate']:.2f} "
-                         f"loss {rec['loss']:+.4f} gen {rec['gen_tokens_per_s']:.0f} tok/s staleness {rec['staleness']} "
-                         f"dropped {rec['dropped_stale_rollouts']}")
+            rep.progress(_progress_line(version, cfg.steps, rec))
     finally:
         source.stop()
         gen.agent.close()
@@ -191,10 +188,30 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
         tag = trainer.commit_checkpoint(str(out), cfg.policy_dir, {"counters": counters}, cfg.keep_checkpoints)
     end = finish(trainer, out, cfg.policy_dir, wstore, wprefix, cfg.publish_dtype)
     gen.engine.close()
-    hist = read_metrics(metrics_path)
+    result = _result(cfg, trainer.version, resumed_from, read_metrics(metrics_path), counters, gen, publish_info,
+                     {**end, "checkpoint": tag})
+    write_json_atomic(str(out / "result.json"), result)
+    return result
+
+
+def _prune_syncs(sync_dir: Path) -> None:
+    """Keep the last two weight directories handed to the generation side."""
+    for d in sorted(sync_dir.iterdir())[:-2]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _progress_line(version: int, steps: int, rec: dict) -> str:
+    return (f"step {version:>4}/{steps} reward {rec['reward_mean']:.3f} pass {rec['pass_rate']:.2f} "
+            f"loss {rec['loss']:+.4f} gen {rec['gen_tokens_per_s']:.0f} tok/s staleness {rec['staleness']} "
+            f"dropped {rec['dropped_stale_rollouts']}")
+
+
+def _result(cfg: RLConfig, steps: int, resumed_from, hist: list[dict], counters: dict, gen, publish_info: list[dict],
+            end: dict) -> dict:
+    """A run's result.json: the steps' timings summed up, the weight syncs and publications."""
     gen_tok, gen_s = sum(h["generated_tokens"] for h in hist), sum(h["generate_s"] for h in hist)
-    result = {
-        "steps": trainer.version, "resumed_from": resumed_from, "engine": gen.inference.engine,
+    return {
+        "steps": steps, "resumed_from": resumed_from, "engine": gen.inference.engine,
         **summary(hist, ("generate_s", "tools_s", "grade_s", "rollout_wall_s", "train_s", "sync_s", "wait_s",
                          "save_weights_s", "publish_s", "step_s")),
         "gen_tokens_per_s": gen_tok / gen_s if gen_s else None, "max_staleness": cfg.max_staleness,
@@ -204,10 +221,8 @@ def run(cfg: RLConfig, rep: Reporter | None = None) -> dict:
         "published": [{k2: p[k2] for k2 in ("version", "kind", "bytes", "fraction", "seconds")} for p in publish_info],
         "delta_fraction": stats([p["fraction"] for p in publish_info if p["kind"] == "delta"]),
         "publish_seconds": stats([p["seconds"] for p in publish_info]),
-        **end, "checkpoint": tag, "config": cfg.to_dict(),
+        **end, "config": cfg.to_dict(),
     }
-    write_json_atomic(str(out / "result.json"), result)
-    return result
 
 
 def main(argv: list[str] | None = None) -> dict:

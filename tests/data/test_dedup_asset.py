@@ -10,7 +10,7 @@ import dagster as dg
 import pyarrow as pa
 import pytest
 
-from assets._common import latest_uri
+from assets.common import latest_uri
 from composer_dag.dedup import DedupConfig, carry_shards, check_carried, dedup, plan_increment, work_url
 from composer_dag.dedup.shards import main as map_main
 from composer_dag.definitions import build_defs, materialize_all

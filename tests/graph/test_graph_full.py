@@ -180,7 +180,7 @@ def failed_steps(results) -> list[str]:
 
 
 def _meta_partition(instance, key, partition):
-    from assets._common import latest_metadata
+    from assets.common import latest_metadata
 
     return dict(latest_metadata(instance, key, partition))
 

@@ -76,7 +76,7 @@ def test_many_sources_one_run_and_a_failing_source_is_isolated(tmp_path):
         assert {r.partition_key for r in records} == {"a", "b", "c"}
         assert len({r.run_id for r in records}) == 1
         storage = Storage(str(tmp_path / "artifacts"))
-        from assets._common import latest_uri
+        from assets.common import latest_uri
 
         uris = {p: latest_uri(instance, "code_corpus", p) for p in "abc"}
         assert len(set(uris.values())) == 3 and all(uris[p].endswith("/" + p) for p in "abc")
@@ -156,7 +156,7 @@ def test_backfill_over_sources_from_the_command_line(tmp_path, monkeypatch):
         records = instance.fetch_materializations(dg.AssetKey("code_corpus"), limit=10).records
         per_partition = [r for r in records if r.asset_materialization.metadata.get("files_ingested")]
         assert {r.partition_key for r in records} == {"s1", "s2", "s3"}
-        from assets._common import latest_uri
+        from assets.common import latest_uri
 
         uris = {p: latest_uri(instance, "code_corpus", p) for p in ("s1", "s2", "s3")}
     storage = Storage(str(tmp_path / "composer" / "artifacts"))

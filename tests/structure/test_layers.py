@@ -131,7 +131,7 @@ def test_every_asset_declares_a_code_version_that_follows_its_code(tmp_path, mon
     """An asset's code version is a digest of the code it reaches through its imports (and the
     stage entry points it names), so an engine change marks it stale in the UI, and a change to
     code it never runs does not."""
-    from assets import _common
+    from assets import common as _common
     from composer_dag.definitions import defs
 
     graph = defs.resolve_asset_graph()
