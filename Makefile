@@ -1,6 +1,8 @@
 # composer-dag: `make run` materializes the whole graph on the embedded default,
 # `make test` runs the test suite, `make dev` opens the Dagster UI. Each installs what it needs.
+# `make help` lists the targets.
 SHELL := /bin/bash
+.DEFAULT_GOAL := help
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -11,7 +13,7 @@ PYTEST_ARGS ?=
 # long, the whole-graph module alone outlasting the rest); modules stay whole on one worker
 PYTEST_WORKERS ?= 0
 
-.PHONY: install system-deps run test dev bench clean
+.PHONY: help install system-deps run test test-fast dev bench clean
 
 # Debian packages the sandboxes, the browser test and the Slurm clusters of the tests need
 # (installed when missing, as root; the two-node cluster: ip, nsenter, unshare, pgrep).
@@ -22,7 +24,10 @@ SYSTEM_BINS := bwrap gcc git faketime chromium chromedriver slurmctld slurmd sba
 SYSTEM_PKGS := bubblewrap gcc libc6-dev git faketime chromium chromium-driver slurmctld slurmd slurm-client munge nano htop iputils-ping sudo locales iproute2 util-linux procps
 # the locales a sandbox persona may have (composer_dag/laptop/image.py: LOCALES), generated when missing
 PERSONA_LOCALES := en_US en_GB en_IN en_CA en_AU en_IE en_NZ en_ZA
-system-deps:
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 20
+
+system-deps:  ## the Debian packages the sandboxes, the Slurm clusters and the browser test need (as root)
 	@missing=""; for b in $(SYSTEM_BINS); do PATH="$$PATH:/usr/sbin:/sbin" command -v $$b >/dev/null || missing="$$missing $$b"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages for:$$missing"; \
@@ -46,25 +51,31 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
-install: system-deps $(STAMP)
+install: system-deps $(STAMP)  ## the virtual environment .venv and the system packages
 
 $(DAGSTER_HOME)/dagster.yaml:
 	@mkdir -p $(DAGSTER_HOME)
 	cp deploy/dagster.yaml $@
 
-run: install $(DAGSTER_HOME)/dagster.yaml
+run: install $(DAGSTER_HOME)/dagster.yaml  ## materialize the whole graph on the embedded default (local files, DuckDB, CPU)
 	$(PY) -m composer_dag.definitions materialize
 
-test: install $(DAGSTER_HOME)/dagster.yaml
+test: install $(DAGSTER_HOME)/dagster.yaml  ## the whole suite, as CI runs it (starts Slurm, S3, vLLM, a browser itself)
 	@mkdir -p tests/artifacts
 	$(VENV)/bin/dagster definitions validate -w workspace.yaml
 	$(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
-dev: install $(DAGSTER_HOME)/dagster.yaml
+# the tests that need no service (no Slurm, S3 server, vLLM or browser) and are not marked slow
+FAST_MARKERS ?= not slurm and not vllm and not s3 and not browser and not slow
+test-fast: install $(DAGSTER_HOME)/dagster.yaml  ## the tests that start no service, in a few minutes
+	@mkdir -p tests/artifacts
+	$(PY) -m pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+
+dev: install $(DAGSTER_HOME)/dagster.yaml  ## the Dagster UI on http://127.0.0.1:3000
 	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
-bench: install
+bench: install  ## the dedup benchmark (the others: benchmarks/*.py, results in benchmarks/RESULTS.md)
 	$(PY) benchmarks/bench_dedup.py
 
-clean:
+clean:  ## remove .composer and the tests' artifacts
 	rm -rf .composer tests/artifacts

@@ -38,11 +38,45 @@ def _group(item) -> str:
     return "slurm" if "two_node_cluster" in names and item.module.__name__ not in READ_GRAPH else item.module.__name__
 
 
+# What a test needs, from the fixtures it uses and the area it lies in (``pyproject.toml`` names the
+# markers; ``make test-fast`` leaves out every test that needs a service or is slow).
+NEEDS_BY_FIXTURE = {
+    "slurm": {"two_node_cluster", "slurm_two_nodes", "cluster_bucket", "graph"},
+    "vllm": {"servers", "promoted_servers", "promoted_base", "promoted_sessions"},
+    "s3": {"s3_server", "s3_bucket", "cluster_bucket", "s3_root"},
+    "browser": {"browser", "dagster_ui"},
+}
+# areas whose tests run programs in bubblewrap sandboxes, as root (the sandbox, the laptop,
+# grading, harness episodes, repository environments, tasks verified in the sandbox)
+BWRAP_AREAS = ("sandbox", "laptop", "grading", "harness", "repos", "tasks")
+VLLM_MODULES = ("tests.rl.test_inference", "tests.rl.test_fleet")
+
+
+def _needs(item) -> set[str]:
+    names = set(getattr(item, "fixturenames", ()))
+    needs = {mark for mark, fixtures in NEEDS_BY_FIXTURE.items() if names & fixtures}
+    module = item.module.__name__
+    area = module.split(".")[1] if module.count(".") >= 2 else ""
+    if module in VLLM_MODULES:
+        needs.add("vllm")
+    if module == "tests.graph.test_ui_browser":
+        needs.add("browser")
+    if area in BWRAP_AREAS or "slurm" in needs:  # the Slurm nodes run their jobs under bubblewrap too
+        needs.add("bwrap")
+    if needs & {"bwrap", "slurm"}:
+        needs.add("root")
+    return needs
+
+
 def pytest_collection_modifyitems(config, items):
-    """The longest modules first: the ones that use the Slurm cluster (the whole-graph run),
-    then those in ``LONG_FIRST``. Under ``make test`` (pytest-xdist, ``--dist loadfile``) each
-    module runs whole on one worker, so its module fixtures (a pair of vLLM servers, `dagster
-    dev`) start once, and the two workers end together."""
+    """Markers for what each test needs (``_needs``), then the longest modules first: the ones
+    that use the Slurm cluster (the whole-graph run), then those in ``LONG_FIRST``. Under
+    ``make test`` (pytest-xdist, ``--dist loadfile``) each module runs whole on one worker, so
+    its module fixtures (a pair of vLLM servers, `dagster dev`) start once, and the two workers
+    end together."""
+    for it in items:
+        for mark in sorted(_needs(it)):
+            it.add_marker(mark)
     order = ["slurm", *LONG_FIRST]
     items.sort(key=lambda it: order.index(_group(it)) if _group(it) in order else len(order))
 
