@@ -18,6 +18,15 @@ RETRY = dg.RetryPolicy(max_retries=2, delay=2, backoff=dg.Backoff.EXPONENTIAL)
 """Retries for transient storage and network errors (a clear failure after the third try). Errors a
 retry cannot fix (a missing input, a bad setting) raise ``dg.Failure(allow_retries=False)`` and fail at once."""
 
+GPU_STAGE = {"pool": "gpu", "retry_policy": dg.RetryPolicy(max_retries=1, delay=5)}
+"""What a stage run as a job on the cluster resource takes: the "gpu" pool (one such job at a time
+unless the instance's pool limit says otherwise) and one retry, which resumes the job."""
+
+
+def blocking_checks(asset: str, checks: Mapping[str, str]) -> list[dg.AssetCheckSpec]:
+    """Blocking checks of ``asset``, by name and description."""
+    return [dg.AssetCheckSpec(name, asset=asset, blocking=True, description=d) for name, d in checks.items()]
+
 
 def latest_metadata(
     instance: dg.DagsterInstance, key: str | dg.AssetKey, partition: str | None = None

@@ -12,7 +12,7 @@ import os
 
 import dagster as dg
 
-from assets.common import latest_metadata, latest_uri, local_copy, plot_md, run_stage, record_provenance
+from assets.common import GPU_STAGE, blocking_checks, latest_metadata, latest_uri, local_copy, plot_md, run_stage, record_provenance
 from composer_dag.evals.contamination import contamination_report
 from composer_dag.evals.evaluate import EvalConfig, summary_record
 from composer_dag.evals.gate import decide
@@ -54,17 +54,12 @@ def _by_source_table(summaries: dict, names: list[str], sources: list[str], by_s
     deps=[*CANDIDATES, "eval_tasks", "token_shards", "deduped_shards"],
     group_name="eval",
     kinds={"python", "parquet", "duckdb"},
-    pool="gpu",
-    retry_policy=dg.RetryPolicy(max_retries=1, delay=5),
-    check_specs=[
-        dg.AssetCheckSpec("rl_not_worse_than_sft", asset="evaluated_model", blocking=True,
-                          description="The promotion gate: every capability row of RL against its parent, the SFT "
-                                      "checkpoint (pass@1, each task source's pass@1, HumanEval, perplexity, cheat "
-                                      "flags), and its perplexity against the mid-trained checkpoint, each within "
-                                      "its tolerance in GateConfig."),
-        dg.AssetCheckSpec("eval_tasks_not_in_training_shards", asset="evaluated_model", blocking=True,
-                          description="No eval task's text or solution shares a long n-gram with the training shards."),
-    ],
+    **GPU_STAGE,
+    check_specs=blocking_checks("evaluated_model", {
+        "rl_not_worse_than_sft": "The promotion gate: every capability row of RL against its parent, the SFT checkpoint "
+                                 "(pass@1, each task source's pass@1, HumanEval, perplexity, cheat flags), and its "
+                                 "perplexity against the mid-trained checkpoint, each within its tolerance in GateConfig.",
+        "eval_tasks_not_in_training_shards": "No eval task's text or solution shares a long n-gram with the training shards."}),
 )
 def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artifacts: ArtifactStorage,
                     catalog: CatalogResource, cluster: ClusterResource):

@@ -14,7 +14,7 @@ import os
 
 import dagster as dg
 
-from assets.common import latest_uri, md_table, plot_md, run_stage, record_provenance
+from assets.common import GPU_STAGE, latest_uri, md_table, plot_md, run_stage, record_provenance
 from assets.sft import sft_checkpoint
 from assets.train import CHECKPOINT_FILES
 from composer_dag.rl.fleet.config import FleetConfig
@@ -123,8 +123,7 @@ def _family_plot(rows: list[dict]):
                      deps=[sft_checkpoint, "rl_tasks"],
                      description="The policy after GRPO: Hugging Face directory + trainer state."),
     ],
-    pool="gpu",
-    retry_policy=dg.RetryPolicy(max_retries=1, delay=5),
+    **GPU_STAGE,
     check_specs=[
         dg.AssetCheckSpec("every_rollout_has_reward", asset="rl_rollouts", blocking=True),
         dg.AssetCheckSpec("cheat_flag_rate_below_threshold", asset="rl_rollouts", blocking=True),

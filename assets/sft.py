@@ -13,7 +13,7 @@ import tempfile
 
 import dagster as dg
 
-from assets.common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, plot_md, run_stage, record_provenance
+from assets.common import GPU_STAGE, blocking_checks, RETRY, counts_table, latest_metadata, latest_uri, local_copy, plot_md, run_stage, record_provenance
 from assets.train import CHECKPOINT_FILES, midtrained_checkpoint
 from composer_dag.sft import trajectories as engine
 from composer_dag.sft.run import SFTConfig
@@ -87,18 +87,12 @@ def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams
     deps=[sft_trajectories, midtrained_checkpoint, "token_shards"],
     group_name="sft",
     kinds={"pytorch", "deepspeed"},
-    pool="gpu",
-    retry_policy=dg.RetryPolicy(max_retries=1, delay=5),
-    check_specs=[
-        dg.AssetCheckSpec("loss_finite_and_lower", asset="sft_checkpoint", blocking=True,
-                          description="Every logged loss is finite and the last is lower than the first."),
-        dg.AssetCheckSpec("val_loss_lower", asset="sft_checkpoint", blocking=True,
-                          description="Loss on the held-out trajectories' assistant tokens is lower after training."),
-        dg.AssetCheckSpec("loads_and_generates", asset="sft_checkpoint", blocking=True,
-                          description="The checkpoint loads in transformers and generates."),
-        dg.AssetCheckSpec("tool_call_format_parses", asset="sft_checkpoint", blocking=True,
-                          description="Sampled first turns parse as tool calls in at least min_format_share of cases."),
-    ],
+    **GPU_STAGE,
+    check_specs=blocking_checks("sft_checkpoint", {
+        "loss_finite_and_lower": "Every logged loss is finite and the last is lower than the first.",
+        "val_loss_lower": "Loss on the held-out trajectories' assistant tokens is lower after training.",
+        "loads_and_generates": "The checkpoint loads in transformers and generates.",
+        "tool_call_format_parses": "Sampled first turns parse as tool calls in at least min_format_share of cases."}),
 )
 def sft_checkpoint(context: dg.AssetExecutionContext, config: SFTParams, artifacts: ArtifactStorage,
                    cluster: ClusterResource, catalog: CatalogResource):

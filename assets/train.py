@@ -13,7 +13,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.common import RETRY, counts_table, latest_uri, local_copy, plot_md, run_stage, record_provenance
+from assets.common import GPU_STAGE, blocking_checks, RETRY, counts_table, latest_uri, local_copy, plot_md, run_stage, record_provenance
 from assets.dedup import deduped_shards
 from composer_dag.train import data as data_engine
 from composer_dag.train import model as model_engine
@@ -167,16 +167,11 @@ def base_model(context: dg.AssetExecutionContext, artifacts: ArtifactStorage, mo
     deps=[token_shards, base_model],
     group_name="pretrain",
     kinds={"pytorch", "deepspeed"},
-    pool="gpu",
-    retry_policy=dg.RetryPolicy(max_retries=1, delay=5),
-    check_specs=[
-        dg.AssetCheckSpec("loss_finite_and_lower", asset="midtrained_checkpoint", blocking=True,
-                          description="Every logged loss is finite and the last is lower than the first."),
-        dg.AssetCheckSpec("val_ppl_below_base", asset="midtrained_checkpoint", blocking=True,
-                          description="Validation perplexity after training is below the base model's."),
-        dg.AssetCheckSpec("loads_and_generates", asset="midtrained_checkpoint", blocking=True,
-                          description="The checkpoint loads in transformers and generates text."),
-    ],
+    **GPU_STAGE,
+    check_specs=blocking_checks("midtrained_checkpoint", {
+        "loss_finite_and_lower": "Every logged loss is finite and the last is lower than the first.",
+        "val_ppl_below_base": "Validation perplexity after training is below the base model's.",
+        "loads_and_generates": "The checkpoint loads in transformers and generates text."}),
 )
 def midtrained_checkpoint(
     context: dg.AssetExecutionContext, config: MidtrainParams, artifacts: ArtifactStorage, cluster: ClusterResource

@@ -220,8 +220,9 @@ def cmd_serve(args):
     return {"served": line, "promoted": registry.current(storage)}
 
 
+# the subcommands by group: `corpus`, `dedup`, `eval`; `env grade|bootstrap`; `tasks mine|import|export`;
+# `traces validate|delete`, `serve`; `sandbox exec|realism`
 def _add_data_commands(sub) -> None:
-    """`corpus`, `dedup` and `eval`."""
     c = sub.add_parser("corpus", help="ingest a source (directory, git URL/path[@rev], s3://prefix, or 'python')")
     c.add_argument("source")
     c.add_argument("--out", required=True, help="output directory or s3:// URL")
@@ -252,7 +253,6 @@ def _add_data_commands(sub) -> None:
 
 
 def _add_env_commands(sub) -> None:
-    """`env grade` and `env bootstrap`."""
     e = sub.add_parser("env", help="RL environments").add_subparsers(dest="env_command", required=True)
     g = e.add_parser("grade", help="grade a workspace as if submitted: reward, per-test results, cheat flags")
     g.add_argument("task_dir")
@@ -268,7 +268,6 @@ def _add_env_commands(sub) -> None:
 
 
 def _add_tasks_commands(sub) -> None:
-    """`tasks mine`, `tasks import` and `tasks export`."""
     t = sub.add_parser("tasks", help="RL tasks").add_subparsers(dest="tasks_command", required=True)
     m = t.add_parser("mine", help="synthetic-bug tasks from an environment made by `env bootstrap`")
     m.add_argument("env_dir")
@@ -291,7 +290,6 @@ def _add_tasks_commands(sub) -> None:
 
 
 def _add_traces_commands(sub) -> None:
-    """`traces validate`, `traces delete` and `serve`."""
     tr = sub.add_parser("traces", help="production sessions").add_subparsers(dest="traces_command", required=True)
     x = tr.add_parser("validate", help="check session files (composer-session/1, JSON lines) against the schema")
     x.add_argument("files", nargs="+")
@@ -316,7 +314,6 @@ def _add_traces_commands(sub) -> None:
 
 
 def _add_sandbox_commands(sub) -> None:
-    """`sandbox exec` and `sandbox realism`."""
     s = sub.add_parser("sandbox", help="the bubblewrap sandbox").add_subparsers(dest="sandbox_command", required=True)
     x = s.add_parser("exec", help="run a command in the sandbox; its exit code is passed through")
     x.add_argument("workspace_dir")

@@ -83,21 +83,20 @@ class Reporter:
             self.pipes = None
 
     def log(self, msg: str) -> None:
-        if self.rank != 0:
-            return
-        if self.pipes is not None:
-            self.pipes.log.info(msg)
-        else:
-            print(msg, file=sys.stderr, flush=True)
+        """A log line: the Dagster log under Pipes, else stderr."""
+        self._say(msg, sys.stderr)
 
     def progress(self, msg: str) -> None:
         """A progress line: the Dagster log under Pipes, else stdout."""
+        self._say(msg, sys.stdout)
+
+    def _say(self, msg: str, stream) -> None:
         if self.rank != 0:
             return
         if self.pipes is not None:
             self.pipes.log.info(msg)
         else:
-            print(msg, flush=True)
+            print(msg, file=stream, flush=True)
 
     def report_asset_materialization(self, metadata: dict[str, Any],
                                      asset_key: str | None = None) -> None:
