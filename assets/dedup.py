@@ -27,8 +27,6 @@ with the reason); nothing new at all re-reports the latest output as it is.
 See ``composer_dag/dedup/increment.py``.
 """
 
-import sys
-
 import dagster as dg
 
 from assets.common import RETRY, counts_table, latest_metadata, latest_uri, progress_logger, record_provenance
@@ -83,14 +81,15 @@ def _latest_entries(instance: dg.DagsterInstance) -> dict | None:
 
 
 def _map_runner(context, cluster: ClusterResource, artifacts: ArtifactStorage):
-    """None on the ``local`` backend (the engine's process pool); otherwise the engine's
-    ``run_tasks``: every map task one element of a job array on the cluster."""
-    if cluster.backend == "local":
+    """None on a backend that runs jobs on this machine (the engine's process pool); otherwise the
+    engine's ``run_tasks``: every map task one element of a job array on the cluster."""
+    backend = cluster.get_backend()
+    if backend.runs_here:
         return None
-    python = "python" if cluster.backend == "k8s" else sys.executable  # the image's / the shared environment's
+    python = backend.python  # the image's / the shared environment's
     env = {"COMPOSER_S3_ENDPOINT_URL": artifacts.endpoint_url} if artifacts.endpoint_url else {}
     root = artifacts.get().root
-    if root.startswith("file://"):
+    if root.startswith("file://") and not backend.shares_disk:
         context.log.warning(f"map tasks on {cluster.backend} read and write {root}: every node must mount it at that path")
     if cluster.isolate:
         context.log.info("map tasks run without the bubblewrap sandbox (they execute no corpus code; "

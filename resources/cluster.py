@@ -51,6 +51,8 @@ from dagster._core.pipes.client import PipesContextInjector
 from dagster._core.pipes.utils import PipesBlobStoreMessageReader, open_pipes_session
 
 from composer_dag.cluster import services, spec as launch, stage
+from composer_dag.cluster.backends import Backend, backend_for
+from composer_dag.cluster.backends.local import run_process
 from composer_dag.cluster.services import ServiceGroup
 from composer_dag.cluster.spec import (ArrayConfig, ArrayError, ArrayTask, ClusterConfig, SchedulerError, ServiceConfig,
                                        ServiceError, ServiceHandle)
@@ -136,13 +138,18 @@ class ClusterResource(ClusterSettings):
 
     # ---- specs (composer_dag.cluster.stage) ---------------------------------------------------
     def spec(self, entry: str, args: list[str], name: str = "composer-train", launcher: str | None = None) -> launch.LaunchSpec:
-        return stage.launch_spec(self.engine_config(), entry, args, name, launcher)
+        return launch.launch_spec(self.engine_config(), entry, args, name, launcher)
 
     def render(self, spec_url: str, name: str = "composer-job", env: dict[str, str] | None = None,
                scratch: str | None = None) -> Any:
         """What the backend launches for the job spec at ``spec_url``: an argv (local), a pod
         manifest (k8s), an sbatch script (slurm)."""
         return stage.render(self.engine_config(), spec_url, name, env, scratch)
+
+    def get_backend(self, log=None) -> Backend:
+        """The backend object these settings name (``composer_dag.cluster.backends``): what it
+        runs, and how (``python``, ``shares_disk``, ``runs_here``, ``launches_jobs``)."""
+        return backend_for(self.engine_config(), log)
 
     # ---- running -----------------------------------------------------------------------
     def run_job(self, context, storage, job: dict[str, Any], name: str = "composer-job") -> dict[str, Any]:
@@ -160,11 +167,12 @@ class ClusterResource(ClusterSettings):
             message_reader=(reader := StorageMessageReader(storage, prefix)),
         ) as session:
             env = session.get_bootstrap_env_vars()
+            backend = self.get_backend(context.log.info)
             try:  # each backend returns (or raises) once the job's processes are gone
-                if self.backend == "k8s":
-                    failure, why = self._launch_k8s(context, spec_url, name, env)
+                if backend.launches_jobs:
+                    failure, why = backend.launch(spec_url, name, env, INTERRUPTS)
                 else:
-                    failure, why = stage.launch(self.engine_config(), spec_url, name, env, context.log.info, INTERRUPTS)
+                    failure, why = self._launch_pod(context, spec_url, name, env)
             except SchedulerError as exc:
                 raise ClusterError(description=str(exc)) from None
             finally:
@@ -174,7 +182,9 @@ class ClusterResource(ClusterSettings):
         except stage.JobError as exc:
             raise ClusterError(description=str(exc)) from None
 
-    def _launch_k8s(self, context, spec_url, name, env) -> tuple[str | None, str | None]:
+    def _launch_pod(self, context, spec_url, name, env) -> tuple[str | None, str | None]:
+        """The job's pod (what a backend that does not launch its jobs itself renders), run to
+        its end by Dagster's Kubernetes Pipes client."""
         from dagster_k8s import PipesK8sClient
 
         manifest = self.render(spec_url, name, env)
@@ -206,7 +216,7 @@ class ClusterResource(ClusterSettings):
             extras=extras,
         ) as session:
             env = {**os.environ, **self.spec(entry, args, name, launcher).env, **session.get_bootstrap_env_vars()}
-            rc, why = stage.run_process(cmd, env, self.grace_seconds, context.log.info, INTERRUPTS)
+            rc, why = run_process(cmd, env, self.grace_seconds, context.log.info, INTERRUPTS)
             if rc != 0:
                 raise ClusterError(description=f"{entry} exited with code {rc}" + (f": {why}" if why else "")
                                    + " (the whole output is in the run's stderr)")

@@ -43,19 +43,9 @@ import contextlib
 import threading
 from typing import Any, Mapping, Optional
 
-from .k8s import K8sRunner
-from .local import LocalRunner
-from .slurm import SlurmRunner
+from .backends import backend_for
 from .spec import (ArrayConfig, ArrayError, ArrayTask, ClusterConfig, Log, ServiceConfig, ServiceError, ServiceHandle,
-    StartAborted, _LIVE)
-
-
-RUNNERS = {"local": LocalRunner, "slurm": SlurmRunner, "k8s": K8sRunner}
-
-
-def runner(cluster: ClusterConfig | Mapping | None = None, log: Optional[Log] = None):
-    cluster = ClusterConfig.load(cluster)
-    return RUNNERS[cluster.backend](cluster, log or (lambda msg: None))
+    StartAborted, live_services)
 
 
 # ---- the API -------------------------------------------------------------------------------
@@ -64,13 +54,13 @@ def start_service(cluster: ClusterConfig | Mapping | None, service: ServiceConfi
     """Start ``service`` on the cluster and return once its health URL answers. On failure
     (timeout, the service ended, an exception, a cancelled step, ``abort`` set) it is stopped
     first, and a ``ServiceError`` names it with the last lines of its log."""
-    return runner(cluster, log).start(ServiceConfig.load(service), abort)
+    return backend_for(cluster, log).start(ServiceConfig.load(service), abort)
 
 
 def stop(handle: ServiceHandle) -> None:
     """Stop a service: its whole process group (local), its job (slurm: ``scancel``, then wait
     until it has left the queue), its Deployment and Service (k8s). Stopping twice is harmless."""
-    handle._runner.stop(handle)
+    handle._backend.stop(handle)
 
 
 def run_array(cluster: ClusterConfig | Mapping | None, array: ArrayConfig | Mapping,
@@ -79,7 +69,7 @@ def run_array(cluster: ClusterConfig | Mapping | None, array: ArrayConfig | Mapp
     every index's result; with ``check``, an ``ArrayError`` whose first line names each
     failing index, its exit code and its error line."""
     cfg = ArrayConfig.load(array)
-    tasks = runner(cluster, log).run_array(cfg)
+    tasks = backend_for(cluster, log).run_array(cfg)
     bad = [t for t in tasks if not t.ok]
     if check and bad:
         shown = "; ".join(f"index {t.index} {t.state.lower()} (exit code {t.exit_code})" + (f": {t.error}" if t.error else "")
@@ -155,6 +145,6 @@ class ServiceGroup:
 
 @atexit.register
 def _stop_all_at_exit() -> None:
-    for handle in list(_LIVE.values()):
+    for handle in live_services():
         with contextlib.suppress(Exception):
             stop(handle)

@@ -1,6 +1,7 @@
 """What a job or a service is, whatever runs it: launch specs and commands, the cluster,
-service and array configs, handles, errors, health waiting, and the services this process has
-started and not stopped. Plain data and plain functions: nothing here talks to a cluster."""
+service and array configs, handles, errors, health waiting, the services this process has
+started and not stopped, and the backends by name. Plain data and plain functions: nothing here
+talks to a cluster."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ..runtime.config import StageConfig
 from ..runtime.distributed import free_port
@@ -21,6 +22,14 @@ from ..runtime.errors import error_line
 
 
 RDZV_PORT = 29500
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+JOB_ENTRY = "composer_dag.cluster.job"
+# what a sandboxed job may see of this process's environment (by reference, never by value)
+PASS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+            "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "COMPOSER_S3_ENDPOINT_URL", "HF_TOKEN")
+BACKENDS: dict[str, type] = {}
+"""The backends by name (``ClusterConfig.backend``): ``composer_dag.cluster.backends`` registers
+its own and ``register_backend`` any other."""
 
 
 @dataclass
@@ -59,11 +68,6 @@ def local_command(spec: LaunchSpec, python: str | None = None, port: int | None 
             "--master-port", str(port), "-m", spec.entry, *spec.args]
 
 
-def job_command(spec_url: str, python: str = "python") -> list[str]:
-    """The argv of a stage's job on a node: the job runner with the URL of its spec."""
-    return [python, "-m", "composer_dag.cluster.job", "--spec", spec_url]
-
-
 def bwrap_command(argv: list[str], scratch: str, code: list[str], python_prefixes: list[str],
                   env: dict[str, str], writable: list[str] | None = None) -> list[str]:
     """``argv`` isolated from the launching machine's disk with bubblewrap: the system
@@ -83,6 +87,50 @@ def bwrap_command(argv: list[str], scratch: str, code: list[str], python_prefixe
     for k, v in env.items():
         cmd += ["--setenv", k, str(v)]
     return [*cmd, "--", *argv]
+
+
+def launch_spec(cluster: ClusterConfig, entry: str, args: list[str], name: str = "composer-train",
+                launcher: str | None = None) -> LaunchSpec:
+    """What runs for ``entry``: ``launcher`` (the cluster's by default) with its processes per
+    node and nodes; an entry that must run as one process gets ``launcher="python"``."""
+    env = {**cluster.env}
+    single = launcher == "python"
+    if cluster.gpus_per_node == 0:
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    return LaunchSpec(entry=entry, args=list(args), nproc_per_node=1 if single else cluster.nproc_per_node,
+                      nnodes=1 if single else cluster.nnodes, launcher=launcher or cluster.launcher, env=env,
+                      gpus_per_node=cluster.gpus_per_node, image=cluster.image, name=name, cpu=cluster.cpu,
+                      memory=cluster.memory)
+
+
+def cache_dir(cluster: ClusterConfig) -> str:
+    """The node-local build cache an isolated job may write (``<scratch_dir>/composer-cache``)."""
+    return os.path.join(cluster.scratch_dir, "composer-cache")
+
+
+def job_env(cluster: ClusterConfig, name: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The job runner's environment: the cluster's, then ``env``."""
+    return {**launch_spec(cluster, JOB_ENTRY, [], name, "python").env, **(env or {})}
+
+
+def job_argv(cluster: ClusterConfig, spec_url: str, scratch: str, env: dict[str, str],
+             node_env: tuple[str, ...] = ()) -> list[str]:
+    """The job runner's argv on a node; under bubblewrap when ``isolate`` (``env`` then is all the
+    job sees, besides the credentials in ``PASS_ENV`` present here, and ``node_env``: variables
+    each node fills in, as ``@NAME@``)."""
+    argv = [sys.executable, "-m", JOB_ENTRY, "--spec", spec_url, "--scratch", scratch]
+    if not cluster.isolate:
+        return argv
+    # compiled kernels (DeepSpeed's ops: ~90 s to build on 2 cores) and the sandboxes' runtime
+    # tree (composer_dag.laptop.image) kept across jobs, node-local
+    cache = cache_dir(cluster)
+    inner = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch, "TMPDIR": "/tmp",
+             "PYTHONPATH": REPO_ROOT, "TORCH_EXTENSIONS_DIR": f"{cache}/torch_extensions",
+             "TRITON_CACHE_DIR": f"{cache}/triton", "XDG_CACHE_HOME": f"{cache}/xdg", **env}
+    inner.update({k: "${%s}" % k for k in PASS_ENV if k in os.environ})
+    inner.update({k: f"@{k}@" for k in node_env})
+    code = [os.path.join(REPO_ROOT, p) for p in cluster.job_code]
+    return bwrap_command(argv, scratch, code, sorted({sys.prefix, sys.base_prefix}), inner, [cache])
 
 
 # ---- Kubernetes services and indexed jobs ----------------------------------------------
@@ -127,7 +175,7 @@ class ClusterConfig(StageConfig):
     generated from this class, so a new option (a k8s field, a Slurm flag) is one field here,
     read where its backend builds its objects."""
 
-    backend: Literal["local", "slurm", "k8s"] = "local"
+    backend: str = Field("local", description="where jobs run: a registered backend (local, slurm, k8s)")
     # a stage's job: what runs on each node
     launcher: Literal["torchrun", "deepspeed", "python"] = "torchrun"
     nproc_per_node: int = Field(1, ge=1)
@@ -159,6 +207,13 @@ class ClusterConfig(StageConfig):
     secret_name: Optional[str] = None
     node_selector: dict[str, str] = {}
     tolerations: list[dict[str, str]] = []
+
+    @field_validator("backend")
+    @classmethod
+    def registered_backend(cls, name: str) -> str:
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}; registered: {', '.join(map(repr, sorted(BACKENDS)))}")
+        return name
 
 
 class ServiceConfig(StageConfig):
@@ -207,7 +262,7 @@ class ServiceHandle:
     job_id: Optional[str] = None  # slurm
     log: Optional[str] = None     # its log file (on the node that runs it)
     k8s: Optional[dict] = None    # namespace, deployment, service
-    _runner: Any = field(default=None, repr=False, compare=False)
+    _backend: Any = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
@@ -248,7 +303,7 @@ def log_tail(path: Optional[str], n: int = LOG_LINES) -> list[str]:
     return [ln for ln in lines if ln.strip()][-n:]
 
 
-def _why_from_log(lines: list[str]) -> str:
+def why_from_log(lines: list[str]) -> str:
     return error_line(lines) or (lines[-1].strip()[:300] if lines else "")
 
 
@@ -261,9 +316,9 @@ def _answers(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _service_failure(handle: ServiceHandle, what: str, log_path: Optional[str]) -> ServiceError:
+def service_failure(handle: ServiceHandle, what: str, log_path: Optional[str]) -> ServiceError:
     lines = log_tail(log_path)
-    why = _why_from_log(lines)
+    why = why_from_log(lines)
     msg = f"service {handle.name} {what}" + (f": {why}" if why else "")
     if lines:
         msg += f"\nlast lines of its log ({log_path}):\n" + "\n".join(f"  {ln}" for ln in lines)
@@ -281,22 +336,22 @@ def wait_healthy(handle: ServiceHandle, timeout_s: float, poll_s: float, ended: 
     while True:
         if _answers(handle.health_url):
             return
-        _check_abort(handle.name, abort)
+        check_abort(handle.name, abort)
         gone = ended()
         if gone:
-            raise _service_failure(handle, f"ended before it answered {handle.health_url} ({gone})", handle.log)
+            raise service_failure(handle, f"ended before it answered {handle.health_url} ({gone})", handle.log)
         if time.monotonic() > deadline:
-            raise _service_failure(handle, f"did not answer {handle.health_url} within {timeout_s:g} s "
+            raise service_failure(handle, f"did not answer {handle.health_url} within {timeout_s:g} s "
                                            "(it is still running; now stopped)", handle.log)
         time.sleep(poll_s)
 
 
-def _check_abort(name: str, abort: Optional[threading.Event]) -> None:
+def check_abort(name: str, abort: Optional[threading.Event]) -> None:
     if abort is not None and abort.is_set():
         raise StartAborted(f"service {name}: start given up (another service failed to start, or the step ended)")
 
 
-def _fill(value: str, host: str, port: int) -> str:
+def fill_address(value: str, host: str, port: int) -> str:
     return value.replace("{port}", str(port)).replace("{host}", host)
 
 
@@ -307,12 +362,12 @@ _LIVE: dict[int, ServiceHandle] = {}
 _LIVE_LOCK = threading.Lock()
 
 
-def _track(handle: ServiceHandle) -> None:
+def track(handle: ServiceHandle) -> None:
     with _LIVE_LOCK:
         _LIVE[id(handle)] = handle
 
 
-def _untrack(handle: ServiceHandle) -> None:
+def untrack(handle: ServiceHandle) -> None:
     with _LIVE_LOCK:
         _LIVE.pop(id(handle), None)
 

@@ -363,12 +363,13 @@ def test_local_array_runs_every_index_bounded_and_names_a_failing_one(tmp_path):
 
 # ---- services and arrays rendered for k8s and Slurm ------------------------------------------
 def test_k8s_service_and_indexed_job_round_trip_through_the_api_models():
-    from composer_dag.cluster.services import ArrayConfig, ServiceConfig, runner
+    from composer_dag.cluster.backends import backend_for
+    from composer_dag.cluster.services import ArrayConfig, ServiceConfig
     from tests.train.test_train_cluster import _round_trip
 
     cluster = ClusterResource(backend="k8s", image="registry.example.com/composer:1", namespace="ml",
                               secret_name="s3-creds", node_selector={"gpu": "h100"})
-    k8s = runner(cluster.cluster_config())
+    k8s = backend_for(cluster.cluster_config())
     svc = ServiceConfig(name="rollout-0", argv=["python", "-m", "vllm.entrypoints.openai.api_server", "--host", "{host}",
                                                 "--port", "{port}", "--model", "/models/x"],
                         health_url="http://{host}:{port}/health", gpus=1, memory="64Gi", env={"VLLM_LOGGING_LEVEL": "INFO"})
@@ -401,9 +402,10 @@ def test_k8s_service_and_indexed_job_round_trip_through_the_api_models():
 
 
 def test_slurm_service_and_array_scripts():
-    from composer_dag.cluster.services import ArrayConfig, ServiceConfig, runner
+    from composer_dag.cluster.backends import backend_for
+    from composer_dag.cluster.services import ArrayConfig, ServiceConfig
 
-    slurm = runner(ClusterResource(backend="slurm", partition="gpu", account="ml", scratch_dir="/scratch",
+    slurm = backend_for(ClusterResource(backend="slurm", partition="gpu", account="ml", scratch_dir="/scratch",
                                    container_image="nvcr.io/org/composer:1").cluster_config())
     script = slurm.service_script(ServiceConfig(name="rollout-0", argv=["python", "-m", "http.server", "{port}", "--bind", "{host}"],
                                                 gpus=1, cpus=8, memory="64Gi", time_limit="2-00:00:00"), 8000)
@@ -419,11 +421,11 @@ def test_slurm_service_and_array_scripts():
     assert "#SBATCH --output=/scratch/shards-%A_%a.out" in array.splitlines()
     assert not any(l.startswith("#SBATCH --nodelist") or l.startswith("trap ") for l in lines)
     # a service pinned to a node; with log_uri each script copies its log there when it ends
-    shipping = runner(ClusterResource(backend="slurm", scratch_dir="/scratch", log_uri="s3://b/logs").cluster_config())
+    shipping = backend_for(ClusterResource(backend="slurm", scratch_dir="/scratch", log_uri="s3://b/logs").cluster_config())
     pinned = shipping.service_script(ServiceConfig(name="rollout-1", argv=["python", "-m", "x"], node="node2"), 8001)
     assert "#SBATCH --nodelist=node2" in pinned.splitlines()
     trap = next(l for l in pinned.splitlines() if l.startswith("trap "))
-    assert trap.endswith("|| true' EXIT") and "composer_dag.cluster.slurm ship-log /scratch/rollout-1-%j.out s3://b/logs" in trap
+    assert trap.endswith("|| true' EXIT") and "composer_dag.cluster.backends ship-log /scratch/rollout-1-%j.out s3://b/logs" in trap
     assert shipping._readable_log("/scratch/rollout-1-%j.out", j="42") == "s3://b/logs/rollout-1-42.out"
     assert shipping._readable_log("/scratch/shards-%A_%a.out", A="7", a="3") == "s3://b/logs/shards-7_3.out"
 
@@ -435,12 +437,12 @@ def test_slurm_log_shipping_round_trip(tmp_path, monkeypatch):
 
     (tmp_path / "shards-7_3.out").write_text("starting\nTraceback (most recent call last):\nValueError: shard 3 is corrupt\n")
     env = {**os.environ, "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3", "SLURM_JOB_ID": "9"}
-    r = subprocess.run([sys.executable, "-m", "composer_dag.cluster.slurm", "ship-log", f"{tmp_path}/shards-%A_%a.out",
+    r = subprocess.run([sys.executable, "-m", "composer_dag.cluster.backends", "ship-log", f"{tmp_path}/shards-%A_%a.out",
                         f"file://{tmp_path}/logs"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert log_tail(f"file://{tmp_path}/logs/shards-7_3.out")[-1] == "ValueError: shard 3 is corrupt"
     assert log_tail(f"file://{tmp_path}/logs/absent.out") == []  # never an exception
-    r = subprocess.run([sys.executable, "-m", "composer_dag.cluster.slurm", "ship-log", f"{tmp_path}/gone-%j.out",
+    r = subprocess.run([sys.executable, "-m", "composer_dag.cluster.backends", "ship-log", f"{tmp_path}/gone-%j.out",
                         f"file://{tmp_path}/logs"], env=env, capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.strip().startswith(f"could not copy the log to file://{tmp_path}/logs: "), r.stderr
 
@@ -463,6 +465,7 @@ def test_k8s_runner_drives_the_api_as_rendered(monkeypatch):
     from types import SimpleNamespace as NS
 
     from composer_dag.cluster import services
+    from composer_dag.cluster.backends.k8s import K8sBackend
     from composer_dag.cluster.services import ArrayError
 
     calls = []
@@ -507,7 +510,7 @@ def test_k8s_runner_drives_the_api_as_rendered(monkeypatch):
             calls.append(("delete", "Job", name))
 
     fake = NS(AppsV1Api=Apps, CoreV1Api=Core, BatchV1Api=Batch, exceptions=NS(ApiException=ApiException))
-    monkeypatch.setattr(services.K8sRunner, "_api", lambda self: fake)
+    monkeypatch.setattr(K8sBackend, "_api", lambda self: fake)
     cluster = {"backend": "k8s", "image": "img:1", "namespace": "ml", "poll_seconds": 0.01}
     h = services.start_service(cluster, {"name": "rollout-0", "argv": ["serve", "--port", "{port}"], "port": 8000})
     name = calls[0][2]

@@ -187,7 +187,7 @@ def _scontrol(*args: str) -> None:
 
 
 def _wait_ended(job_id: str, timeout: float = 60) -> str:
-    from composer_dag.cluster.slurm import slurm_state
+    from composer_dag.cluster.backends.slurm import slurm_state
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

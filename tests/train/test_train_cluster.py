@@ -3,9 +3,9 @@ import sys
 
 import pytest
 
-from composer_dag.cluster.k8s import k8s_pod_spec
-from composer_dag.cluster.slurm import (is_terminal, normalize_state, parse_sacct, parse_sbatch_output,
-                                        parse_scontrol_job, parse_squeue, slurm_script)
+from composer_dag.cluster.backends.k8s import k8s_pod_spec
+from composer_dag.cluster.backends.slurm import (is_terminal, normalize_state, parse_sacct, parse_sbatch_output,
+                                                 parse_scontrol_job, parse_squeue, slurm_script)
 from composer_dag.cluster.spec import LaunchSpec, local_command
 
 

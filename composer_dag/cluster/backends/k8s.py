@@ -1,5 +1,6 @@
-"""The ``k8s`` backend: pod, Deployment + Service and Indexed Job objects, and ``K8sRunner`` (the
-``kubernetes`` client)."""
+"""The ``k8s`` backend: pod, Deployment + Service and Indexed Job objects, and ``K8sBackend`` (the
+``kubernetes`` client). A stage's job is a pod manifest; a Kubernetes Pipes client runs it (the
+Dagster resource's ``dagster_k8s``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import time
 import uuid
 from typing import Optional
 
-from .spec import (ARRAY_INDEX_ENV, ArrayConfig, ArrayTask, BIND_ALL, ClusterConfig, LOG_LINES, LaunchSpec, Log,
-    ServiceConfig, ServiceError, ServiceHandle, _check_abort, _fill, _track, _untrack, _why_from_log)
+from ..spec import (ARRAY_INDEX_ENV, ArrayConfig, ArrayTask, BIND_ALL, JOB_ENTRY, LOG_LINES, LaunchSpec, ServiceConfig,
+    ServiceError, ServiceHandle, check_abort, fill_address, launch_spec, track, untrack, why_from_log)
+from .base import Backend, register_backend
 
 
 def k8s_pod_spec(spec: LaunchSpec, namespace: str = "default", image: str | None = None,
@@ -133,13 +135,24 @@ def k8s_indexed_job(spec: LaunchSpec, argv: list[str], count: int, parallelism: 
     }
 
 
-class K8sRunner:
-    """Deployments, Services and Indexed Jobs through the ``kubernetes`` client (in-cluster
+@register_backend
+class K8sBackend(Backend):
+    """Pods, Deployments, Services and Indexed Jobs through the ``kubernetes`` client (in-cluster
     config, else ``~/.kube/config``). Not run on these machines: the manifests are tested
     against the API models."""
 
-    def __init__(self, cluster: ClusterConfig, log: Log):
-        self.cluster, self.log = cluster, log
+    name = "k8s"
+    python = "python"      # the image's
+    launches_jobs = False  # a stage's job: the pod ``render`` gives, run by a Kubernetes Pipes client
+
+    def render(self, spec_url: str, name: str, env: dict[str, str], scratch: str) -> dict:
+        """The job's pod manifest (its scratch: the pod's own ``/scratch``)."""
+        c = self.cluster
+        spec = launch_spec(c, JOB_ENTRY, ["--spec", spec_url], name, "python")
+        spec.env.update(env)
+        return k8s_pod_spec(spec, namespace=c.namespace, image=c.image, gpu_resource=c.gpu_resource,
+                            service_account=c.service_account, secret_name=c.secret_name,
+                            node_selector=c.node_selector, tolerations=c.tolerations)
 
     def _spec(self, name: str, cpus: int, gpus: int, memory: Optional[str], env: dict) -> LaunchSpec:
         env = dict(env)
@@ -157,10 +170,10 @@ class K8sRunner:
     def render_service(self, cfg: ServiceConfig, port: int, name: Optional[str] = None) -> tuple[dict, dict]:
         name = name or cfg.name
         host = f"{name}.{self.cluster.namespace}.svc"
-        path = "/" + _fill(cfg.health_url, host, port).split("://", 1)[-1].partition("/")[2]
+        path = "/" + fill_address(cfg.health_url, host, port).split("://", 1)[-1].partition("/")[2]
         return k8s_service_manifests(
-            self._spec(name, cfg.cpus, cfg.gpus, cfg.memory, {k: _fill(v, BIND_ALL, port) for k, v in cfg.env.items()}),
-            [_fill(a, BIND_ALL, port) for a in cfg.argv], port, path, namespace=self.cluster.namespace,
+            self._spec(name, cfg.cpus, cfg.gpus, cfg.memory, {k: fill_address(v, BIND_ALL, port) for k, v in cfg.env.items()}),
+            [fill_address(a, BIND_ALL, port) for a in cfg.argv], port, path, namespace=self.cluster.namespace,
             **self._pod_kw(cfg.node))
 
     def render_array(self, cfg: ArrayConfig) -> dict:
@@ -184,16 +197,16 @@ class K8sRunner:
         ns = self.cluster.namespace
         deployment, service = self.render_service(cfg, port, name)
         host = f"{name}.{ns}.svc"
-        handle = ServiceHandle(cfg.name, "k8s", host, port, f"http://{host}:{port}", _fill(cfg.health_url, host, port),
-                               k8s={"namespace": ns, "deployment": name, "service": name}, _runner=self)
+        handle = ServiceHandle(cfg.name, self.name, host, port, f"http://{host}:{port}", fill_address(cfg.health_url, host, port),
+                               k8s={"namespace": ns, "deployment": name, "service": name}, _backend=self)
         apps, core = client.AppsV1Api(), client.CoreV1Api()
         apps.create_namespaced_deployment(ns, deployment)
-        _track(handle)
+        track(handle)
         try:
             core.create_namespaced_service(ns, service)
             deadline = time.monotonic() + cfg.start_timeout_s
             while (apps.read_namespaced_deployment_status(name, ns).status.ready_replicas or 0) < 1:
-                _check_abort(cfg.name, abort)
+                check_abort(cfg.name, abort)
                 if time.monotonic() > deadline:
                     raise ServiceError(f"service {cfg.name} (deployment {ns}/{name}) was not ready within "
                                        f"{cfg.start_timeout_s:g} s; now deleted (kubectl -n {ns} logs deploy/{name})")
@@ -210,7 +223,7 @@ class K8sRunner:
             client.CoreV1Api().delete_namespaced_service(name, ns)
         with contextlib.suppress(client.exceptions.ApiException):
             client.AppsV1Api().delete_namespaced_deployment(name, ns, propagation_policy="Foreground")
-        _untrack(handle)
+        untrack(handle)
 
     def run_array(self, cfg: ArrayConfig) -> list[ArrayTask]:
         client = self._api()
@@ -238,7 +251,7 @@ class K8sRunner:
                 batch.delete_namespaced_job(name, ns, propagation_policy="Foreground")
         return [ArrayTask(i, 0, "COMPLETED") if i in done else
                 ArrayTask(i, 1 if i in failed else -signal.SIGTERM, "FAILED" if i in failed else "TIMEOUT",
-                          _why_from_log(logs.get(i, [])) or f"see the logs of job {ns}/{name}, index {i}")
+                          why_from_log(logs.get(i, [])) or f"see the logs of job {ns}/{name}, index {i}")
                 for i in range(cfg.count)]
 
 

@@ -1,5 +1,6 @@
-"""The ``slurm`` backend: batch scripts, parsers for the Slurm tools' output, and ``SlurmRunner``
-(``sbatch``, ``scontrol``, ``scancel``)."""
+"""The ``slurm`` backend: batch scripts, parsers for the Slurm tools' output, and ``SlurmBackend``
+(``sbatch``, ``scontrol``, ``scancel``): a stage's job is ``srun`` of the job runner once per node,
+a service a one-node job, an array ``sbatch --array``."""
 
 from __future__ import annotations
 
@@ -12,9 +13,25 @@ import threading
 import time
 from typing import Mapping, Optional
 
-from .spec import (ARRAY_INDEX_ENV, ArrayConfig, ArrayTask, BIND_ALL, ClusterConfig, Log, RDZV_PORT, SchedulerError,
-    ServiceConfig, ServiceError, ServiceHandle, _check_abort, _fill, _service_failure, _track, _untrack,
-    _why_from_log, free_port, log_tail, wait_healthy)
+from ..spec import (ARRAY_INDEX_ENV, ArrayConfig, ArrayTask, BIND_ALL, RDZV_PORT, SchedulerError, ServiceConfig,
+    ServiceError, ServiceHandle, cache_dir, check_abort, fill_address, free_port, job_argv, job_env, log_tail,
+    service_failure, track, untrack, wait_healthy, why_from_log)
+from .base import Backend, Interrupts, register_backend
+
+# What ``srun`` runs on each node of a Slurm job: the job's scratch and the node's cache made,
+# the job runner run, the scratch removed when it ends (nodes share no disk: each does its own).
+# An argument ``@NAME@`` becomes the value of ``$NAME`` on the node: the per-task variables
+# (``SLURM_NODEID``, ``SLURM_PROCID``) differ between nodes, so the batch script, which runs on
+# the first node only, must not expand them.
+NODE_SETUP = ('scratch=$1 cache=$2; shift 2; mkdir -p "$scratch" "$cache"; '
+              'trap \'rm -rf "$scratch"\' EXIT; args=(); '
+              'for a in "$@"; do if [[ $a =~ ^@([A-Z_]+)@$ ]]; then n=${BASH_REMATCH[1]}; args+=("${!n}"); '
+              'else args+=("$a"); fi; done; "${args[@]}"')
+SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NODEID", "SLURM_PROCID", "SLURM_NNODES", "COMPOSER_RDZV_ENDPOINT")
+# What a Slurm job's end state means, in the step's one-line failure.
+SLURM_ENDS = {"CANCELLED": "was cancelled by the scheduler or an operator (scancel)",
+              "NODE_FAIL": "lost its node (node failure or DOWN)", "PREEMPTED": "was preempted",
+              "OUT_OF_MEMORY": "ran out of memory"}
 
 
 def slurm_script(command: list[str], name: str = "composer-job", nodes: int = 1,
@@ -136,9 +153,43 @@ def parse_exit_code(code: str) -> int:
     return -int(sig) if sig and sig.isdigit() and int(sig) else int(status or 0)
 
 
-class SlurmRunner:
-    def __init__(self, cluster: ClusterConfig, log: Log):
-        self.cluster, self.log = cluster, log
+@register_backend
+class SlurmBackend(Backend):
+    """A Slurm cluster whose nodes share no disk with this machine (the same Python environment
+    at the same path on each)."""
+
+    name = "slurm"
+    node_env = SLURM_ENV  # filled in on each node (NODE_SETUP)
+
+    def render(self, spec_url: str, name: str, env: dict[str, str], scratch: str) -> str:
+        """The job's sbatch script: ``srun`` of the job runner on every node, in a scratch
+        directory each node makes before it starts and removes when it ends."""
+        c = self.cluster
+        argv = job_argv(c, spec_url, scratch, env, self.node_env)
+        if argv[0] == "bwrap":
+            env = {}  # the sandbox gets its environment from the command line
+        argv = ["bash", "-c", NODE_SETUP, "composer-node", scratch, cache_dir(c), *argv]
+        return slurm_script(
+            argv, name=name, nodes=c.nnodes, gpus_per_node=c.gpus_per_node, partition=c.partition,
+            account=c.account, time=c.time_limit, output=os.path.join(c.scratch_dir, "%x-%j.out"),
+            chdir=c.scratch_dir, container_image=c.container_image, env=env)
+
+    def launch(self, spec_url: str, name: str, env: dict[str, str],
+               interrupts: Interrupts = (KeyboardInterrupt,)) -> tuple[Optional[str], Optional[str]]:
+        job = sbatch(self.render(spec_url, name, job_env(self.cluster, name, env), self.scratch(name)))
+        self.log(f"[cluster:slurm] submitted job {job}")
+        try:
+            state = wait_slurm(job, self.cluster.poll_seconds)
+        except BaseException as exc:  # cancelled run, step timeout, anything: the job must not outlive the step
+            why = "run cancelled" if isinstance(exc, interrupts) else type(exc).__name__
+            self.log(f"[cluster:slurm] {why}: scancel {job}")
+            subprocess.run(["scancel", job], check=False)
+            deadline = time.monotonic() + self.cluster.grace_seconds + 30
+            while time.monotonic() < deadline and not is_terminal(slurm_state(job).get("JobState", "UNKNOWN")):
+                time.sleep(0.5)
+            raise
+        self.log(f"[cluster:slurm] job {job} ended {state['JobState']}")
+        return slurm_failure(job, state, self.cluster.time_limit), None
 
     def _script(self, argv, name, env, output, cpus, gpus, memory, time_limit, sbatch=(), setup=()) -> str:
         c = self.cluster
@@ -146,7 +197,7 @@ class SlurmRunner:
         if memory:
             opts.append(f"--mem={slurm_memory(memory)}")
         if c.log_uri:  # the log leaves the node when the script ends (a failure's lines read from there)
-            ship = [sys.executable, "-m", "composer_dag.cluster.slurm", "ship-log", output, c.log_uri]
+            ship = [sys.executable, "-m", "composer_dag.cluster.backends", "ship-log", output, c.log_uri]
             setup = [f"trap {shlex.quote(' '.join(map(shlex.quote, ship)) + ' || true')} EXIT", *setup]
         return slurm_script(
             list(argv), name=name, nodes=1, gpus_per_node=gpus, partition=c.partition, account=c.account,
@@ -155,8 +206,8 @@ class SlurmRunner:
 
     def service_script(self, cfg: ServiceConfig, port: int) -> str:
         """The sbatch script of a service (one node, ``srun`` of its argv, log ``<scratch>/<name>-<job>.out``)."""
-        argv = [_fill(a, BIND_ALL, port) for a in cfg.argv]
-        env = {k: _fill(v, BIND_ALL, port) for k, v in cfg.env.items()}
+        argv = [fill_address(a, BIND_ALL, port) for a in cfg.argv]
+        env = {k: fill_address(v, BIND_ALL, port) for k, v in cfg.env.items()}
         return self._script(argv, cfg.name, env, self._service_log(cfg), cfg.cpus, cfg.gpus, cfg.memory, cfg.time_limit,
                             sbatch=[f"--nodelist={cfg.node}"] if cfg.node else [])
 
@@ -184,20 +235,20 @@ class SlurmRunner:
         port = cfg.port or free_port()
         out = self._service_log(cfg)
         job = sbatch(self.service_script(cfg, port))
-        handle = ServiceHandle(cfg.name, "slurm", "", port, "", "", job_id=job, log=self._readable_log(out, j=job),
-                               _runner=self)
-        _track(handle)
+        handle = ServiceHandle(cfg.name, self.name, "", port, "", "", job_id=job, log=self._readable_log(out, j=job),
+                               _backend=self)
+        track(handle)
         self.log(f"[service:slurm] {cfg.name}: submitted job {job}")
         try:
             queued = time.monotonic()
             while True:
                 state = slurm_state(job)
                 if is_terminal(state.get("JobState", "UNKNOWN")) or state.get("JobState") == "UNKNOWN":
-                    raise _service_failure(handle, f"(slurm job {job}) ended {_slurm_what(state)} before it started serving",
+                    raise service_failure(handle, f"(slurm job {job}) ended {_slurm_what(state)} before it started serving",
                                            handle.log)
                 if state.get("JobState") == "RUNNING":
                     break
-                _check_abort(cfg.name, abort)
+                check_abort(cfg.name, abort)
                 if cfg.queue_timeout_s and time.monotonic() - queued > cfg.queue_timeout_s:
                     raise ServiceError(f"service {cfg.name} (slurm job {job}) waited in the queue for more than "
                                        f"{cfg.queue_timeout_s:g} s ({state.get('Reason', 'no reason given')}); now cancelled")
@@ -207,7 +258,7 @@ class SlurmRunner:
             # resolves the cluster's node names
             handle.host, addr = slurm_node_address(job)
             handle.url = f"http://{handle.host}:{port}"
-            handle.health_url = _fill(cfg.health_url, addr, port)
+            handle.health_url = fill_address(cfg.health_url, addr, port)
             self.log(f"[service:slurm] {cfg.name}: job {job} runs on {handle.host} ({addr}); "
                      f"waiting for {handle.health_url}")
 
@@ -223,7 +274,7 @@ class SlurmRunner:
 
     def stop(self, handle: ServiceHandle) -> None:
         scancel_and_wait(handle.job_id, self.cluster.grace_seconds + 30)
-        _untrack(handle)
+        untrack(handle)
         self.log(f"[service:slurm] {handle.name}: job {handle.job_id} cancelled")
 
     def run_array(self, cfg: ArrayConfig) -> list[ArrayTask]:
@@ -254,7 +305,7 @@ class SlurmRunner:
                    else r.get("StdOut") or _fill_slurm_pattern(out, {"A": job, "a": str(i)}))
             task = ArrayTask(i, code, state, log=log)
             if not task.ok:
-                why = _why_from_log(log_tail(log))
+                why = why_from_log(log_tail(log))
                 task.error = why or (f"{_slurm_what(r)}" if r else "no record of this task in scontrol")
                 if timed_out and state in ("CANCELLED", "UNKNOWN"):
                     task.state, task.error = "TIMEOUT", f"array timeout ({cfg.timeout_s:g} s)"
@@ -310,6 +361,27 @@ def scancel_and_wait(job: Optional[str], timeout: float) -> None:
         time.sleep(0.3)
 
 
+def wait_slurm(job: str, poll_seconds: float) -> dict[str, str]:
+    """The job's final ``{"JobState", ...}``, polled every ``poll_seconds``."""
+    while True:
+        state = slurm_state(job)
+        if is_terminal(state.get("JobState", "PENDING")):
+            return state
+        time.sleep(poll_seconds)
+
+
+def slurm_failure(job: str, state: dict[str, str], time_limit: str) -> str | None:
+    """None for a completed job, else one line: which job, what ended it, its state and exit code."""
+    s = state["JobState"]
+    if s == "COMPLETED":
+        return None
+    if s == "TIMEOUT":  # the job's own limit (an operator may have changed it)
+        sc = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True)
+        time_limit = next(iter(parse_scontrol_records(sc.stdout)), {}).get("TimeLimit", time_limit)
+    what = f"hit its time limit ({time_limit})" if s == "TIMEOUT" else SLURM_ENDS.get(s, "failed")
+    return f"in slurm job {job} {what} (state {s}, exit code {state.get('ExitCode', '?')})"
+
+
 def slurm_node_address(job: str) -> tuple[str, str]:
     """The node that runs the job (its ``BatchHost``) and that node's ``NodeAddr`` (its name
     where Slurm has no address for it)."""
@@ -338,7 +410,7 @@ def _fill_slurm_pattern(pattern: str, fields: Mapping[str, str]) -> str:
 def ship_log(pattern: str, log_uri: str) -> str:
     """Copy this Slurm task's log (``pattern`` filled from its ``SLURM_*`` environment) to
     ``log_uri``; the EXIT trap of a service's or array task's script (``ClusterConfig.log_uri``)."""
-    from ..storage import open_storage
+    from ...storage import open_storage
 
     env = os.environ
     path = _fill_slurm_pattern(pattern, {"j": env.get("SLURM_JOB_ID", ""), "A": env.get("SLURM_ARRAY_JOB_ID", ""),
@@ -352,12 +424,3 @@ def slurm_memory(memory: str) -> str:
     """A k8s-style quantity as Slurm's ``--mem`` ("64Gi" -> "64G", "512Mi" -> "512M")."""
     m = re.fullmatch(r"(\d+)([KMGT])i?B?", memory.strip(), re.I)
     return f"{m.group(1)}{m.group(2).upper()}" if m else memory
-
-
-if __name__ == "__main__":  # python -m composer_dag.cluster.slurm ship-log PATTERN LOG_URI
-    if len(sys.argv) != 4 or sys.argv[1] != "ship-log":
-        sys.exit("usage: python -m composer_dag.cluster.slurm ship-log PATTERN LOG_URI")
-    try:
-        ship_log(sys.argv[2], sys.argv[3])
-    except Exception as exc:  # one line in the log it could not copy; the job's own status stands
-        sys.exit(f"could not copy the log to {sys.argv[3]}: {type(exc).__name__}: {exc}")

@@ -1,4 +1,6 @@
-"""The ``local`` backend: supervised process groups on this machine (``LocalRunner``)."""
+"""The ``local`` backend: supervised process groups on this machine (``LocalBackend``): a stage's
+job as a process group (under bubblewrap when ``isolate``), services under the supervisor, an
+array as a bounded process pool."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -16,9 +19,11 @@ from typing import Optional
 
 import psutil
 
-from ..runtime import supervise
-from .spec import (ARRAY_INDEX_ENV, ArrayConfig, ArrayTask, ClusterConfig, Log, ServiceConfig, ServiceHandle, _fill,
-    _track, _untrack, _why_from_log, free_port, log_tail, wait_healthy)
+from ...runtime import supervise
+from ...runtime.errors import error_line
+from ..spec import (ARRAY_INDEX_ENV, ArrayConfig, ArrayTask, Log, ServiceConfig, ServiceHandle, cache_dir, fill_address,
+    free_port, job_argv, log_tail, track, untrack, wait_healthy, why_from_log)
+from .base import Backend, Interrupts, register_backend
 
 
 # ---- processes ---------------------------------------------------------------------------
@@ -107,23 +112,86 @@ def _popen_supervised(argv: list[str], env: dict[str, str], log_path: str, grace
     return spawner.submit(spawn).result()
 
 
-# ---- backends ----------------------------------------------------------------------------
-class LocalRunner:
-    def __init__(self, cluster: ClusterConfig, log: Log):
-        self.cluster, self.log = cluster, log
+def run_process(cmd: list[str], env: dict | None, grace_seconds: float, log: Log,
+                interrupts: Interrupts = (KeyboardInterrupt,)) -> tuple[int, str]:
+    """Run ``cmd`` in a session of its own (cancelling stops the whole tree: launcher and ranks),
+    its stderr forwarded to ours; its exit code and the last exception line it printed."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    tail = StderrTail(proc.stderr)
+    try:
+        while proc.poll() is None:
+            time.sleep(0.2)
+    except interrupts:
+        log("[cluster:local] run cancelled: stopping the process group")
+        stop_process_group(proc, grace_seconds)
+        raise
+    finally:
+        tail.join()
+    return proc.returncode, tail.error_line()
+
+
+class StderrTail:
+    """Forwards a child's stderr to ours (the step's captured logs) and keeps its last lines, so
+    a failure can be named in one line: the last exception the child printed."""
+
+    def __init__(self, stream, keep: int = 200):
+        self._lines: collections.deque[str] = collections.deque(maxlen=keep)
+        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            sys.stderr.write(line)
+            self._lines.append(line.rstrip("\n"))
+        stream.close()
+
+    def join(self, timeout: float = 10.0) -> None:
+        self._thread.join(timeout)
+
+    def error_line(self) -> str:
+        """``SomeError: message`` of the last exception printed, or ''."""
+        return error_line(self._lines)
+
+
+# ---- the backend -------------------------------------------------------------------------
+@register_backend
+class LocalBackend(Backend):
+    """This machine: its disk, its Python, its process pool."""
+
+    name = "local"
+    shares_disk = True
+    runs_here = True
+
+    def render(self, spec_url: str, name: str, env: dict[str, str], scratch: str) -> list[str]:
+        return job_argv(self.cluster, spec_url, scratch, env, self.node_env)
+
+    def launch(self, spec_url: str, name: str, env: dict[str, str],
+               interrupts: Interrupts = (KeyboardInterrupt,)) -> tuple[Optional[str], Optional[str]]:
+        scratch = self.scratch(name)
+        os.makedirs(scratch)
+        os.makedirs(cache_dir(self.cluster), exist_ok=True)
+        try:
+            cmd = self.render(spec_url, name, env, scratch)
+            self.log(f"[cluster:local] {' '.join(cmd)}")
+            rc, why = run_process(cmd, None if self.cluster.isolate else {**os.environ, **env},
+                                  self.cluster.grace_seconds, self.log, interrupts)
+        finally:
+            subprocess.run(["rm", "-rf", scratch], check=False)
+        return (None, None) if rc == 0 else (f"exited with code {rc}", why or None)
 
     def start(self, cfg: ServiceConfig, abort: Optional[threading.Event] = None) -> ServiceHandle:
         port = cfg.port or free_port()
         host = "127.0.0.1"
         os.makedirs(self.cluster.scratch_dir, exist_ok=True)
         log_path = os.path.join(self.cluster.scratch_dir, f"{cfg.name}-{uuid.uuid4().hex[:8]}.log")
-        argv = [_fill(a, host, port) for a in cfg.argv]
-        env = {k: _fill(v, host, port) for k, v in cfg.env.items()}
+        argv = [fill_address(a, host, port) for a in cfg.argv]
+        env = {k: fill_address(v, host, port) for k, v in cfg.env.items()}
         proc = _popen_supervised(argv, env, log_path, self.cluster.grace_seconds)
-        handle = ServiceHandle(cfg.name, "local", host, port, f"http://{host}:{port}",
-                               _fill(cfg.health_url, host, port), pid=proc.pid, log=log_path, _runner=self)
+        handle = ServiceHandle(cfg.name, self.name, host, port, f"http://{host}:{port}",
+                               fill_address(cfg.health_url, host, port), pid=proc.pid, log=log_path, _backend=self)
         handle._proc = proc  # type: ignore[attr-defined]
-        _track(handle)
+        track(handle)
         self.log(f"[service:local] {cfg.name}: pid {proc.pid}, {' '.join(argv)}")
         try:
             wait_healthy(handle, cfg.start_timeout_s, min(self.cluster.poll_seconds, 0.2),
@@ -135,7 +203,7 @@ class LocalRunner:
 
     def stop(self, handle: ServiceHandle) -> None:
         stop_process_group(handle._proc, self.cluster.grace_seconds)  # type: ignore[attr-defined]
-        _untrack(handle)
+        untrack(handle)
 
     def run_array(self, cfg: ArrayConfig) -> list[ArrayTask]:
         parallelism = cfg.parallelism or self.cluster.array_parallelism or os.cpu_count() or 1
@@ -157,7 +225,7 @@ class LocalRunner:
                         log = os.path.join(logdir, f"{i}.log")
                         rc = proc.returncode
                         done[i] = ArrayTask(i, rc, "COMPLETED" if rc == 0 else "FAILED",
-                                            "" if rc == 0 else _why_from_log(log_tail(log)), log)
+                                            "" if rc == 0 else why_from_log(log_tail(log)), log)
                         del running[i]
                 if deadline and time.monotonic() > deadline and (running or pending):
                     stop_process_groups(list(running.values()), self.cluster.grace_seconds)
