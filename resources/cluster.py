@@ -8,9 +8,10 @@ inputs into a scratch directory of its own, runs the stage (``torchrun``/``deeps
 messages travel through the same storage, so no backend needs a shared filesystem.
 
 What runs where (the job's argv under bubblewrap, its sbatch script or pod manifest, submitting
-and waiting on Slurm, the result's verification) is the engine's ``composer_dag.cluster.stage``;
-this resource adds the Pipes session, runs the k8s pod through ``dagster_k8s``, and turns the
-engine's errors into the step's one-line ``ClusterError``.
+and waiting on Slurm) is the engine's backend (``composer_dag.cluster.backends``, chosen by
+``backend_for``), the result's verification ``composer_dag.cluster.stage``; this resource adds the
+Pipes session, runs through ``dagster_k8s`` the pod of a backend that does not launch its jobs
+itself (``k8s``), and turns the engine's errors into the step's one-line ``ClusterError``.
 
 Backends (same assets, config only):
 
@@ -45,10 +46,9 @@ import uuid
 from typing import Any, Optional
 
 import dagster as dg
+from dagster import (DagsterExecutionInterruptedError, PipesBlobStoreMessageReader, PipesContextInjector,
+                     open_pipes_session)
 from dagster_pipes import PIPES_PROTOCOL_VERSION, PIPES_PROTOCOL_VERSION_FIELD
-from dagster._core.errors import DagsterExecutionInterruptedError
-from dagster._core.pipes.client import PipesContextInjector
-from dagster._core.pipes.utils import PipesBlobStoreMessageReader, open_pipes_session
 
 from composer_dag.cluster import services, spec as launch, stage
 from composer_dag.cluster.backends import Backend, backend_for
@@ -82,7 +82,7 @@ class StorageContextInjector(PipesContextInjector):
             yield {"url": url}
         finally:
             with contextlib.suppress(Exception):
-                self.storage.fs.rm_file(self.storage._path(url))
+                self.storage.remove(url)
 
     def no_messages_debug_text(self) -> str:
         return f"Pipes context was written under {self.prefix}"
