@@ -15,7 +15,7 @@ rollout servers); an *array* runs one command ``count`` times, each with its ind
 address to bind in argv and env (``127.0.0.1`` locally, ``0.0.0.0`` on a cluster node) and the
 address to reach it at in ``health_url``.
 
-Backends:
+Backends (``composer_dag.cluster.backends``, one module each, chosen by ``backend_for``):
 
 - ``local``: a process group on this machine (``node`` does not apply) under ``composer_dag.runtime.supervise`` (dies
   with its parent through ``PR_SET_PDEATHSIG``, stops its whole group); stop = SIGTERM to the
