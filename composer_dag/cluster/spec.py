@@ -137,6 +137,19 @@ def job_argv(cluster: ClusterConfig, spec_url: str, scratch: str, env: dict[str,
 ARRAY_INDEX_ENV = "COMPOSER_ARRAY_INDEX"
 
 
+def array_task_args(argv: list[str], prog: str) -> tuple[str, int] | None:
+    """An array element's ``SPEC_URL [INDEX]`` arguments as (spec URL, index): without ``INDEX``,
+    the index is ``$COMPOSER_ARRAY_INDEX`` (what ``run_array`` sets for each element of a Slurm job
+    array or a k8s indexed Job). None, after a usage line on stderr, when they are not that."""
+    args = list(argv)
+    if len(args) == 1 and os.environ.get(ARRAY_INDEX_ENV, "").strip():
+        args.append(os.environ[ARRAY_INDEX_ENV].strip())
+    if len(args) != 2 or not args[1].isdigit():
+        print(f"usage: python -m {prog} SPEC_URL [INDEX] (or the index in ${ARRAY_INDEX_ENV})", file=sys.stderr)
+        return None
+    return args[0], int(args[1])
+
+
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # a DNS label: a k8s object, a Slurm job name
 
 

@@ -32,18 +32,11 @@ except ImportError:  # pragma: no cover
 
 AVAILABLE = numba is not None
 
-_U8 = np.uint64(8)
-_U16 = np.uint64(16)
-_U24 = np.uint64(24)
-_U26 = np.uint64(26)
-_U32 = np.uint64(32)
-_U38 = np.uint64(38)
-_M32 = np.uint64(0xFFFFFFFF)
-_SEED1 = np.uint64(0x243F6A8885A308D3)
-_SEED2 = np.uint64(0x13198A2E03707344)
-_PTZC = np.uint64(0xA4093822299F31D0)
-_FX_K = np.uint64(0xF1357AEA2E62A9C5)
-_MIX = np.uint64(0x9E3779B97F4A7C15)
+# shift counts, the 32-bit mask, and the hash functions' seeds and multipliers, as uint64 (numba
+# keeps module globals as compile-time constants)
+_U8, _U16, _U24, _U26, _U32, _U38 = (np.uint64(n) for n in (8, 16, 24, 26, 32, 38))
+_M32, _SEED1, _SEED2 = np.uint64(0xFFFFFFFF), np.uint64(0x243F6A8885A308D3), np.uint64(0x13198A2E03707344)
+_PTZC, _FX_K, _MIX = np.uint64(0xA4093822299F31D0), np.uint64(0xF1357AEA2E62A9C5), np.uint64(0x9E3779B97F4A7C15)
 
 # byte classes of doc_stats
 WS, NUMERIC, ALNUM, B64 = 1, 2, 4, 8

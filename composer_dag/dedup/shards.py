@@ -26,7 +26,6 @@ out: it is then read from ``$COMPOSER_ARRAY_INDEX``, which ``run_array`` sets).
 
 from __future__ import annotations
 
-import os
 import posixpath
 import sys
 from types import SimpleNamespace
@@ -36,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..cluster.spec import ARRAY_INDEX_ENV
+from ..cluster.spec import array_task_args
 from ..storage import ArtifactError, Storage, open_storage
 from .features import STAGES, analyse_batch, native_available
 from .near import band_keys, optimal_bands
@@ -228,14 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m composer_dag.dedup.shards SPEC_URL [INDEX]``: run one task of a job spec;
     without ``INDEX``, the task is ``$COMPOSER_ARRAY_INDEX`` (what ``run_array`` sets for each
     element of a Slurm job array or a k8s indexed Job)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) == 1 and os.environ.get(ARRAY_INDEX_ENV, "").strip():
-        args.append(os.environ[ARRAY_INDEX_ENV].strip())
-    if len(args) != 2 or not args[1].isdigit():
-        print(f"usage: python -m composer_dag.dedup.shards SPEC_URL [INDEX] (or the index in ${ARRAY_INDEX_ENV})",
-              file=sys.stderr)
+    got = array_task_args(sys.argv[1:] if argv is None else argv, "composer_dag.dedup.shards")
+    if got is None:
         return 2
-    spec_url, index = args[0], int(args[1])
+    spec_url, index = got
     try:
         storage = open_storage(spec_url.rsplit("/", 1)[0])
         spec = storage.read_json(spec_url)

@@ -12,7 +12,6 @@ fails, is a result with a reason; it never fails the others.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -22,11 +21,11 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable
 
+from composer_dag.cluster.spec import array_task_args
 from composer_dag.storage import Storage, open_storage
 from composer_dag.repos.env import BootstrapConfig, bootstrap
 
 RunTasks = Callable[[str, int], None]
-ARRAY_INDEX_ENV = "COMPOSER_ARRAY_INDEX"
 
 
 def run_one(storage: Storage, spec: dict, index: int) -> dict:
@@ -123,14 +122,10 @@ def map_repos(sources: list[str], out_url: str, storage: Storage, config: Bootst
 def main(argv: list[str] | None = None) -> int:
     """``python -m composer_dag.tasks.sources.repo_map SPEC_URL [INDEX]`` (or the index in
     ``$COMPOSER_ARRAY_INDEX``): one repository of a map."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) == 1 and os.environ.get(ARRAY_INDEX_ENV, "").strip():
-        args.append(os.environ[ARRAY_INDEX_ENV].strip())
-    if len(args) != 2 or not args[1].isdigit():
-        print(f"usage: python -m composer_dag.tasks.sources.repo_map SPEC_URL [INDEX] (or the index in ${ARRAY_INDEX_ENV})",
-              file=sys.stderr)
+    got = array_task_args(sys.argv[1:] if argv is None else argv, "composer_dag.tasks.sources.repo_map")
+    if got is None:
         return 2
-    spec_url, index = args[0], int(args[1])
+    spec_url, index = got
     try:
         spec = open_storage(spec_url.rsplit("/", 1)[0]).read_json(spec_url)
         r = run_one(open_storage(spec["root"]), spec, index)
