@@ -365,7 +365,7 @@ def test_local_array_runs_every_index_bounded_and_names_a_failing_one(tmp_path):
 def test_k8s_service_and_indexed_job_round_trip_through_the_api_models():
     from composer_dag.cluster.backends import backend_for
     from composer_dag.cluster.services import ArrayConfig, ServiceConfig
-    from tests.train.test_train_cluster import _round_trip
+    from tests.train.test_train_cluster import api_round_trip
 
     cluster = ClusterResource(backend="k8s", image="registry.example.com/composer:1", namespace="ml",
                               secret_name="s3-creds", node_selector={"gpu": "h100"})
@@ -374,8 +374,8 @@ def test_k8s_service_and_indexed_job_round_trip_through_the_api_models():
                                                 "--port", "{port}", "--model", "/models/x"],
                         health_url="http://{host}:{port}/health", gpus=1, memory="64Gi", env={"VLLM_LOGGING_LEVEL": "INFO"})
     deployment, service = k8s.render_service(svc, 8000)
-    assert _round_trip(deployment, "V1Deployment") == deployment
-    assert _round_trip(service, "V1Service") == service
+    assert api_round_trip(deployment, "V1Deployment") == deployment
+    assert api_round_trip(service, "V1Service") == service
     pod = deployment["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["command"][-6:] == ["--host", "0.0.0.0", "--port", "8000", "--model", "/models/x"]
@@ -388,7 +388,7 @@ def test_k8s_service_and_indexed_job_round_trip_through_the_api_models():
 
     job = k8s.render_array(ArrayConfig(name="shards", argv=["python", "-m", "composer_dag.dedup.shards"], count=16,
                                        parallelism=4))
-    assert _round_trip(job, "V1Job") == job
+    assert api_round_trip(job, "V1Job") == job
     assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 16
     assert job["spec"]["parallelism"] == 4 and job["spec"]["backoffLimitPerIndex"] == 0
     env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -398,7 +398,7 @@ def test_k8s_service_and_indexed_job_round_trip_through_the_api_models():
     pinned, _ = k8s.render_service(svc.model_copy(update={"node": "gpu-node-7"}), 8000)
     assert pinned["spec"]["template"]["spec"]["nodeSelector"] == {"gpu": "h100", "kubernetes.io/hostname": "gpu-node-7"}
     broken = {**job, "spec": {**job["spec"], "completionsMode": "Indexed"}}  # misspelt: the model drops it
-    assert _round_trip(broken, "V1Job") != broken
+    assert api_round_trip(broken, "V1Job") != broken
 
 
 def test_slurm_service_and_array_scripts():

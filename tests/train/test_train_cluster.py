@@ -27,7 +27,7 @@ def test_local_command():
         LaunchSpec(entry="m", launcher="python", nproc_per_node=2)
 
 
-def _round_trip(manifest: dict, kind: str) -> dict:
+def api_round_trip(manifest: dict, kind: str) -> dict:
     """``manifest`` through the kubernetes client's model of ``kind`` and back: a key the API
     does not know, a wrong type or a misspelt field makes the result differ."""
     import json
@@ -49,7 +49,7 @@ def test_k8s_pod_spec():
     tol = [{"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}]
     pod = k8s_pod_spec(spec, namespace="ml", secret_name="s3-creds", node_selector={"pool": "h100"},
                        tolerations=tol, service_account="trainer")
-    assert _round_trip(pod, "V1Pod") == pod
+    assert api_round_trip(pod, "V1Pod") == pod
     assert pod["kind"] == "Pod" and pod["metadata"]["namespace"] == "ml"
     podspec = pod["spec"]
     assert podspec["restartPolicy"] == "Never" and podspec["serviceAccountName"] == "trainer"
@@ -70,7 +70,7 @@ def test_k8s_pod_spec():
     gpu_default = k8s_pod_spec(LaunchSpec(entry="m", launcher="python", gpus_per_node=1), image="img")
     assert gpu_default["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
     cpu_pod = k8s_pod_spec(LaunchSpec(entry="m", launcher="python"), image="img", gpu_resource="amd.com/gpu")
-    assert _round_trip(cpu_pod, "V1Pod") == cpu_pod
+    assert api_round_trip(cpu_pod, "V1Pod") == cpu_pod
     assert cpu_pod["spec"]["containers"][0]["resources"]["limits"] == {}
     with pytest.raises(ValueError):
         k8s_pod_spec(LaunchSpec(entry="m"))
@@ -81,7 +81,7 @@ def test_k8s_pod_spec():
 def test_k8s_round_trip_catches_what_the_api_does_not_know():
     pod = k8s_pod_spec(LaunchSpec(entry="m", launcher="python"), image="img")
     pod["spec"]["containers"][0]["volumeMount"] = []  # misspelt: the client drops it
-    assert _round_trip(pod, "V1Pod") != pod
+    assert api_round_trip(pod, "V1Pod") != pod
 
 
 def test_slurm_script():
