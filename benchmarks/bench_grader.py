@@ -150,7 +150,8 @@ def redteam(args) -> dict:
 
 def mined_tasks(where: Path) -> list[Path]:
     """Tasks mined from parse (the sdist the tests cached), made once under ``where``."""
-    from composer_dag.repos.env import BootstrapConfig, bootstrap
+    from composer_dag.repos.bootstrap import bootstrap
+    from composer_dag.repos.config import BootstrapConfig
     from composer_dag.tasks.sources.repo_mined import mine
 
     out = where / "tasks"

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from composer_dag.grading.grade import check_task
-from composer_dag.repos.env import BootstrapConfig, bootstrap
+from composer_dag.repos.bootstrap import bootstrap
+from composer_dag.repos.config import BootstrapConfig
 from composer_dag.tasks.sources.repo_map import map_repos
 from composer_dag.storage import open_storage
 

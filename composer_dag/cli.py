@@ -76,7 +76,8 @@ def cmd_env_grade(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_env_bootstrap(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
-    from composer_dag.repos.env import BootstrapConfig, bootstrap
+    from composer_dag.repos.bootstrap import bootstrap
+    from composer_dag.repos.config import BootstrapConfig
 
     cfg = BootstrapConfig.load({k: v for k, v in {"test_timeout": args.test_timeout, "store": args.store}.items()
                                 if v is not None})
@@ -96,7 +97,7 @@ def cmd_tasks_mine(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
 
 def cmd_tasks_import(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
-    from composer_dag.repos.env import BootstrapConfig
+    from composer_dag.repos.config import BootstrapConfig
     from composer_dag.tasks.sources.swebench import import_instances
 
     if not os.path.isfile(args.instances):

@@ -325,7 +325,7 @@ SDIST_DIR = Path(__file__).parent / "artifacts" / "sdists"
 def repo_sdists():
     """The sdists of ``REPO_SDISTS`` from the package index, downloaded once and kept under
     ``tests/artifacts/sdists``: {name: path}."""
-    from composer_dag.repos.env import fetch_sdist
+    from composer_dag.repos.fetch import fetch_sdist
 
     return {name: fetch_sdist(name, version, SDIST_DIR) for name, version in REPO_SDISTS}
 

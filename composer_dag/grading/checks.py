@@ -190,7 +190,7 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
                 inside.append(rel)
             for p in [checks, *checks.rglob("*")]:
                 os.chmod(p, 0o755 if p.is_dir() else 0o644)
-            from composer_dag.repos.env import venv_binds
+            from composer_dag.repos.layers import venv_binds
 
             binds = venv_binds(ws, task_dir / "layer", f"{task_persona(task).home}/{ws.name}")
             bytecode.warm(task_dir / "repo")  # the task's own tree, never the workspace's files

@@ -163,7 +163,7 @@ class Episode:
         if self.task.get("sandbox", {}).get("venv"):
             # a repository task: the project's own .venv, its site-packages the shared layer
             # (read-only; the file tools read it where the terminal sees it)
-            from composer_dag.repos.env import venv_binds
+            from composer_dag.repos.layers import venv_binds
 
             binds = venv_binds(self._ws, self.task_dir / "layer", self.root)
             self._layers = [(os.path.realpath(self._ws) + b.path[len(self.root):], os.path.realpath(b.host))

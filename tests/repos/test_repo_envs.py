@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from composer_dag.grading.grade import check_task, grade
-from composer_dag.repos.env import BootstrapConfig, bootstrap, load_env
+from composer_dag.repos.bootstrap import bootstrap, load_env
+from composer_dag.repos.config import BootstrapConfig
 from composer_dag.tasks.taskdir import apply_reference, load_task
 from composer_dag.harness.episode import Episode
 
@@ -323,7 +324,7 @@ def test_swebench_export_then_import_gives_back_the_tasks(mined_tasks, repo_envs
 def parse_history(repo_envs, tmp_path_factory):
     """A git repository of parse's releases 1.20.0, 1.20.1 and 1.20.2 (their sdists committed in
     turn, so the diffs are the real ones), bootstrapped at its head."""
-    from composer_dag.repos.env import fetch_sdist
+    from composer_dag.repos.fetch import fetch_sdist
     from tests.conftest import SDIST_DIR
 
     root = tmp_path_factory.mktemp("history")
@@ -429,7 +430,7 @@ def test_test_requirements_are_read_wherever_the_project_declares_them(tmp_path)
     pytest-cov) are not installed."""
     from packaging.requirements import Requirement
 
-    from composer_dag.repos.env import _poetry_spec, detect_layout
+    from composer_dag.repos.layout import _poetry_spec, detect_layout
 
     assert [_poetry_spec(s) for s in ("^1.2.3", "^0.2.3", "^0.0.3", "~1.2.3", "~1", "2.0", "*", ">=1,<3")] == \
         [">=1.2.3,<2", ">=0.2.3,<0.3", ">=0.0.3,<0.0.4", ">=1.2.3,<1.3", ">=1,<2", "==2.0", "", ">=1,<3"]
@@ -468,7 +469,8 @@ def test_a_suite_written_for_an_older_pytest_gets_one_in_its_layer(repo_envs, tm
     gets it without the first try; one without either keeps the sandbox's."""
     from importlib.metadata import version
 
-    from composer_dag.repos.env import _older_pytest, BootstrapError
+    from composer_dag.repos.bootstrap import _older_pytest
+    from composer_dag.repos.config import BootstrapError
 
     store = BootstrapConfig(store=str(repo_envs["_store"]))
     major = int(version("pytest").split(".")[0])
@@ -502,7 +504,7 @@ def test_tests_inside_the_package_import_relatively(repo_envs, tmp_path):
     ``tinylib/test_inline.py`` with ``from . import``) run from the recorded tree as the package's
     submodules, against the workspace's code (the vacuous run, with the code stubbed, fails them),
     and a task mined from them is sound under the grader."""
-    from composer_dag.repos.env import PACKAGE_SHIM
+    from composer_dag.repos.layout import PACKAGE_SHIM
     from composer_dag.tasks.sources.repo_mined import mine
 
     root = _project(tmp_path / "inpkg", "")

@@ -137,7 +137,8 @@ def repo_environment(spec: RepoSpec, out: Path, seed: int = 0, workers: int = 2,
     ``out/tasks/<id>/``, the environment's report (its ``env.json``: kept tests, tests left out by
     reason, test command, digest) as ``out/env.json`` and the row returned as ``out/environment.json``:
     outcome, reason, licence, tests, tasks, the candidates rejected by reason and a sample task."""
-    from composer_dag.repos.env import BootstrapConfig, bootstrap
+    from composer_dag.repos.bootstrap import bootstrap
+    from composer_dag.repos.config import BootstrapConfig
     from composer_dag.tasks.sources.repo_mined import mine
 
     out = Path(out)

@@ -23,7 +23,8 @@ from typing import Callable
 
 from composer_dag.cluster.spec import array_task_args
 from composer_dag.storage import Storage, open_storage
-from composer_dag.repos.env import BootstrapConfig, bootstrap
+from composer_dag.repos.bootstrap import bootstrap
+from composer_dag.repos.config import BootstrapConfig
 
 RunTasks = Callable[[str, int], None]
 

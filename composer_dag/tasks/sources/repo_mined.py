@@ -33,7 +33,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from composer_dag.repos.env import _norm, load_env, package_files, run_tests
+from composer_dag.repos.bootstrap import load_env
+from composer_dag.repos.layout import norm_name, package_files
+from composer_dag.repos.suite import run_tests
 from composer_dag.laptop.image import persona_for
 from composer_dag.tasks.sources.repo_task import verify_canaries, write_pytest_task
 from composer_dag.tasks.sources.stdlib_bugfix import _parse, apply_mutation, mutation_sites
@@ -245,7 +247,7 @@ def write_mined(item, env: dict, env_dir: Path, out_dir: Path, log) -> Path:
     msg = next((messages.get(t) for t in f2p if messages.get(t)), "")
     names = [Path(h).stem for h in {t.split("::", 1)[0] for t in f2p}] + [t.split("::")[-1].split("[")[0] for t in f2p]
     digest = hashlib.sha256(f"{rel}\0{mutant}".encode()).hexdigest()[:8]
-    tid = f"mined-{_norm(env['name'])}-{digest}"
+    tid = f"mined-{norm_name(env['name'])}-{digest}"
     d = write_repo_task(out_dir / tid, env, env_dir, rel, original, mutant, kind, function, f2p, p2p,
                         statement(kind, env["name"], rel, function, msg, names))
     log(f"{tid}: {kind} in {rel}:{function}, {len(f2p)} FAIL_TO_PASS, {len(p2p)} PASS_TO_PASS")
@@ -255,7 +257,7 @@ def write_mined(item, env: dict, env_dir: Path, out_dir: Path, log) -> Path:
 def mine_history(env_dir: Path, out_dir: Path, env: dict, canaries: bool, log) -> tuple[dict, list[Path]]:
     """The tasks of the environment's git history (``swebench.history_instances``), imported with
     the environment's repository as the mirror: (stats, task directories)."""
-    from composer_dag.repos.env import BootstrapConfig
+    from composer_dag.repos.config import BootstrapConfig
     from composer_dag.tasks.sources.swebench import history_instances, import_instances
 
     hist = history_instances(env_dir)
@@ -282,6 +284,6 @@ def write_repo_task(task_dir: Path, env: dict, env_dir: Path, rel: str, original
         task_dir, env, env_dir, changes={rel: mutant, **{h: None for h in hidden}},
         reference={rel: original.encode(), **{h: (env_dir / "tests" / h).read_bytes() for h in hidden}},
         hidden_tree=env_dir / "tests", f2p=f2p, p2p=p2p, instructions=instructions, source="repo-mined",
-        source_file=f"{_norm(env['name'])}:{rel}", reference_meta={"files": [rel], "kind": "bugfix", "mutation": kind,
+        source_file=f"{norm_name(env['name'])}:{rel}", reference_meta={"files": [rel], "kind": "bugfix", "mutation": kind,
                                                              "function": function},
         origin_extra={"change": kind, "file": rel, "function": function})

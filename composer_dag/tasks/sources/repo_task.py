@@ -22,7 +22,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from composer_dag.repos.env import _norm, pack_objects
+from composer_dag.repos.fetch import pack_objects
+from composer_dag.repos.layout import norm_name
 from composer_dag.sandbox.bwrap import share_tree
 from composer_dag.tasks.taskdir import TASK_FORMAT, check_name
 from composer_dag.tasks.format import TaskLimits
@@ -90,7 +91,7 @@ def write_pytest_task(task_dir: Path, env: dict, env_dir: Path, *, changes: dict
 
 def project_dir_name(env: dict) -> str:
     """The checkout's directory name on the laptop: the distribution's name, as cloned."""
-    return _norm(env["name"])
+    return norm_name(env["name"])
 
 
 def add_repo_canaries(task_dir: Path, candidates_per_file: int = 2, keep: int = 1) -> dict:

@@ -35,7 +35,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from composer_dag.repos.env import BootstrapConfig, bootstrap, detect_layout, is_package_shim, load_env, record_tests, run_tests
+from composer_dag.repos.bootstrap import bootstrap, load_env
+from composer_dag.repos.config import BootstrapConfig
+from composer_dag.repos.layout import detect_layout, is_package_shim, record_tests
+from composer_dag.repos.suite import run_tests
 from composer_dag.laptop.image import persona_for
 from composer_dag.tasks.sources.repo_task import add_repo_canaries, write_pytest_task
 from composer_dag.tasks.taskdir import load_task
