@@ -63,7 +63,7 @@ run: install $(DAGSTER_HOME)/dagster.yaml  ## materialize the whole graph on the
 test: install $(DAGSTER_HOME)/dagster.yaml  ## the whole suite, as CI runs it (starts Slurm, S3, vLLM, a browser itself)
 	@mkdir -p tests/artifacts
 	$(VENV)/bin/dagster definitions validate -w workspace.yaml
-	$(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)
 
 # the tests that need no service (no Slurm, S3 server, vLLM or browser) and are not marked slow
 FAST_MARKERS ?= not slurm and not vllm and not s3 and not browser and not slow

@@ -74,9 +74,13 @@ def pytest_collection_modifyitems(config, items):
     ``make test`` (pytest-xdist, ``--dist loadfile``) each module runs whole on one worker, so
     its module fixtures (a pair of vLLM servers, `dagster dev`) start once, and the two workers
     end together."""
+    workers = getattr(config.option, "numprocesses", None)
     for it in items:
         for mark in sorted(_needs(it)):
             it.add_marker(mark)
+        if workers:  # `--dist loadgroup`: the whole-graph run and its readers on one worker, the rest on the other
+            graph_side = _group(it) == "slurm" or it.module.__name__ in READ_GRAPH
+            it.add_marker(pytest.mark.xdist_group("graph" if graph_side else "rest"))
     order = ["slurm", *LONG_FIRST]
     items.sort(key=lambda it: order.index(_group(it)) if _group(it) in order else len(order))
 
