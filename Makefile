@@ -19,7 +19,7 @@ PYTEST_WORKERS ?= 0
 # (installed when missing, as root; the two-node cluster: ip, nsenter, unshare, pgrep).
 # (nano, htop, ping, sudo and the locales: what a laptop has, seen from inside the sandboxes;
 # gcc builds the sandboxes' init, composer_dag/laptop/laptop_init.c; faketime shifts the clock of a
-# repository environment's third test run, composer_dag/repos/env.py)
+# repository environment's third test run, composer_dag/repos/suite.py)
 SYSTEM_BINS := bwrap gcc git faketime chromium chromedriver slurmctld slurmd sbatch munged nano htop ping sudo localedef ip nsenter unshare pgrep
 SYSTEM_PKGS := bubblewrap gcc libc6-dev git faketime chromium chromium-driver slurmctld slurmd slurm-client munge nano htop iputils-ping sudo locales iproute2 util-linux procps
 # the locales a sandbox persona may have (composer_dag/laptop/image.py: LOCALES), generated when missing
