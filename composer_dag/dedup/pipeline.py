@@ -140,8 +140,8 @@ class DedupConfig(StageConfig):
     batch_bytes: int = Field(4_000_000, description="content per batch of files handed to a process")
     native_min_bytes: int = Field(
         16_000_000, description="map tasks with at least this much input (uncompressed) run the per-file pass "
-                                "in compiled kernels (numba, when installed; loading them costs a process about "
-                                "a CPU-second), smaller ones in plain Python/numpy; both give the same output")
+                                "in compiled kernels (numba, when installed; loading them is a fixed cost per "
+                                "process), smaller ones in plain Python/numpy; both give the same output")
 
     task_bytes: int = Field(32_000_000, description="input (uncompressed Parquet) per map task")
     memory_bytes: int = Field(

@@ -50,19 +50,16 @@ class EvalConfig(StageConfig):
     Defaults fit the embedded default; a real evaluation raises ``samples_per_task`` (and
     ``ks``) and drops ``max_tasks``."""
 
-    samples_per_task: int = Field(8, ge=1, description="n: samples per task (pass@k needs k <= n); 8 puts the "
-                                                       "standard error over samples of a pass@1 near 0.6 on the "
-                                                       "default's 25 held-out learnable tasks at 0.035")
+    samples_per_task: int = Field(8, ge=1, description="n: samples per task (pass@k needs k <= n); more samples "
+                                                       "narrow the standard error over samples of each pass@1")
     samples_per_task_of: dict[str, int] = Field(
         {"base_model": 1, "midtrained_checkpoint": 1},
         description="samples per task for these named candidates of a multi-checkpoint evaluation (the lineage's "
-                    "starting points: the gate compares them on perplexity, and they score 0 on the agent tasks "
-                    "at this model size)")
+                    "starting points, which the gate compares on perplexity)")
     samples_of_source: dict[str, int] = Field(
-        {"repo-mined": 2}, description="samples per task of these task sources (at most samples_per_task): the "
-                                       "repository's tasks are graded by its own suite (seconds each, against "
-                                       "milliseconds), and no checkpoint of the default's size solves one; the "
-                                       "overall pass@k then reports k up to the smallest")
+        {"repo-mined": 2}, description="samples per task of these task sources (at most samples_per_task), for "
+                                       "sources whose gradings are slow (a repository's tasks are graded by its "
+                                       "own suite); the overall pass@k then reports k up to the smallest")
     ks: list[int] = [1, 2, 8]
     task_ids: Optional[list[str]] = Field(None, description="a subset of tasks_dir (default: every task)")
     max_tasks: Optional[int] = Field(3, description="the first N tasks (by id) after task_ids, of the sources "
@@ -71,8 +68,7 @@ class EvalConfig(StageConfig):
                                      description="task sources evaluated in full, whatever max_tasks")
     batch_tasks: Optional[int] = Field(64, description="tasks per agent-loop batch (all their samples together; a "
                                                        "finished batch is what an interrupted evaluation keeps). "
-                                                       "Larger batches keep the engine busier: the default's 28 "
-                                                       "tasks took 20 s per checkpoint in one batch, 25 s in two")
+                                                       "Larger batches keep the engine busier")
     humaneval_ids: Optional[list[str]] = Field(None, description="None: the HumanEval problems behind tasks_dir's humaneval tasks; []: skip")
     humaneval_samples: int = 1
     humaneval_temperature: float = Field(0.0, description="greedy")

@@ -31,12 +31,10 @@ class RLConfig(StageConfig):
                                                  "task yet, with the tasks mined from repositories in the mix")
     source_weights: Optional[dict[str, float]] = Field(
         None, description="each step's tasks drawn source by source with these weights (None: uniformly over tasks)")
-    steps: int = Field(16, description="policy updates: from the default SFT, held-out learnable pass@1 +0.100 over "
-                                       "SFT after 8, +0.125 after 12, +0.165 after 16 (benchmarks/RESULTS.md, 'A "
-                                       "shorter SFT, a longer RL')")
+    steps: int = Field(16, description="policy updates (GRPO steps) in the run")
     tasks_per_step: int = 4
-    group_size: int = Field(8, description="samples per task (a GRPO group); 8, not 4: RL's held-out gain over SFT "
-                                           "0.135 against 0.030 (benchmarks/RESULTS.md, 'RL after the personas')")
+    group_size: int = Field(8, description="samples per task (a GRPO group), whose rewards set each other's "
+                                           "advantages")
     max_staleness: int = Field(1, description="versions a batch may lag the trainer")
     async_generation: bool = Field(True, description="generate the next batch while training on this one")
     queue_size: Optional[int] = Field(None, description="batches generated ahead (default: max(1, max_staleness))")
@@ -53,11 +51,9 @@ class RLConfig(StageConfig):
     trainer: TrainerConfig = Field(
         TrainerConfig(lr=3e-4, kl_coef=0.1, warmup_steps=3, loss_norm="sequence", negative_weight=0.1,
                       uniform_groups=False),
-        description="the default run's: a KL term to the starting (SFT) policy, the learning rate warmed up over "
-                    "3 updates (benchmarks/RESULTS.md, 'The recipe'); each rollout weighed once whatever its "
-                    "length, failures pushed down at a tenth of the weight, groups with one reward left out "
-                    "(held-out learnable pass@1 0.780 against 0.675 from the same SFT checkpoint: 'RL that "
-                    "no longer unlearns')")
+        description="the default run's trainer: a KL term to the starting (SFT) policy, the learning rate warmed "
+                    "up over 3 updates, each rollout weighed once whatever its length, failures pushed down at a "
+                    "tenth of the weight, groups whose samples all earned one reward left out of the update")
     orchestrator: AgentConfig = AgentConfig()
     inference: InferenceConfig = InferenceConfig()
     fleet: Optional[FleetConfig] = Field(None, description="distributed mode: rollout servers, orchestrator and "

@@ -40,18 +40,13 @@ class SFTConfig(MidtrainConfig):
     seq_len: int = Field(512, description="tokens per transcript; longer ones are cut (and counted)")
     micro_batch: int = 8
     lr: float = 2e-3
-    min_lr: float = Field(2e-4, description="the cosine decay's floor after the warmup: held-out learnable pass@1 "
-                                            "0.26 and 0.26 over two seeds at a constant 2e-3, 0.76 and 0.62 decayed "
-                                            "to 2e-4 over 120 steps (benchmarks/RESULTS.md, 'The SFT schedule "
-                                            "decayed')")
+    min_lr: float = Field(2e-4, description="the floor the learning rate decays to (cosine, over max_steps) after "
+                                            "the warmup; equal to lr: a constant rate")
     warmup_steps: int = 10
     weight_decay: float = 0.0
     beta2: float = 0.999
-    max_steps: int = Field(80, description="at most; early stopping on the held-out trajectories ends it sooner. "
-                                           "80, not 120: SFT then leaves RL room to add measurably (held-out "
-                                           "learnable pass@1 0.580 after SFT, 0.745 and 0.695 after the default RL "
-                                           "at two seeds; from 120 steps' 0.755 RL reached 0.740-0.830, within the "
-                                           "noise: benchmarks/RESULTS.md, 'A shorter SFT, a longer RL')")
+    max_steps: int = Field(80, description="optimizer steps at most (the learning-rate schedule's length); early "
+                                           "stopping on the held-out trajectories ends it sooner")
     eval_every: int = 20
     early_stop_patience: Optional[int] = 1
     save_every: int = 40

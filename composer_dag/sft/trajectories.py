@@ -42,9 +42,9 @@ class TrajectoryConfig(StageConfig):
 
     max_per_source: dict[str, int] = Field(
         {"humaneval": 4, "stdlib-bugfix": 4, "repo-mined": 0},
-        description="reference trajectories per task source, a seeded draw; sources not named: every task. "
-                    "repo-mined 0: a mined task's transcript reads a module of a real package, longer than the "
-                    "tiny model's sequence (make run's 7 were all dropped at tokenization, after 80 s of replay)")
+        description="reference trajectories per task source, a seeded draw; sources not named: every task; 0: "
+                    "none (repo-mined: a mined task's transcript reads a module of a real package, longer than "
+                    "the tiny model's sequence, so SFT's tokenization would drop it)")
     from_rollouts: bool = Field(True, description="add the successful, unflagged rollouts of the last RL run")
     max_rollouts: int = Field(200, description="rollout trajectories at most")
     session_share: float = Field(0.25, ge=0.0, le=1.0,

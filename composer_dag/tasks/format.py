@@ -121,9 +121,9 @@ class TaskBuildConfig(StageConfig):
     eval_fraction: float = Field(0.2, description="share of source files whose tasks go to eval_tasks")
     eval_fraction_of: dict[str, float] = Field(
         {"repo-mined": 0.5}, description="sources split on their own: the share of the source's tasks that go to "
-                                         "eval_tasks, whole source files at a time. A repository gives a few "
-                                         "modules with many tasks each; half of networkx's 20 is the gate's "
-                                         "min_tasks (10), and RL keeps the other half")
+                                         "eval_tasks, whole source files at a time (for a source with a few "
+                                         "files of many tasks each, such as a repository's, where eval_fraction "
+                                         "of the files would hold out too few tasks to gate)")
     workers: int = Field(2, description="modules probed in parallel")
     limits: TaskLimits = TaskLimits()
 
