@@ -68,19 +68,20 @@ def _needs(item) -> set[str]:
     return needs
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Markers for what each test needs (``_needs``), then the longest modules first: the ones
     that use the Slurm cluster (the whole-graph run), then those in ``LONG_FIRST``. Under
     ``make test`` (pytest-xdist, ``--dist loadfile``) each module runs whole on one worker, so
     its module fixtures (a pair of vLLM servers, `dagster dev`) start once, and the two workers
     end together."""
-    workers = getattr(config.option, "numprocesses", None)
     for it in items:
         for mark in sorted(_needs(it)):
             it.add_marker(mark)
-        if workers:  # `--dist loadgroup`: the whole-graph run and its readers on one worker, the rest on the other
-            graph_side = _group(it) == "slurm" or it.module.__name__ in READ_GRAPH
-            it.add_marker(pytest.mark.xdist_group("graph" if graph_side else "rest"))
+        # `--dist loadgroup` (make test PYTEST_WORKERS=2): the whole-graph run and every test that
+        # reads it on one worker, the rest on the other
+        graph_side = _group(it) == "slurm" or it.module.__name__ in READ_GRAPH
+        it.add_marker(pytest.mark.xdist_group("graph" if graph_side else "rest"))
     order = ["slurm", *LONG_FIRST]
     items.sort(key=lambda it: order.index(_group(it)) if _group(it) in order else len(order))
 
