@@ -9,7 +9,8 @@ The documents are the first ``--corpus-mb`` MB of the running Python's standard 
 ``--reps`` runs each; MB/s is input text bytes over the wall time of one
 ``pack_documents`` call. Both write the same uint16 token stream (checked byte for byte).
 Megatron-Core's one-time import and a small warm-up pack with each are done before timing.
---append adds the markdown section to benchmarks/RESULTS.md.
+--append adds the markdown section to the day's journal file, benchmarks/journal/YYYY-MM-DD.md
+(benchmarks/RESULTS.md keeps the current figure of each measurement).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def main() -> None:
     text = "\n".join(md)
     print(text)
     if args.append:
-        with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
+        with open(os.path.join(ROOT, "benchmarks", "journal", datetime.date.today().isoformat() + ".md"), "a") as f:
             f.write(text)
 
 

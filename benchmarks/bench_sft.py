@@ -7,6 +7,8 @@ their entry points (``composer_dag.train.midtrain``, ``composer_dag.sft.run``) w
 micro-batch, in alternating rounds; tokens/s is the trainer's own count (padding excluded).
 
     python benchmarks/bench_sft.py [--steps 30] [--rounds 2] [--words 64] [--append]
+
+--append adds the markdown section to the day's journal file, benchmarks/journal/YYYY-MM-DD.md.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.append:
-        with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
+        with open(os.path.join(ROOT, "benchmarks", "journal", datetime.date.today().isoformat() + ".md"), "a") as f:
             f.write(text)
 
 

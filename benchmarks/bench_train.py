@@ -3,7 +3,8 @@ plain PyTorch loop (same model, batch, sequence length, AdamW, clipping) in the 
 
     python benchmarks/bench_train.py [--corpus-mb 4] [--steps 30] [--append]
 
---append adds the markdown section to benchmarks/RESULTS.md.
+--append adds the markdown section to the day's journal file, benchmarks/journal/YYYY-MM-DD.md
+(benchmarks/RESULTS.md keeps the current figure of each measurement).
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def main() -> None:
     text = "\n".join(md)
     print(text)
     if args.append:
-        with open(os.path.join(ROOT, "benchmarks", "RESULTS.md"), "a") as f:
+        with open(os.path.join(ROOT, "benchmarks", "journal", datetime.date.today().isoformat() + ".md"), "a") as f:
             f.write(text)
 
 
