@@ -104,13 +104,13 @@ class SourceSpec:
 
 
 SOURCES_FILE_ENV = "COMPOSER_SOURCES"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 
 class SourceEntry(StageConfig):
     """One entry of ``sources.yaml``: where the files are, and this source's ingest limits."""
 
-    name: str = Field(pattern=_NAME_RE.pattern)
+    name: str = Field(pattern=NAME_RE.pattern)
     kind: str = Field(description="one of SOURCE_KINDS: python, local, git, s3")
     uri: str = Field("", description="a path, git URL or s3:// prefix (not for kind python)")
     rev: Optional[str] = Field(None, description="git: a branch, tag or commit")
