@@ -86,6 +86,7 @@ def episode_overhead(task: Path, cfg) -> tuple[float, float, float]:
 
 
 def measure(n: int) -> dict:
+    from composer_dag.laptop.desktop import dressing
     from composer_dag.sandbox.bwrap import Sandbox
     from composer_dag.tasks.format import task_dirs
     from composer_dag.tasks.sources.build import build_tasks
@@ -95,7 +96,7 @@ def measure(n: int) -> dict:
     res: dict = {}
     ws = tmp / "proj"
     ws.mkdir()
-    with Sandbox(ws) as sb:
+    with Sandbox(ws, dressing=dressing()) as sb:
         sb.run(["/bin/true"])
         res["plain"] = timed(lambda: subprocess.run(["/bin/true"]), n)
         res["command"] = timed(lambda: sb.run(["/bin/true"]), n)
@@ -103,7 +104,7 @@ def measure(n: int) -> dict:
     res["start"], res["setup"] = [], []
     for _ in range(max(10, n // 5)):  # a new sandbox's first command (the sandbox starts with it)
         t0 = time.perf_counter()
-        sb = Sandbox(ws)
+        sb = Sandbox(ws, dressing=dressing())
         t1 = time.perf_counter()
         sb.run(["/bin/true"])
         t2 = time.perf_counter()
@@ -124,7 +125,7 @@ def measure(n: int) -> dict:
     def one(i):
         w = tmp / f"c{i}" / "proj"
         w.mkdir(parents=True)
-        with Sandbox(w) as s:
+        with Sandbox(w, dressing=dressing()) as s:
             r = s.run(f"echo m{i} > marker; echo t{i} > /tmp/t; sleep 0.5; cat marker /tmp/t; ls /tmp | wc -l")
         return i, r
     t0 = time.perf_counter()

@@ -116,6 +116,7 @@ def cmd_tasks_export(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_sandbox_exec(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    from composer_dag.laptop.desktop import dressing
     from composer_dag.sandbox.bwrap import Limits, Sandbox
 
     if not os.path.isdir(args.workspace_dir):
@@ -123,7 +124,7 @@ def cmd_sandbox_exec(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise ValueError("no command given: composer-dag sandbox exec WORKSPACE -- CMD...")
-    with Sandbox(args.workspace_dir, Limits(timeout=args.timeout)) as sb:
+    with Sandbox(args.workspace_dir, Limits(timeout=args.timeout), dressing=dressing()) as sb:
         r = sb.run(cmd)
     sys.stdout.write(r.stdout)
     if r.stdout and not r.stdout.endswith("\n"):

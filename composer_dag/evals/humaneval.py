@@ -9,6 +9,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from composer_dag.laptop.desktop import dressing
 from composer_dag.sandbox.bwrap import Limits, Sandbox
 from .metrics import pass_at_k
 
@@ -55,7 +56,7 @@ def check_completion(problem: dict, completion: str, timeout: float = 10.0) -> d
         ws.mkdir()
         (ws / "solution.py").write_text(program(problem, completion))
         limits = Limits(timeout=timeout, cpu_seconds=int(timeout) + 1, memory_bytes=2 << 30)
-        with Sandbox(ws, limits) as sb:
+        with Sandbox(ws, limits, dressing=dressing()) as sb:
             r = sb.run(["python3", "-I", "-B", "solution.py"])
     result = "passed" if r.exit_code == 0 else "timed out" if r.timed_out else "failed"
     return {"passed": result == "passed", "result": result, "stderr_tail": r.stderr[-500:],

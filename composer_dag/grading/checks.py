@@ -66,6 +66,7 @@ from pydantic import Field
 from composer_dag.runtime.config import StageConfig
 from composer_dag.grading import bytecode
 from composer_dag.laptop.image import PYVER, task_persona
+from composer_dag.laptop.desktop import dressing
 from composer_dag.sandbox.bwrap import Bind, Limits, Sandbox, identity_lease, scratch, share_tree, volume_workspace
 from composer_dag.sandbox.volumes import Volume, unmounting as _unmounting
 from composer_dag.tasks.taskdir import check_name, hidden_files, load_task, project_name
@@ -95,7 +96,7 @@ def grading_sandbox(task: dict, workspace: Path, limits: Limits, binds: list[Bin
     """The sandbox a grading run uses: the task's persona (the episode's laptop), the runner's
     binds, the run's own ``identity`` (a uid no other live run holds) and the episode's ``masks``
     (``grading_masks``)."""
-    return Sandbox(workspace, limits, project=workspace.name, binds=binds, persona=task_persona(task),
+    return Sandbox(workspace, limits, project=workspace.name, binds=binds, dressing=dressing(task_persona(task), identity),
                    identity=identity, masks=masks, chown=chown, volume=volume)
 
 

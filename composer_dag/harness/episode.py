@@ -27,6 +27,7 @@ from composer_dag.grading.checks import GradeConfig
 from composer_dag.grading.grade import GradeResult, grade
 from composer_dag.tasks.taskdir import load_task, project_name
 from composer_dag.laptop.image import task_persona
+from composer_dag.laptop.desktop import dressing
 from composer_dag.sandbox.bwrap import Limits, Sandbox, entry_disk_bytes, volume_workspace
 
 SEARCH_SECONDS = 2.0  # time budget of one `search` call (the pattern is the model's)
@@ -168,7 +169,7 @@ class Episode:
             binds = venv_binds(self._ws, self.task_dir / "layer", self.root)
             self._layers = [(os.path.realpath(self._ws) + b.path[len(self.root):], os.path.realpath(b.host))
                             for b in binds]
-        sandbox = Sandbox(self._ws, self.limits, project=self._ws.name, masks=masks, persona=self.persona,
+        sandbox = Sandbox(self._ws, self.limits, project=self._ws.name, masks=masks, dressing=dressing(self.persona),
                           binds=binds, volume=self._volume)
         if binds:
             sandbox.env.update(VIRTUAL_ENV=f"{self.root}/.venv", PATH=f"{self.root}/.venv/bin:{sandbox.env['PATH']}")

@@ -120,7 +120,7 @@ def task_persona(task: dict) -> Persona:
     return persona_for(task.get("project") or task.get("id") or "task")
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "cdag-rt"
 
@@ -199,7 +199,7 @@ def _build(name: str, key_parts, make) -> Path:
     """``cdag-rt/<name>-<key>``, made once by ``make(tmpdir)`` (atomically, under a lock); each
     new build evicts what no one has used for ``_max_age_s()``."""
     key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:12]
-    root = _cache_root() / f"{name}-{key}"
+    root = cache_root() / f"{name}-{key}"
     if _touch(root):
         return root
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -224,7 +224,7 @@ distribution's metadata (about 20 ms), which every sandbox would pay twice other
 
 def runtime() -> Path:
     """The persona-independent part: usr-local, site-packages and the laptop's /etc."""
-    known = _RUNTIMES.get(_cache_root())
+    known = _RUNTIMES.get(cache_root())
     if known is not None and _touch(known):
         return known
     dists = _dist_closure(TOOLING)
@@ -233,7 +233,7 @@ def runtime() -> Path:
                                  + KEEP_PRIVS_SOURCE.read_bytes()).hexdigest()[:16]
     root = _build("shared", [sys.version, sys.base_prefix, [(d.metadata["Name"], d.version) for d in dists],
                              etc_digest, init_digest, 11], lambda tmp: _make_shared(tmp, dists))
-    _RUNTIMES[_cache_root()] = root
+    _RUNTIMES[cache_root()] = root
     return root
 
 
@@ -319,7 +319,7 @@ def _shared_image(tmp: Path) -> None:
     _link_or_copy(tmp / "site-packages", std / "site-packages")
     (stage / INIT_DIR.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(tmp / "systemd-lib", stage / INIT_DIR.lstrip("/"), symlinks=True)
-    for src, inside in _libpython_files():
+    for src, inside in libpython_files():
         (stage / inside.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, stage / inside.lstrip("/"))
     volumes.tree_image(stage, tmp / "image.ext4")
@@ -554,7 +554,7 @@ def shell_history(persona: Persona, project: str, files: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _system_binds() -> list[str]:
+def system_binds() -> list[str]:
     args = ["--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         p = Path("/") / name
@@ -563,7 +563,7 @@ def _system_binds() -> list[str]:
     return args
 
 
-def _libpython_files() -> list[tuple[Path, str]]:
+def libpython_files() -> list[tuple[Path, str]]:
     """The host python finds libpython through an absolute RUNPATH that is not bound; the
     loader's usual location gets the right library instead: (the library, where it goes)."""
     libdir = Path(sys.base_prefix) / "lib"
@@ -576,5 +576,13 @@ def _libpython_files() -> list[tuple[Path, str]]:
     return out
 
 
-def _libpython_binds() -> list[str]:
-    return [x for src, inside in _libpython_files() for x in ("--ro-bind", str(src), inside)]
+def libpython_binds() -> list[str]:
+    return [x for src, inside in libpython_files() for x in ("--ro-bind", str(src), inside)]
+
+
+def image_roots() -> list[str]:
+    """Where the shared image every sandbox reads its interpreter and tools from is mounted
+    (mounted now if it is not yet): what the grader's page-cache pinning watches beside ``/usr``.
+    Empty where the sandbox binds the cached trees instead."""
+    img = runtime() / "image.ext4"
+    return [str(volumes.image(img))] if volumes.available() and img.exists() else []

@@ -409,6 +409,7 @@ def sandbox_realism(workspace: str | os.PathLike | None = None) -> dict:
     """The battery inside a fresh sandbox on ``workspace`` (default: an empty project)."""
     import tempfile
 
+    from composer_dag.laptop.desktop import dressing
     from composer_dag.laptop.image import Persona
     from composer_dag.sandbox.bwrap import Limits, Sandbox, volume_workspace
 
@@ -417,7 +418,7 @@ def sandbox_realism(workspace: str | os.PathLike | None = None) -> dict:
         vol, ws = volume_workspace(Persona(), Path(workspace).name if workspace else "project", Limits(), tmp,
                                    Path(workspace) if workspace else None)
         try:
-            with Sandbox(ws, volume=vol) as sb:
+            with Sandbox(ws, volume=vol, dressing=dressing()) as sb:
                 return run_battery(sb)
         finally:
             if vol is not None:

@@ -15,7 +15,8 @@ import functools
 import random
 from pathlib import Path
 
-INIT_DIR = "/usr/lib/systemd"  # bound from the runtime (it must exist on the host); process 1 is its ``systemd``
+from composer_dag.sandbox.dressing import INIT_DIR
+
 INIT_SOURCE = Path(__file__).with_name("laptop_init.c")
 
 # (user, command line): "comm=NAME " first where the process renames itself

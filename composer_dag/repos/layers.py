@@ -25,6 +25,7 @@ from pathlib import Path
 from composer_dag.laptop.image import PYVER, Persona
 from composer_dag.repos.config import NETWORK_ERRORS, BootstrapConfig, BootstrapError
 from composer_dag.repos.layout import Layout, norm_name, req_name
+from composer_dag.laptop.desktop import dressing
 from composer_dag.sandbox.bwrap import Bind, Limits, Sandbox
 
 # what the sandbox's Python has already (rootfs.TOOLING and its requirements): not fetched again
@@ -91,7 +92,7 @@ def repo_sandbox(workspace: Path, persona: Persona, binds: list[Bind], timeout: 
     """The sandbox a repository's code runs in (its wheel's build, the layer's install, its
     tests): ``timeout`` seconds, a minute more of CPU, 4 GiB of disk."""
     return Sandbox(workspace, Limits(timeout=timeout, cpu_seconds=int(timeout) + 60, max_disk_bytes=4 << 30),
-                   project=workspace.name, binds=binds, persona=persona, chown=chown)
+                   project=workspace.name, binds=binds, dressing=dressing(persona), chown=chown)
 
 
 def _pip(workspace: Path, persona: Persona, wheelhouse: Path, out: Path, args: list[str], cfg: BootstrapConfig):

@@ -75,6 +75,7 @@ The runtime image (system binds, /usr/local, /etc, the home skeleton) is built b
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -91,14 +92,12 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from composer_dag.sandbox import volumes
 from composer_dag.sandbox.netns import Network
-from composer_dag.laptop.session import INIT_DIR, init_env
-from composer_dag.laptop.image import (PYVER, Persona, _cache_root, _libpython_binds, _libpython_files, _system_binds,
-                     identity_runtime, image_at, persona_runtime, runtime, shell_history)
+from composer_dag.sandbox.dressing import INIT_DIR, ROOT, Dressing
 
 BWRAP = shutil.which("bwrap") or "/usr/bin/bwrap"
 START_TIMEOUT = 30.0  # seconds for a sandbox's session to come up
@@ -139,68 +138,17 @@ class Bind:
     shared: bool = False  # an immutable tree many sandboxes bind (shown from an image of it)
 
 
-# ---------------------------------------------------------------- bwrap arguments (computed once)
+# ---------------------------------------------------------------- bwrap arguments
 
-_BASE_ARGS: dict = {}
-
-
-def _base_args(persona: Persona, prt: Path) -> list[str]:
-    """bwrap arguments shared by every sandbox with this persona and runtime ``prt`` (computed once)."""
-    if (persona, prt) in _BASE_ARGS:
-        return _BASE_ARGS[(persona, prt)]
-    rt = runtime()
-    prefix = Path(sys.base_prefix)
-    exe = prefix / "bin" / f"python{PYVER}"
+def _base_args(d: Dressing) -> list[str]:
+    """bwrap's namespaces, the dressing's read-only system, and the sandbox's own /proc, /dev and /run."""
     # no --die-with-parent (it follows the starting thread, and a sandbox outlives it): the
     # session ends when the host's end of the control socket closes, with the process holding it
     a = [BWRAP, "--unshare-ipc", "--unshare-pid", "--unshare-uts",
-         "--unshare-cgroup-try", "--new-session", "--as-pid-1",
-         "--hostname", persona.hostname]
-    shared = _shared_image(rt, persona_runtime(persona))  # an identity's tree has no image of its own
-    if shared is not None:  # each tree the root of a file system, or bound at its own path in one
-        a += ["--ro-bind", ROOT, "/"] + _system_binds() + ["--ro-bind", f"{shared}/usr/local", "/usr/local"]
-        a += [x for _, inside in _libpython_files() for x in ("--ro-bind", f"{shared}{inside}", inside)]
-        init = f"{shared}{INIT_DIR}"
-    else:
-        a += ["--ro-bind", str(prt / "root"), "/"] + _system_binds()
-        a += ["--ro-bind", str(rt / "usr-local"), "/usr/local",
-              "--ro-bind", str(prefix / "lib"), "/usr/local/lib",
-              "--ro-bind", str(exe), f"/usr/local/bin/python{PYVER}",
-              "--ro-bind", str(rt / "site-packages"), f"/usr/local/lib/python{PYVER}/site-packages"]
-        a += _libpython_binds()
-        init = str(rt / "systemd-lib")
-    if not Path(INIT_DIR).is_dir():
-        raise RuntimeError(f"the sandbox binds its init at {INIT_DIR}, which this host lacks: "
-                           f"`mkdir -p {INIT_DIR}` as root (`make system-deps` does)")
-    a += ["--ro-bind", init, INIT_DIR]
-    a += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--mqueue", "/dev/mqueue",
-          "--perms", "0755", "--tmpfs", "/run", "--perms", "1777", "--size", str(5 << 20), "--tmpfs", "/run/lock", "--dir", "/run/user"]
-    # a laptop's other mount points, as its user sees them: /dev/hugepages empty, the EFI
-    # partition root's alone (Debian mounts it umask=0077)
-    a += ["--perms", "0755", "--size", "4096", "--tmpfs", "/dev/hugepages", "--perms", "0700", "--size", "4096",
-          "--tmpfs", "/boot/efi"]
-    _BASE_ARGS[(persona, prt)] = a
-    return a
-
-
-ROOT = "@root@"
-"""``_base_args``' stand-in for the sandbox's own mount of its root image (``Sandbox``)."""
-
-
-def _shared_image(rt: Path, prt: Path) -> Path | None:
-    """Where the shared image is mounted, where this host makes file systems for the sandbox
-    (``volumes``) and both images are built; None: bind the cached trees themselves."""
-    if not (volumes.available() and (prt / "root.ext4").exists() and (rt / "image.ext4").exists()):
-        return None
-    return volumes.image(rt / "image.ext4")
-
-
-def image_roots() -> list[str]:
-    """Where the shared image every sandbox reads its interpreter and tools from is mounted
-    (mounted now if it is not yet): what the grader's page-cache pinning watches beside ``/usr``.
-    Empty where the sandbox binds the cached trees instead."""
-    img = runtime() / "image.ext4"
-    return [str(volumes.image(img))] if volumes.available() and img.exists() else []
+         "--unshare-cgroup-try", "--new-session", "--as-pid-1", "--hostname", d.hostname, *d.system]
+    return a + ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--mqueue", "/dev/mqueue",
+                "--perms", "0755", "--tmpfs", "/run", "--perms", "1777", "--size", str(5 << 20), "--tmpfs", "/run/lock",
+                "--dir", "/run/user"]
 
 
 def home_volume(limits: Limits, parent: Path | str | None = None) -> volumes.Volume | None:
@@ -225,9 +173,9 @@ def scratch(path: Path, limits: Limits) -> Path:
     return path
 
 
-def volume_workspace(persona: Persona, project: str, limits: Limits, parent: Path | str,
+def volume_workspace(persona, project: str, limits: Limits, parent: Path | str,
                      src: Path | None = None) -> tuple[volumes.Volume | None, Path]:
-    """A workspace for a sandbox, and the volume that holds it (pass both to ``Sandbox``): where the
+    """A workspace for ``persona`` (anything with a ``user``: a ``Dressing``) in a sandbox, and the volume that holds it (pass both to ``Sandbox``): where the
     host makes file systems, ``<volume>/<user>/<project>`` in a new ``home_volume``, a plain
     directory of the home inside; elsewhere ``<parent>/<project>``. ``src`` is copied in (links
     kept) if given, else the directory is made empty."""
@@ -245,14 +193,14 @@ def volume_workspace(persona: Persona, project: str, limits: Limits, parent: Pat
     return vol, ws
 
 
-def _bwrap_env() -> dict:
-    """bubblewrap's environment: this process's, with ``keep_privs.so`` preloaded where we are
-    root, so that bubblewrap leaves ``no_new_privs`` unset (every mount it makes is nosuid, which
-    keeps what the flag would; ``keep_privs.c``). The sandbox's own environment is set apart
-    (``--clearenv``), so the preload goes no further than bubblewrap."""
+def _bwrap_env(preload: str | None) -> dict:
+    """bubblewrap's environment: this process's, with the dressing's ``preload`` where we are
+    root (the laptop's keeps ``no_new_privs`` unset; every mount bwrap makes is nosuid, which
+    keeps what the flag would). The sandbox's own environment is set apart (``--clearenv``), so
+    the preload goes no further than bubblewrap."""
     env = dict(os.environ)
-    if os.geteuid() == 0:
-        env["LD_PRELOAD"] = " ".join(filter(None, [str(runtime() / "tools" / "keep_privs.so"), env.get("LD_PRELOAD")]))
+    if preload and os.geteuid() == 0:
+        env["LD_PRELOAD"] = " ".join(filter(None, [preload, env.get("LD_PRELOAD")]))
     return env
 
 
@@ -267,7 +215,7 @@ def _release(tmp: Path, network: Network | None, live: dict, mounts: bool) -> No
         network.close()
 
 
-def _disk_watch(writable, L: Limits, start: tuple[int, int], every: float = 0.1):
+def _disk_watch(tool: Path, writable, L: Limits, start: tuple[int, int], every: float = 0.1):
     """A check for ``_pump``: "disk" once the trees grew past a cap (measured at most every
     ``every`` s, and no more than a tenth of the time). A writer overshoots by what it writes in
     one interval: page-cache writes of 1-2 GB/s, 100-200 MB here."""
@@ -277,7 +225,7 @@ def _disk_watch(writable, L: Limits, start: tuple[int, int], every: float = 0.1)
         now = time.monotonic()
         if now < nxt[0]:
             return None
-        size, files, deep = _disk_usage(writable, L.max_disk_depth)
+        size, files, deep = _disk_usage(tool, writable, L.max_disk_depth)
         nxt[0] = time.monotonic() + max(every, 10 * (time.monotonic() - now))
         over = (size > L.max_disk_bytes and size > start[0]) or (files > L.max_disk_files and files > start[1])
         over = over or bool(deep)
@@ -285,10 +233,10 @@ def _disk_watch(writable, L: Limits, start: tuple[int, int], every: float = 0.1)
     return check
 
 
-def _idle_watch(live: dict, lock: threading.Lock, writable, L: Limits, start: tuple[int, int]) -> None:
+def _idle_watch(live: dict, lock: threading.Lock, tool: Path, writable, L: Limits, start: tuple[int, int]) -> None:
     """Between commands, while processes a command left run: the disk cap holds for them too
     (growth past it ends the sandbox, as a kill during a command would end the command)."""
-    check, gen = _disk_watch(writable, L, start, every=0.25), live.get("gen")
+    check, gen = _disk_watch(tool, writable, L, start, every=0.25), live.get("gen")
     while live.get("gen") is gen:  # until this sandbox ends
         time.sleep(0.25)
         if not lock.acquire(blocking=False):
@@ -514,16 +462,6 @@ def _end(live: dict) -> None:
             _remove_cgroup(c)
 
 
-def _user_groups(persona: Persona, prt: Path) -> str:
-    """The persona's supplementary group ids, from its /etc/group ("24,25,27,..."). They
-    give nothing on the host: every host path inside is read-only and /dev holds no device
-    of those groups."""
-    etc = prt / "root" / "etc" / "group"
-    gids = [x.split(":")[2] for x in etc.read_text().splitlines()
-            if persona.user in x.split(":")[3].split(",") and x.split(":")[2] != str(persona.gid)]
-    return ",".join(gids)
-
-
 _SIGNAL_REASON = {signal.SIGXCPU: "cpu", signal.SIGKILL: "cpu", signal.SIGXFSZ: "file_size"}
 
 
@@ -679,20 +617,16 @@ class Sandbox:
     passwd and group say so): a grading run's own identity (``identity_lease``).
     """
 
-    def __init__(self, workspace: Path, limits: Limits = Limits(), *, project: str | None = None,
-                 persona: Persona = Persona(), masks: dict[str, Path | None] | None = None,
-                 binds: list[Bind] = (), chown: bool = True, identity: int | None = None,
-                 volume: volumes.Volume | None = None):
+    def __init__(self, workspace: Path, limits: Limits = Limits(), *, dressing: Dressing, project: str | None = None,
+                 masks: dict[str, Path | None] | None = None, binds: list[Bind] = (), chown: bool = True,
+                 identity: int | None = None, volume: volumes.Volume | None = None):
         self.workspace = Path(workspace).resolve()
         self.limits = limits
-        base = persona
-        prt = identity_runtime(base, identity) if identity is not None else persona_runtime(base)
-        if identity is not None:
-            persona = replace(base, uid=identity, gid=identity)
+        self.dressing = d = dressing
+        self.persona = d.persona
         self._kind = "grading" if identity is not None else "episode"
-        self.persona = persona
         self.project = project or self.workspace.name
-        self.root = f"{persona.home}/{self.project}"
+        self.root = f"{d.home}/{self.project}"
         sweep_stale_temporaries()  # what killed processes left (once per process)
         self._dir = Path(tempfile.mkdtemp(prefix="cdag-h-"))
         self.network: Network | None = None
@@ -700,72 +634,22 @@ class Sandbox:
             self._mounts = volumes.available()
             if volume is None and self._mounts:
                 volume = self._own_volume = home_volume(limits, self._dir)
-            self._run = self._dir / "run"
-            self._run.mkdir(mode=0o700)
-            if self._mounts:  # a laptop's: a tmpfs of the user's, mode 700 (logind's)
-                volumes.tmpfs(self._run, limits.max_tmp_bytes, 0o700, persona.uid, persona.gid)
-            else:
-                os.lchown(self._run, persona.uid, persona.gid)
-            self._home = (volume.path / persona.user) if volume is not None else self._dir / "home"
+            self._home = (volume.path / d.user) if volume is not None else self._dir / "home"
             # the workspace made in the volume, as a plain directory of the home (no mount of its own)
             inside = volume is not None and self.workspace.parent == self._home.resolve()
-            self._make_home(prt / "skel", inside)
+            self._make_home(inside)
             if chown:
-                chown_tree(self.workspace, persona.uid, persona.gid)
-            a = list(_base_args(base, prt))
-            if ROOT in a:
-                # the persona's root image on a loop device of the sandbox's own, let go with it:
-                # the many personas and grading identities leave no mounts behind
-                root = self._dir / "root"
-                root.mkdir()
-                volumes.mount_file(persona_runtime(base) / "root.ext4", root)
-                a[a.index(ROOT)] = str(root)
-                if identity is not None:
-                    # a grading identity's passwd and group (its uid for the persona's user) laid
-                    # over the persona's root: an image per persona and uid would be megabytes each
-                    for f in ("passwd", "group"):
-                        a += ["--ro-bind", self._placed(prt / "root" / "etc" / f, f"/etc/{f}"), f"/etc/{f}"]
-            try:
-                self.network = Network(base)
-            except OSError:
-                self.network = None
-                a.append("--unshare-net")
-            else:
-                # /sys's own mount points: the cgroup tree's, and debugfs and tracefs, root's alone
-                a += ["--ro-bind", self.network.sysfs, "/sys", "--perms", "0755", "--size", "4096", "--tmpfs", "/sys/fs/cgroup",
-                      "--perms", "0700", "--size", "4096", "--tmpfs", "/sys/kernel/debug",
-                      "--perms", "0700", "--size", "4096", "--tmpfs", "/sys/kernel/tracing"]
-            for tmp in ("/tmp", "/var/tmp"):
-                if not any(b.path == tmp for b in binds):  # a caller's scratch (``scratch``) replaces it
-                    a += ["--perms", "1777", "--size", str(limits.max_tmp_bytes), "--tmpfs", tmp]
-            for d in (".ICE-unix", ".X11-unix", ".XIM-unix", ".font-unix"):
-                a += ["--perms", "1777", "--dir", f"/tmp/{d}"]
-            a += ["--bind", str(self._run), f"/run/user/{persona.uid}"]
-            if volume is not None:
-                a += ["--bind", str(volume.path), "/home"] + ([] if inside else ["--bind", str(self.workspace), self.root])
-                # a loop device's backing file shows in sysfs (loop/backing_file): hide the virtual disks
-                if self.network is not None:
-                    a += ["--perms", "0755", "--size", "4096", "--tmpfs", "/sys/devices/virtual/block"]
-            else:
-                a += ["--bind", str(self._home), persona.home, "--bind", str(self.workspace), self.root]
+                chown_tree(self.workspace, d.uid, d.gid)
+            self._args = self._system() + self._private(binds) + list(d.mounts) + self._user_trees(volume, inside)
             for path, host in (masks or {}).items():
-                a += ["--tmpfs", path] if host is None else ["--ro-bind", self._placed(Path(host), path), path]
+                self._args += ["--tmpfs", path] if host is None else ["--ro-bind", self._placed(Path(host), path), path]
             for b in binds:
-                a += ["--bind", str(b.host), b.path] if b.writable else ["--ro-bind", self._placed(Path(b.host), b.path, b.shared), b.path]
-            self._args = a
+                self._args += ["--bind", str(b.host), b.path] if b.writable else \
+                    ["--ro-bind", self._placed(Path(b.host), b.path, b.shared), b.path]
             self._writable = ([volume.path] if volume is not None else [self._dir]) + ([] if inside else [self.workspace]) \
                 + [Path(b.host) for b in binds if b.writable]
-            p = persona
-            self.env = {"HOME": p.home, "USER": p.user, "LOGNAME": p.user, "SHELL": "/bin/bash",
-                        "PATH": f"{p.home}/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                        "LANG": p.locale, "TERM": "xterm-256color", "EDITOR": p.editor,
-                        "XDG_RUNTIME_DIR": f"/run/user/{p.uid}", "XDG_SESSION_ID": str(p.session),
-                        "XDG_SESSION_TYPE": "wayland", "XDG_SESSION_CLASS": "user", "XDG_CURRENT_DESKTOP": "GNOME",
-                        "DBUS_SESSION_BUS_ADDRESS": f"unix:path=/run/user/{p.uid}/bus"}
-            self._groups = _user_groups(persona, prt)
-            self._etc = prt / "root" / "etc"
-            self._pids = random.Random(f"{persona!r}:{self.project}")
-            self._pid = 4000 + self._pids.randrange(20000)
+            self.env = dict(d.env)
+            self._pids = d.command_pids(self.project) if d.command_pids else itertools.repeat(0)
             self._live: dict = {}  # the running sandbox: bwrap, the control socket, process 1's host pid
             self._lock = threading.Lock()  # one command at a time; the idle watch waits for it
             self._usage: tuple[int, int] | None = None  # (bytes, entries) after the last command
@@ -777,24 +661,78 @@ class Sandbox:
             raise
         self._closer = weakref.finalize(self, _release, self._dir, self.network, self._live, self._mounts)
 
+    def _system(self) -> list[str]:
+        """The namespaces and the dressing's read-only system: its root image on a loop device of
+        the sandbox's own, let go with it (the many machines leave no mounts behind), its overlays."""
+        d = self.dressing
+        a = _base_args(d)
+        if ROOT in a:
+            root = self._dir / "root"
+            root.mkdir()
+            volumes.mount_file(d.root_image, root)
+            a[a.index(ROOT)] = str(root)
+        for host, inside in d.overlays:
+            a += ["--ro-bind", self._placed(host, inside), inside]
+        return a
+
+    def _private(self, binds) -> list[str]:
+        """The network (its own namespace and sysfs, or bwrap's empty one) and the private /tmp, /var/tmp."""
+        try:
+            self.network = Network(self.dressing.network)
+        except OSError:
+            self.network = None
+            a = ["--unshare-net"]
+        else:
+            # /sys's own mount points: the cgroup tree's, and debugfs and tracefs, root's alone
+            a = ["--ro-bind", self.network.sysfs, "/sys", "--perms", "0755", "--size", "4096", "--tmpfs", "/sys/fs/cgroup",
+                 "--perms", "0700", "--size", "4096", "--tmpfs", "/sys/kernel/debug",
+                 "--perms", "0700", "--size", "4096", "--tmpfs", "/sys/kernel/tracing"]
+        for tmp in ("/tmp", "/var/tmp"):
+            if not any(b.path == tmp for b in binds):  # a caller's scratch (``scratch``) replaces it
+                a += ["--perms", "1777", "--size", str(self.limits.max_tmp_bytes), "--tmpfs", tmp]
+        return a
+
+    def _user_trees(self, volume, inside: bool) -> list[str]:
+        """The user's runtime directory (a tmpfs of the user's, mode 700, as logind makes it), home
+        and workspace."""
+        d = self.dressing
+        run = self._dir / "run"
+        run.mkdir(mode=0o700)
+        if self._mounts:
+            volumes.tmpfs(run, self.limits.max_tmp_bytes, 0o700, d.uid, d.gid)
+        else:
+            os.lchown(run, d.uid, d.gid)
+        a = ["--bind", str(run), f"/run/user/{d.uid}"]
+        if volume is None:
+            return a + ["--bind", str(self._home), d.home, "--bind", str(self.workspace), self.root]
+        a += ["--bind", str(volume.path), "/home"] + ([] if inside else ["--bind", str(self.workspace), self.root])
+        if self.network is not None:  # a loop device's backing file shows in sysfs (loop/backing_file): hide the virtual disks
+            a += ["--perms", "0755", "--size", "4096", "--tmpfs", "/sys/devices/virtual/block"]
+        return a
+
     def close(self) -> None:
         self._closer()
 
-    def _make_home(self, skel: Path, inside: bool) -> None:
-        """The user's home: the persona's skeleton, a history that fits the project, the user's own
+    def _make_home(self, inside: bool) -> None:
+        """The user's home: the dressing's skeleton, its history for the project, the user's own
         (the workspace in it, ``inside``, is given to the user or not by the caller's ``chown``)."""
-        p = self.persona
+        d = self.dressing
         self._home.mkdir(exist_ok=True)
-        shutil.copytree(skel, self._home, symlinks=True, dirs_exist_ok=True)
+        names = []
+        if d.skel is not None:
+            shutil.copytree(d.skel, self._home, symlinks=True, dirs_exist_ok=True)
+            names = [e.name for e in os.scandir(d.skel)]
         (self._home / self.project).mkdir(exist_ok=True)
-        files = sorted(e.name for e in os.scandir(self.workspace) if e.is_file() and not e.name.startswith("."))[:20]
-        (self._home / ".bash_history").write_text(shell_history(p, self.project, files))
-        os.chmod(self._home / ".bash_history", 0o600)
-        os.lchown(self._home, p.uid, p.gid)
-        for name in [e.name for e in os.scandir(skel)] + [".bash_history"]:
-            chown_tree(self._home / name, p.uid, p.gid)
+        if d.history is not None:
+            files = sorted(e.name for e in os.scandir(self.workspace) if e.is_file() and not e.name.startswith("."))[:20]
+            (self._home / ".bash_history").write_text(d.history(self.project, files))
+            os.chmod(self._home / ".bash_history", 0o600)
+            names.append(".bash_history")
+        os.lchown(self._home, d.uid, d.gid)
+        for name in names:
+            chown_tree(self._home / name, d.uid, d.gid)
         if not inside:
-            os.lchown(self._home / self.project, p.uid, p.gid)
+            os.lchown(self._home / self.project, d.uid, d.gid)
 
     def _placed(self, host: Path, inside: str, shared: bool = False) -> str:
         """What to bind read-only at ``inside`` for the host tree ``host``, so that the mount's
@@ -805,8 +743,9 @@ class Sandbox:
         if not self._mounts:
             return str(host)
         real = Path(os.path.realpath(host))
-        if real.is_dir() and (shared or real.is_relative_to(_cache_root())):
-            return f"{volumes.image(image_at(real, inside))}{inside}"
+        d = self.dressing
+        if real.is_dir() and d.image_at and (shared or any(real.is_relative_to(c) for c in d.immutable)):
+            return f"{volumes.image(d.image_at(real, inside))}{inside}"
         over = self._dir / "over"
         if not over.exists():
             over.mkdir()
@@ -848,8 +787,7 @@ class Sandbox:
     def _start_now(self) -> None:
         host, inside = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         r_info, w_info = os.pipe()
-        self._pid = self._pid + 3 + self._pids.randrange(60) if self._pid < 30000 else 2000
-        env = init_env(self.persona, self._etc, self._groups, self._pid, inside.fileno())
+        env = self.dressing.init(next(self._pids), inside.fileno())
         argv = self.network.enter() if self.network else []
         argv += self._args + ["--info-fd", str(w_info), "--chdir", "/", "--clearenv"]
         for k, v in dict(env, PATH=INIT_DIR).items():
@@ -865,7 +803,7 @@ class Sandbox:
         self.process_cap = "cgroup" if cg is not None else "rlimit"
         log = open(self._dir / "init.log", "wb")
         try:
-            env = _bwrap_env()
+            env = _bwrap_env(self.dressing.preload)
             if procs:
                 env["CDAG_CGROUPS"] = " ".join(procs)
             proc = subprocess.Popen(argv, pass_fds=(w_info, inside.fileno()), stdin=subprocess.DEVNULL,
@@ -912,14 +850,14 @@ class Sandbox:
 
     def disk_usage(self) -> tuple[int, int]:
         """(bytes, entries) in the writable host trees: what the disk cap counts."""
-        return _disk_usage(self._writable, self.limits.max_disk_depth)[:2]
+        return _disk_usage(self.dressing.disk_usage, self._writable, self.limits.max_disk_depth)[:2]
 
     def _prune(self) -> tuple[int, int, bool]:
         """Measure the writable trees and remove what is nested too deep: (bytes, entries, pruned)."""
-        size, files, deep = _disk_usage(self._writable, self.limits.max_disk_depth)
+        size, files, deep = _disk_usage(self.dressing.disk_usage, self._writable, self.limits.max_disk_depth)
         if deep:
             subprocess.run(["rm", "-rf", "--one-file-system", "--", *deep], check=False)
-            size, files, _ = _disk_usage(self._writable, self.limits.max_disk_depth)
+            size, files, _ = _disk_usage(self.dressing.disk_usage, self._writable, self.limits.max_disk_depth)
         return size, files, bool(deep)
 
     def _request(self, cmd, cwd: str | None, env: dict | None, fsize: int) -> list[bytes]:
@@ -945,7 +883,7 @@ class Sandbox:
             live = self._live
             if live.get("left") and not live.get("watch"):  # the command left something running
                 live["watch"] = threading.Thread(target=_idle_watch, daemon=True, name="sandbox-idle-watch",
-                                                 args=(live, self._lock, self._writable, self.limits, after))
+                                                 args=(live, self._lock, self.dressing.disk_usage, self._writable, self.limits, after))
                 live["watch"].start()
         return r
 
@@ -982,7 +920,8 @@ class Sandbox:
                 os.close(fd)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         out, err, done, stop, dropped = _pump(self._live, pipes[0][0], pipes[1][0], w_in, data, t0 + timeout,
-                                              self.limits.max_output_bytes, _disk_watch(self._writable, self.limits, (used, files)))
+                                              self.limits.max_output_bytes,
+                                              _disk_watch(self.dressing.disk_usage, self._writable, self.limits, (used, files)))
         if done is None:  # the session ended (killed from inside, or the kill took too long)
             _end(self._live)
             status, cpu = None, 0.0
@@ -1028,15 +967,41 @@ def entry_disk_bytes(p: Path) -> int:
     return max(st.st_blocks * 512, st.st_size if stat.S_ISREG(st.st_mode) else 0)
 
 
-def _disk_usage(roots, max_depth: int) -> tuple[int, int, list[str]]:
+def _disk_usage(tool: Path, roots, max_depth: int) -> tuple[int, int, list[str]]:
     """Bytes (per file the larger of allocated and apparent size) and entries under ``roots``,
     links not followed, and the directories nested deeper than ``max_depth`` levels or with an
-    over-long path (not descended into): ``disk_usage.c``, built with the runtime."""
-    r = subprocess.run([str(runtime() / "tools" / "disk_usage"), str(max_depth), *map(str, roots)],
+    over-long path (not descended into): ``tool``, ``disk_usage.c`` built."""
+    r = subprocess.run([str(tool), str(max_depth), *map(str, roots)],
                        capture_output=True, check=True)
     head, _, rest = r.stdout.partition(b"\n")
     size, n = map(int, head.split())
     return size, n, [os.fsdecode(p) for p in rest.split(b"\0")[:-1]]
+
+
+def _send_kill(ctl) -> bool:
+    """Ask the session to kill the command's tree; False when the session is gone."""
+    try:
+        ctl.setblocking(True)
+        ctl.sendall(struct.pack("I", 2) + b"K\0")
+        return True
+    except OSError:
+        return False
+    finally:
+        ctl.setblocking(False)
+
+
+def _take_done(live: dict, msgs: bytearray) -> tuple[int, float] | None:
+    """The complete lines in ``msgs`` taken out of it: the command's (wait status, CPU seconds)
+    where its shell said it returned ("D STATUS USER_US SYS_US LEFT"), else None."""
+    done = None
+    while b"\n" in msgs:
+        line, _, rest = bytes(msgs).partition(b"\n")
+        msgs[:] = rest
+        parts = line.split()
+        if parts[:1] == [b"D"] and len(parts) == 5:
+            done = (int(parts[1]), (int(parts[2]) + int(parts[3])) / 1e6)
+            live["left"] = live.get("left") or parts[4] == b"1"
+    return done
 
 
 def _pump(live: dict, r_out: int, r_err: int, w_in: int, stdin: bytes | None, deadline: float, budget: int,
@@ -1085,13 +1050,8 @@ def _pump(live: dict, r_out: int, r_err: int, w_in: int, stdin: bytes | None, de
                 stop = "timeout" if now >= deadline else watch() if watch else None
                 if stop:
                     killed_at = now
-                    try:
-                        ctl.setblocking(True)
-                        ctl.sendall(struct.pack("I", 2) + b"K\0")
-                    except OSError:
+                    if not _send_kill(ctl):
                         break
-                    finally:
-                        ctl.setblocking(False)
                     continue
             wait = killed_at + KILL_GRACE - now if killed_at is not None else min(deadline - now, 0.1)
             for key, _ in sel.select(max(0.0, wait)):
@@ -1115,13 +1075,7 @@ def _pump(live: dict, r_out: int, r_err: int, w_in: int, stdin: bytes | None, de
                         gone = True
                         break
                     msgs += chunk
-                    while b"\n" in msgs:
-                        line, _, rest = bytes(msgs).partition(b"\n")
-                        msgs[:] = rest
-                        parts = line.split()
-                        if parts[:1] == [b"D"] and len(parts) == 5:
-                            done = (int(parts[1]), (int(parts[2]) + int(parts[3])) / 1e6)
-                            live["left"] = live.get("left") or parts[4] == b"1"
+                    done = _take_done(live, msgs) or done
                 else:
                     read_out(fd)
         # what the command wrote before it returned is in the pipes: take it, without waiting for
@@ -1140,9 +1094,9 @@ def _pump(live: dict, r_out: int, r_err: int, w_in: int, stdin: bytes | None, de
 
 # ---------------------------------------------------------------- command line helper
 
-def sandbox_exec(workspace_dir, cmd, limits: Limits = Limits()) -> int:
+def sandbox_exec(workspace_dir, cmd, limits: Limits = Limits(), *, dressing: Dressing) -> int:
     """Run ``cmd`` (list or shell string) in a sandbox on ``workspace_dir``; print its output."""
-    with Sandbox(Path(workspace_dir), limits) as sb:
+    with Sandbox(Path(workspace_dir), limits, dressing=dressing) as sb:
         r = sb.run(cmd)
     sys.stdout.write(r.stdout)
     sys.stderr.write(r.stderr)

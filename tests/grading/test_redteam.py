@@ -189,6 +189,7 @@ def test_exclusive_runs_leave_no_live_episode_running_beside_them(all_tasks, tmp
     stops it where it stands), and samples again after; without it, it samples through them.
     Under cgroup v2 the episode's sandbox is in a v2 cgroup, frozen through ``cgroup.freeze``."""
     from composer_dag.grading.checks import GradeConfig
+    from composer_dag.laptop.desktop import dressing
     from composer_dag.sandbox.bwrap import Limits, Sandbox, _freezer_root
 
     hierarchy, mnt = freezer
@@ -200,7 +201,7 @@ def test_exclusive_runs_leave_no_live_episode_running_beside_them(all_tasks, tmp
     (tmp_path / "e").mkdir()
     beat = ("import time\nwith open('/tmp/beats', 'a', buffering=1) as f:\n"
             "    while True:\n        f.write(f'{time.monotonic():.4f}\\n'); time.sleep(0.005)\n")
-    with Sandbox(tmp_path / "e", Limits(timeout=30)) as episode:
+    with Sandbox(tmp_path / "e", Limits(timeout=30), dressing=dressing()) as episode:
         episode.run(f"python3 -c \"{beat}\" >/dev/null 2>&1 &")
         if mnt is not None:  # the episode's processes, in a cgroup under the v2 freezer's
             assert any((c / "cgroup.procs").read_text().split() for c in (mnt / "cdag-episodes").glob("cdag-*"))
@@ -238,6 +239,7 @@ def test_runs_of_a_grading_cannot_find_each_other(all_tasks, tmp_path):
     from pathlib import Path
 
     from composer_dag.grading.page_cache import drop_caches
+    from composer_dag.laptop.desktop import dressing
     from composer_dag.sandbox.bwrap import Sandbox, identity_lease
 
     token = secrets.token_hex(4)
@@ -247,7 +249,7 @@ def test_runs_of_a_grading_cannot_find_each_other(all_tasks, tmp_path):
         ws.mkdir(parents=True)
         shutil.copy(Path(__file__).parent.parent / "peer_probe.py", ws / "peer_probe.py")
         with (identity_lease() if leased and held is None else nullcontext(held)) as uid, \
-                Sandbox(ws, identity=uid) as sb:
+                Sandbox(ws, identity=uid, dressing=dressing(identity=uid)) as sb:
             r = sb.run(["python3", "peer_probe.py", me, other], timeout=60)
         assert r.exit_code == 0, r.stderr
         return json.loads(r.stdout.strip().splitlines()[-1])

@@ -158,6 +158,7 @@ def test_the_battery_in_a_grading_run_sees_what_the_episode_sees(tmp_path, repor
 
 def test_personas_vary_with_the_seed_and_share_what_does_not_depend_on_them(tmp_path):
     from composer_dag.laptop.image import LOCALES, persona_for, persona_runtime, runtime
+    from composer_dag.laptop.desktop import dressing
     from composer_dag.sandbox.bwrap import Sandbox
 
     drawn = [persona_for(f"task-{i}") for i in range(200)]
@@ -184,7 +185,7 @@ def test_personas_vary_with_the_seed_and_share_what_does_not_depend_on_them(tmp_
     ws.mkdir()
     (ws / "cart.py").write_text("x = 1\n")
     for p in (a, b):
-        with Sandbox(ws, persona=p) as sb:
+        with Sandbox(ws, dressing=dressing(p)) as sb:
             r = sb.run("whoami; hostname; cat /etc/timezone; echo $LANG; locale >/dev/null; git config user.name; "
                        "grep -c . ~/.bash_history; grep -m1 -o 'cd ~/shop' ~/.bash_history; pwd; id -Gn")
         assert r.exit_code == 0 and r.stderr == "", r.stderr
@@ -224,7 +225,7 @@ def test_the_runtime_cache_evicts_what_no_one_has_used_for_days(tmp_path, monkey
     age(stale, 4 * 86400)  # unused for four days: past the default three
     age(used, 4 * 86400)
     age(fresh, 2 * 86400)
-    half = rootfs._cache_root() / ".build-killed"  # left by a process killed mid-build
+    half = rootfs.cache_root() / ".build-killed"  # left by a process killed mid-build
     half.mkdir()
     os.utime(half, (time.time() - 7200,) * 2)
     assert build("used") == used and made == ["stale", "used", "fresh"]  # a hit builds nothing...

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from composer_dag.laptop.realism import fingerprint, realism_diff, tell_tales
+from composer_dag.laptop.desktop import dressing
 from composer_dag.sandbox.bwrap import Limits, Sandbox, _laptop_nproc, _pids_root, sandbox_exec
 
 
@@ -19,7 +20,7 @@ def sb(tmp_path):
     ws = tmp_path / "webshop"
     ws.mkdir()
     (ws / "app.py").write_text("print('hello from app')\n")
-    with Sandbox(ws, Limits(timeout=20)) as s:
+    with Sandbox(ws, Limits(timeout=20), dressing=dressing()) as s:
         yield s
 
 
@@ -49,7 +50,7 @@ def test_host_paths_and_network_are_unreachable(sb):
 def test_private_tmp_between_sandboxes(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
-    with Sandbox(a) as s1, Sandbox(b) as s2:
+    with Sandbox(a, dressing=dressing()) as s1, Sandbox(b, dressing=dressing()) as s2:
         s1.run("echo secret > /tmp/x")
         assert s2.run("cat /tmp/x").exit_code != 0
         assert s1.run("cat /tmp/x").stdout == "secret\n"  # one sandbox an episode: its /tmp stays
@@ -78,7 +79,8 @@ def test_sandbox_ends_with_the_process_holding_it(tmp_path):
     (tmp_path / "ws").mkdir()
     (tmp_path / "tmp").mkdir()
     script = ("import sys\nfrom pathlib import Path\nfrom composer_dag.sandbox.bwrap import Sandbox\n"
-              f"sb = Sandbox(Path({str(tmp_path / 'ws')!r}))\n"
+              "from composer_dag.laptop.desktop import dressing\n"
+              f"sb = Sandbox(Path({str(tmp_path / 'ws')!r}), dressing=dressing())\n"
               f"print(sb.run('setsid sleep 4242.{tag} >/dev/null 2>&1 & echo up').stdout, flush=True)\n"
               "sys.stdin.read()\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -113,7 +115,8 @@ def test_without_file_systems_of_its_own_the_sandbox_binds_the_host_trees(tmp_pa
     interpreter and the tools, and its mount table names the host (the realism battery's tell)."""
     (tmp_path / "ws").mkdir()
     script = ("import json, os\nfrom pathlib import Path\nfrom composer_dag.sandbox.bwrap import Sandbox\n"
-              f"with Sandbox(Path({str(tmp_path / 'ws')!r})) as sb:\n"
+              "from composer_dag.laptop.desktop import dressing\n"
+              f"with Sandbox(Path({str(tmp_path / 'ws')!r}), dressing=dressing()) as sb:\n"
               "    r = sb.run('python3 -c \"import json; print(json.__name__)\"; pytest --version; '\n"
               "               'awk \\'$5 == \"/home/sam\" || $5 == \"/\" {print $4}\\' /proc/self/mountinfo')\n"
               "print(json.dumps([r.exit_code, r.stdout]))\n")
@@ -139,7 +142,7 @@ def _procs(marker: str) -> list[str]:
 
 def test_rlimits(tmp_path):
     with Sandbox(tmp_path, Limits(cpu_seconds=1, memory_bytes=512 << 20, max_file_bytes=1 << 20,
-                                  max_processes=2000, timeout=20)) as s:
+                                  max_processes=2000, timeout=20), dressing=dressing()) as s:
         r = s.run("python3 -c 'while True: pass'")
         assert r.killed_reason == "cpu" and not r.timed_out
         # a SIGKILL that is not the CPU limit's (the shell kills itself): a plain signal death
@@ -187,7 +190,7 @@ def test_live_sessions_do_not_use_up_the_process_cap(tmp_path):
     try:
         for i in range(4):
             (tmp_path / f"w{i}").mkdir()
-            boxes.append(Sandbox(tmp_path / f"w{i}", Limits(max_processes=40, timeout=20)))
+            boxes.append(Sandbox(tmp_path / f"w{i}", Limits(max_processes=40, timeout=20), dressing=dressing()))
             assert boxes[-1].run("true").exit_code == 0
         r = boxes[-1].run("for i in $(seq 8); do sleep 0.2 & done; wait; echo forked")
         assert boxes[-1].process_cap == ("cgroup" if _pids_root() is not None else "rlimit")
@@ -234,7 +237,7 @@ def test_start_latency(sb):
 
 def test_sandbox_exec(tmp_path, capfd):
     (tmp_path / "f.txt").write_text("data\n")
-    assert sandbox_exec(tmp_path, "cat f.txt; exit 3") == 3
+    assert sandbox_exec(tmp_path, "cat f.txt; exit 3", dressing=dressing()) == 3
     assert "data" in capfd.readouterr().out
 
 

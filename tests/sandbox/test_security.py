@@ -315,7 +315,7 @@ def test_host_secrets_invisible(task, host_guard, tmp_path, monkeypatch):
     (home / ".aws").mkdir(parents=True)
     (home / ".aws" / "credentials").write_text(
         f"[default]\naws_access_key_id = AKIAFAKE0001\naws_secret_access_key = {secret}\n")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(rootfs._cache_root().parent))  # reuse the runtime
+    monkeypatch.setenv("XDG_CACHE_HOME", str(rootfs.cache_root().parent))  # reuse the runtime
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAFAKE0001")
