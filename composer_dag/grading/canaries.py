@@ -346,7 +346,7 @@ def _flat(text: str) -> str:
     return re.sub(r"\s+", "", text).replace('"', "'")
 
 
-_flat_file = functools.lru_cache(maxsize=8192)(_flat)
+flat_file = functools.lru_cache(maxsize=8192)(_flat)
 """``_flat`` of one visible file's text, kept: the tasks of one repository show the same files
 but the one changed, and flattening a repository's text (megabytes) was most of a canary's making."""
 
@@ -370,7 +370,7 @@ def make_canaries(source: str, seed: str, visible: str = "", n: int = 2, per_can
                   visible_flat: str | None = None) -> list[str]:
     """Up to ``n`` canary sources of ``source``, each changing ``per_canary`` sites (different
     sites in different canaries, sites not on one line). ``visible``: the text the solution can
-    read, or ``visible_flat``, the same already flattened (``_visible_text(repo, flat=True)``)."""
+    read, or ``visible_flat``, the same already flattened (``visible_text(repo, flat=True)``)."""
     try:
         found = sites(source)
     except SyntaxError:
@@ -459,7 +459,7 @@ def _swapped_text(source: str, node: ast.Constant) -> str | None:
 _TEXT_SUFFIXES = {".py", ".pyi", ".md", ".rst", ".txt", ".cfg", ".toml", ".ini", ".json", ".yaml", ".yml", ".csv", ""}
 
 
-def _visible_text(repo: Path, flat: bool = False) -> str:
+def visible_text(repo: Path, flat: bool = False) -> str:
     """Every text the policy can read in the repository: the code, its docstrings and comments,
     and the README, the docs and the other text files (up to 1 MB each), so that no canary
     changes an expected value some example shows. ``flat``: as ``_flat`` gives it (whitespace
@@ -475,7 +475,7 @@ def _visible_text(repo: Path, flat: bool = False) -> str:
                 parts.append(p.read_text())
         except (UnicodeDecodeError, OSError):
             continue
-    return "".join(map(_flat_file, parts)) if flat else "\n".join(parts)
+    return "".join(map(flat_file, parts)) if flat else "\n".join(parts)
 
 
 def add_canaries(task_dir: Path, candidates: int = 2, keep: int = 1) -> dict:
@@ -487,7 +487,7 @@ def add_canaries(task_dir: Path, candidates: int = 2, keep: int = 1) -> dict:
     task_dir = Path(task_dir)
     task = json.loads((task_dir / "task.json").read_text())
     hidden = hidden_files(task_dir)
-    visible = _visible_text(task_dir / "repo", flat=True)
+    visible = visible_text(task_dir / "repo", flat=True)
     with tempfile.TemporaryDirectory(prefix="cdag-k-") as tmp:
         stage = Path(tmp) / "canaries"
         stage.mkdir()

@@ -64,7 +64,7 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from composer_dag.runtime.config import StageConfig
-from composer_dag.grading import bytecode
+from composer_dag.repos import bytecode
 from composer_dag.laptop.image import PYVER, task_persona
 from composer_dag.laptop.desktop import dressing
 from composer_dag.sandbox.bwrap import Bind, Limits, Sandbox, identity_lease, scratch, share_tree, volume_workspace

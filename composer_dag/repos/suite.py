@@ -19,7 +19,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from composer_dag.grading import bytecode
+from composer_dag.repos import bytecode
 from composer_dag.laptop.image import Persona
 from composer_dag.repos.config import NETWORK_ERRORS, BootstrapConfig, BootstrapError
 from composer_dag.repos.layers import repo_sandbox, venv_binds

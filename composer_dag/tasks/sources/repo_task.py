@@ -105,21 +105,21 @@ def _shared_visible(dirs: list[Path], tasks: list[dict]) -> str:
     """The flattened text the tasks ``dirs`` (of one environment, hiding one test file) show
     between them: the first one's visible text, and what each other one shows besides (its
     changed module, the test files it does not hide)."""
-    from composer_dag.grading.canaries import _flat_file, _visible_text
+    from composer_dag.grading.canaries import flat_file, visible_text
 
     def hidden(task: dict) -> set[str]:
         return {t.split("::", 1)[0] for t in task["tests"]["FAIL_TO_PASS"]}
 
-    parts = [_visible_text(dirs[0] / "repo", flat=True)]
+    parts = [visible_text(dirs[0] / "repo", flat=True)]
     for d, task in zip(dirs[1:], tasks[1:]):
         changed = (task.get("origin") or {}).get("file")
         if not changed:
-            parts.append(_visible_text(d / "repo", flat=True))
+            parts.append(visible_text(d / "repo", flat=True))
             continue
         for rel in sorted({changed} | (hidden(tasks[0]) - hidden(task))):
             p = d / "repo" / rel
             if p.is_file() and not p.is_symlink():
-                parts.append(_flat_file(p.read_text(errors="replace")))
+                parts.append(flat_file(p.read_text(errors="replace")))
     return "".join(parts)
 
 

@@ -1,4 +1,4 @@
-"""The grader's bytecode cache (composer_dag/grading/bytecode.py): compiled once from a trusted tree,
+"""The grader's bytecode cache (composer_dag/repos/bytecode.py): compiled once from a trusted tree,
 laid into a run's copy only beside sources of the same bytes, never through a link, and never
 standing for other code than the source beside it."""
 
@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from composer_dag.grading import bytecode
+from composer_dag.repos import bytecode
 
 
 def _tree(root, body="def f():\n    return 1\n"):
@@ -76,7 +76,7 @@ def test_a_shared_tree_links_what_the_run_cannot_write_into(tmp_path):
     import tempfile
     from pathlib import Path
 
-    from composer_dag.sandbox.bwrap import share_tree
+    from composer_dag.sandbox import share_tree
 
     base = Path(tempfile.mkdtemp(prefix="cdag-share-"))  # under /tmp: the user can reach it
     try:
