@@ -12,7 +12,8 @@ import dagster as dg
 from assets.common import RETRY, counts_table, latest_metadata, latest_uri, local_copy, record_provenance
 from composer_dag.tasks.sources import build as engine
 from composer_dag.laptop.probes import differences_table, open_tells, sandbox_realism
-from composer_dag.tasks.format import RepoEnvConfig, RepoSpec, TaskBuildConfig, task_dirs
+from composer_dag.tasks.format import RepoEnvConfig, RepoSpec, task_dirs
+from composer_dag.tasks.sources.build import TaskBuildConfig
 from resources import ArtifactStorage, CatalogResource, SourceRegistry
 from resources.dagster_config import dagster_config, engine_config
 from resources.source_registry import SourceError

@@ -40,6 +40,7 @@ from pydantic import Field, field_validator
 from ..agent import AgentConfig
 from ..inference.engine import InferenceConfig
 from ..runtime.config import StageConfig
+from ..tasks.sources import declared
 from .gate import GateConfig
 from .metrics import aggregate, pass_at_k
 
@@ -57,14 +58,14 @@ class EvalConfig(StageConfig):
         description="samples per task for these named candidates of a multi-checkpoint evaluation (the lineage's "
                     "starting points, which the gate compares on perplexity)")
     samples_of_source: dict[str, int] = Field(
-        {"repo-mined": 2}, description="samples per task of these task sources (at most samples_per_task), for "
+        declared("eval_samples"), description="samples per task of these task sources (at most samples_per_task), for "
                                        "sources whose gradings are slow (a repository's tasks are graded by its "
                                        "own suite); the overall pass@k then reports k up to the smallest")
     ks: list[int] = [1, 2, 8]
     task_ids: Optional[list[str]] = Field(None, description="a subset of tasks_dir (default: every task)")
     max_tasks: Optional[int] = Field(3, description="the first N tasks (by id) after task_ids, of the sources "
                                                     "not in every_task_of")
-    every_task_of: list[str] = Field(["learnable", "repo-mined"],
+    every_task_of: list[str] = Field(list(declared("eval_every_task")),
                                      description="task sources evaluated in full, whatever max_tasks")
     batch_tasks: Optional[int] = Field(64, description="tasks per agent-loop batch (all their samples together; a "
                                                        "finished batch is what an interrupted evaluation keeps). "

@@ -24,6 +24,7 @@ from typing import Optional
 from pydantic import Field
 
 from ..runtime.config import StageConfig
+from ..tasks.sources import declared
 from .metrics import stderr
 
 
@@ -43,7 +44,7 @@ class GateConfig(StageConfig):
         0.3, description="validation perplexity: allowed relative increase over the mid-trained checkpoint")
     max_flag_rate_increase: Optional[float] = 0.0
     required_gain: Optional[float] = None
-    gain_source: str = Field("learnable", description="the task source on which RL's gain over its parent is "
+    gain_source: str = Field(next(iter(declared("gain"))), description="the task source on which RL's gain over its parent is "
                                                       "measured (samples' standard error; reported, not gating)")
     gain_sigmas: float = 2.0
 

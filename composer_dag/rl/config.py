@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 from ..agent import AgentConfig
 from ..inference.engine import InferenceConfig
 from ..runtime.config import StageConfig
+from ..tasks.sources import declared
 from .fleet.config import FleetConfig
 from .trainer import TrainerConfig
 
@@ -26,7 +27,7 @@ class RLConfig(StageConfig):
     out_dir: str
     environment: Literal["tasks", "learnable"] = Field("tasks", description="learnable: see LEARNABLE_RUN")
     task_sources: Optional[list[str]] = Field(
-        ["learnable", "repo-mined"], description="train on tasks of these sources only (None: every task); the "
+        list(declared("rl")), description="train on tasks of these sources only (None: every task); the "
                                                  "default fits the tiny CPU model, which solves no HumanEval or bug-fix "
                                                  "task yet, with the tasks mined from repositories in the mix")
     source_weights: Optional[dict[str, float]] = Field(

@@ -1,11 +1,11 @@
-"""The task directory format, and the config tasks are built with.
+"""The task directory format, and the configs of tasks from repositories.
 
 A task is a directory::
 
     task.json       id, source, source_file, project, instructions, limits, reference, sandbox
     repo/           a git repository as the user has it (no trace of the solution)
     hidden_tests/   bound read-only for grading only, never inside an episode's sandbox
-    canaries/       canary tests (``canaries``): hidden tests with changed expected values
+    canaries/       canary tests (``grading.canaries``, added by the source): hidden tests with changed expected values
     reference/      files/<path> of the solved state (checks only)
     masks/          files bound over system paths during an episode (stdlib tasks)
 """
@@ -17,21 +17,13 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Optional
 
 from pydantic import Field
 
 from composer_dag.runtime.config import ConfigError, StageConfig
-from composer_dag.laptop.image import Persona, task_persona
 from composer_dag.tasks.taskdir import TASK_FORMAT
-
-# pure-Python stdlib modules whose unittest module passes quickly against a local copy
-DEFAULT_MODULES = ("colorsys", "textwrap", "fnmatch", "shlex", "difflib", "fractions", "graphlib",
-                   "quopri", "netrc", "getopt", "glob", "plistlib", "string", "base64", "configparser",
-                   "calendar", "ipaddress", "sched", "filecmp", "fileinput", "timeit", "copy")
-
 
 class TaskLimits(StageConfig):
     """An episode's limits, written into each task's ``task.json``."""
@@ -63,7 +55,7 @@ def load_repositories(path: str | None = None) -> list[RepoSpec]:
     ``environments`` list of ``RepoSpec`` entries, then every source of kind local or git with
     ``environments: true`` (or a mapping of RepoSpec fields). ``[NETWORKX]`` when the file does
     not exist. A bad entry is one ``ValueError`` line."""
-    from composer_dag.corpus.sources import _NAME_RE, load_sources, read_sources_doc, sources_file
+    from composer_dag.corpus.sources import NAME_RE, load_sources, read_sources_doc, sources_file
 
     path = sources_file(path)
     if not os.path.exists(path):
@@ -90,8 +82,8 @@ def load_repositories(path: str | None = None) -> list[RepoSpec]:
                 raise ValueError(f"{path}: source {s.name!r} as an environment: {exc}") from None
     seen: set[str] = set()
     for r in out:
-        if not _NAME_RE.match(r.name):
-            raise ValueError(f"{path}: environment name {r.name!r} must match {_NAME_RE.pattern}")
+        if not NAME_RE.match(r.name):
+            raise ValueError(f"{path}: environment name {r.name!r} must match {NAME_RE.pattern}")
         if r.name in seen:
             raise ValueError(f"{path}: environment name {r.name!r} is declared twice")
         seen.add(r.name)
@@ -108,39 +100,21 @@ class RepoEnvConfig(StageConfig):
     exclude_licences: tuple[str, ...] = Field((), description="repositories under these licences are refused")
 
 
-class TaskBuildConfig(StageConfig):
-    """What ``build_tasks`` builds: how many tasks of each kind, from what, and the split."""
-
-    seed: int = Field(0, description="picks the mutations and salts the split")
-    humaneval_limit: int | None = Field(80, description="the first N HumanEval problems; None: all 164, 0: none")
-    bugfix_count: int = Field(10, description="stdlib bug-fix tasks in all")
-    learnable_count: int = Field(100, description="tasks of the learnable family (one word each, see tasks_learnable)")
-    bugfix_modules: tuple[str, ...] = Field(DEFAULT_MODULES, description="stdlib modules to mutate, tried in order")
-    max_per_module: int = Field(3, description="bug-fix tasks kept from one module")
-    attempts_per_module: int = Field(8, description="mutants run against a module's tests before giving up on it")
-    eval_fraction: float = Field(0.2, description="share of source files whose tasks go to eval_tasks")
-    eval_fraction_of: dict[str, float] = Field(
-        {"repo-mined": 0.5}, description="sources split on their own: the share of the source's tasks that go to "
-                                         "eval_tasks, whole source files at a time (for a source with a few "
-                                         "files of many tasks each, such as a repository's, where eval_fraction "
-                                         "of the files would hold out too few tasks to gate)")
-    workers: int = Field(2, description="modules probed in parallel")
-    limits: TaskLimits = TaskLimits()
-
-
 # ---------------------------------------------------------------- writing a task
 
 _EPOCH = 1_714_000_000  # commit dates are deterministic, spaced like a few working days
 
 
-def make_repo(repo: Path, commits: list[tuple[str, dict[str, str]]], seed: str, persona: Persona = Persona()) -> None:
-    """Create a fresh repository with the given commits (message, {path: content})."""
+def make_repo(repo: Path, commits: list[tuple[str, dict[str, str]]], seed: str,
+              author: tuple[str, str] = ("Sam Carter", "sam.carter@fastmail.com")) -> None:
+    """Create a fresh repository with the given commits (message, {path: content}), by
+    ``author`` (name, email)."""
     repo.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     t = _EPOCH + rng.randrange(0, 90 * 86400)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(repo), "GIT_CONFIG_NOSYSTEM": "1",
-           "GIT_AUTHOR_NAME": persona.full_name, "GIT_AUTHOR_EMAIL": persona.email,
-           "GIT_COMMITTER_NAME": persona.full_name, "GIT_COMMITTER_EMAIL": persona.email}
+           "GIT_AUTHOR_NAME": author[0], "GIT_AUTHOR_EMAIL": author[1],
+           "GIT_COMMITTER_NAME": author[0], "GIT_COMMITTER_EMAIL": author[1]}
     git = lambda *a: subprocess.run(["git", "-c", "safe.directory=*", *a], cwd=repo, env=env, check=True,
                                     capture_output=True)
     git("init", "-q", "-b", "main")
@@ -155,14 +129,15 @@ def make_repo(repo: Path, commits: list[tuple[str, dict[str, str]]], seed: str, 
 
 
 def write_task(task_dir: Path, task: dict, repo_commits, hidden: dict[str, str], reference: dict[str, str],
-               masks: dict[str, str] | None = None, canaries: bool = True) -> Path:
-    """Write a task directory (replacing any there): ``repo/`` from ``repo_commits``, the hidden
-    tests, the reference files and the masks, each ``{path: content}``, and ``task.json``; then
-    (``canaries``) the canary tests, verified against the reference in one sandbox run, and the
-    record of them and of the hidden tests the reference passes (``task.json`` -> ``checks``)."""
+               masks: dict[str, str] | None = None, author: tuple[str, str] = ("Sam Carter", "sam.carter@fastmail.com")
+               ) -> Path:
+    """Write a task directory (replacing any there): ``repo/`` from ``repo_commits`` by ``author``
+    (name, email: the persona the task's laptop has), the hidden tests, the reference files and
+    the masks, each ``{path: content}``, and ``task.json``. Its canaries come after
+    (``tasks.sources.write.write_checked_task``)."""
     if task_dir.exists():
         shutil.rmtree(task_dir)
-    make_repo(task_dir / "repo", repo_commits, seed=task["id"], persona=task_persona(task))
+    make_repo(task_dir / "repo", repo_commits, seed=task["id"], author=author)
     for base, files in (("hidden_tests", hidden), ("reference/files", reference), ("masks", masks or {})):
         for rel, text in files.items():
             p = task_dir / base / rel
@@ -171,17 +146,10 @@ def write_task(task_dir: Path, task: dict, repo_commits, hidden: dict[str, str],
     (task_dir / "hidden_tests").mkdir(exist_ok=True)
     task = {"format": TASK_FORMAT, **task}
     (task_dir / "task.json").write_text(json.dumps(task, indent=2, sort_keys=True))
-    if canaries and hidden and reference:
-        from composer_dag.grading.canaries import add_canaries
-
-        try:
-            add_canaries(task_dir)
-        except Exception as e:  # noqa: BLE001 - a task without canaries is still gradable
-            print(f"canaries for {task.get('id')}: {type(e).__name__}: {e}", file=sys.stderr)
     return task_dir
 
 
-_GITIGNORE = "__pycache__/\n*.py[cod]\n.pytest_cache/\n.venv/\n.env\n"
+GITIGNORE = "__pycache__/\n*.py[cod]\n.pytest_cache/\n.venv/\n.env\n"
 
 
 # ---------------------------------------------------------------- reading task sets

@@ -53,7 +53,7 @@ def test_only_pipes_reports_through_dagster_pipes():
 def _params():
     from assets import dedup, envs, evals, rl, train
     from composer_dag.dedup import DedupConfig
-    from composer_dag.tasks.format import TaskBuildConfig
+    from composer_dag.tasks.sources.build import TaskBuildConfig
     from composer_dag.evals.evaluate import EvalConfig
     from composer_dag.rl.run import RLConfig
     from composer_dag.train.data import TokenShardConfig

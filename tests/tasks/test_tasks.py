@@ -38,6 +38,9 @@ def test_summary_and_split(built):
     assert s["rl_tasks"] + s["eval_tasks"] == 10 and s["rl_tasks"] and s["eval_tasks"]
     assert s["split_check"]["ok"] and check_split(out)["ok"]
     assert json.loads((out / "summary.json").read_text())["tasks"] == 10
+    # the summary's per-source entries use the sources' names, as the tasks do
+    assert {"humaneval", "stdlib-bugfix", "learnable", "repo-mined", "swe-instances", "total"} <= set(s["seconds"])
+    assert s["bugfix_modules"] and set(s["bugfix_modules"]) <= {"colorsys", "fnmatch"} and s["repositories"] == {}
     print("build seconds:", s["seconds"])
 
 
@@ -152,12 +155,11 @@ def test_held_out_learnable_words_are_never_trained_on(built):
 def test_tasks_without_a_behavioural_check_are_left_out_and_counted(tmp_path, monkeypatch):
     """A task with no canary (no behavioural check: an in-process forgery of its results would
     pay) is used neither for RL nor for eval; the summary counts it by source."""
-    import composer_dag.tasks.sources.build as tasks_module
+    import composer_dag.tasks.sources.learnable as learnable
     from composer_dag.grading.grade import check_task
 
-    real = tasks_module.build_learnable_tasks
-    monkeypatch.setattr(tasks_module, "build_learnable_tasks",
-                        lambda *a, **k: real(*a, **{**k, "canaries": False}))
+    real = learnable.build_learnable_tasks
+    monkeypatch.setattr(learnable, "build_learnable_tasks", lambda *a, **k: real(*a, **{**k, "canaries": False}))
     s = build_tasks(tmp_path, {"humaneval_limit": 0, "bugfix_count": 0, "learnable_count": 3})
     assert s["tasks"] == 0 and s["rl_tasks"] == s["eval_tasks"] == 0
     assert sorted(s["left_out_no_behavioural_check"]) == ["learnable"] and \

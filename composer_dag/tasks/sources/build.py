@@ -1,8 +1,7 @@
-"""RL task sets: build them (HumanEval, stdlib bug-fixes, the learnable family), split them,
+"""RL task sets: build them (every registered task source, ``tasks.registry``), split them,
 check them.
 
-The task directory format is ``task_format``; the three kinds of task are built by
-``tasks_humaneval``, ``tasks_bugfix`` and ``tasks_learnable``.
+The task directory format is ``tasks.format``; each source is a module of ``tasks.sources``.
 """
 
 from __future__ import annotations
@@ -15,13 +14,49 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
-from composer_dag.runtime.config import StageConfig
+from pydantic import Field
+
+from composer_dag.runtime.config import ConfigError, StageConfig
 from composer_dag.grading.grade import check_task
-from composer_dag.tasks.format import RepoSpec, TaskBuildConfig, task_dirs, task_texts
-from composer_dag.tasks.sources.stdlib_bugfix import build_bugfixes
-from composer_dag.tasks.sources.humaneval import build_humaneval
-from composer_dag.tasks.sources.learnable import WORD_POOL, build_learnable_tasks
+from composer_dag.tasks.format import RepoSpec, TaskLimits, task_dirs, task_texts
+from composer_dag.tasks.registry import SOURCES, BuildRequest, TaskSource
+from composer_dag.tasks.sources import declared
+from composer_dag.tasks.sources.stdlib_bugfix import DEFAULT_MODULES
+
+
+class TaskBuildConfig(StageConfig):
+    """What ``build_tasks`` builds: how many tasks of each source, from what, and the split. The
+    counts' defaults are the sources' own (``tasks.registry``); a source without a field of its
+    own here is counted by ``counts``."""
+
+    seed: int = Field(0, description="picks the mutations and salts the split")
+    humaneval_limit: Optional[int] = Field(SOURCES["humaneval"].count,
+                                           description="the first N HumanEval problems; None: all 164, 0: none")
+    bugfix_count: int = Field(SOURCES["stdlib-bugfix"].count, description="stdlib bug-fix tasks in all")
+    learnable_count: int = Field(SOURCES["learnable"].count,
+                                 description="tasks of the learnable family (one word each, see tasks.sources.learnable)")
+    counts: dict[str, Optional[int]] = Field(
+        {}, description="tasks of the sources without a count field of their own, by source name (None: all there "
+                        "are, 0: none); a source not named builds its declared default")
+    bugfix_modules: tuple[str, ...] = Field(DEFAULT_MODULES, description="stdlib modules to mutate, tried in order")
+    max_per_module: int = Field(3, description="bug-fix tasks kept from one module")
+    attempts_per_module: int = Field(8, description="mutants run against a module's tests before giving up on it")
+    eval_fraction: float = Field(0.2, description="share of source files whose tasks go to eval_tasks")
+    eval_fraction_of: dict[str, float] = Field(
+        declared("eval_share"), description="sources split on their own: the share of the source's tasks that go to "
+                                            "eval_tasks, whole source files at a time (for a source with a few "
+                                            "files of many tasks each, such as a repository's, where eval_fraction "
+                                            "of the files would hold out too few tasks to gate)")
+    workers: int = Field(2, description="modules probed in parallel")
+    limits: TaskLimits = TaskLimits()
+
+    def count(self, source: TaskSource) -> Optional[int]:
+        """How many tasks of ``source`` to build: its field's value, else ``counts``, else its default."""
+        if source.count_field:
+            return getattr(self, source.count_field)
+        return self.counts.get(source.name, source.count)
 
 
 def _side(source_file: str, salt: str) -> float:
@@ -70,34 +105,35 @@ def split_tasks(tasks: list[dict], eval_fraction: float = 0.2, salt: str = "0",
 
 
 def build_tasks(out_dir, config=None, environments: dict[str, Path] | None = None) -> dict:
-    """Build every task under ``out_dir/{rl_tasks,eval_tasks}/<id>/``; return (and write) a summary.
+    """Build every registered source's tasks under ``out_dir/{rl_tasks,eval_tasks}/<id>/``; return
+    (and write) a summary: counts by source, the split, each source's build seconds and its own
+    entries (``bugfix_modules``, ``repositories``), by the sources' names.
 
     ``environments``: repository name -> a directory ``repo_environment`` wrote (the
-    ``repo_environments`` asset's partitions); their tasks are the source ``repo-mined``."""
+    ``repo_environments`` asset's partitions); their tasks are the sources ``repo-mined`` and
+    ``swe-instances``."""
     cfg = TaskBuildConfig.load(config)
+    unknown = sorted((set(cfg.counts) | set(cfg.eval_fraction_of)) - set(SOURCES))
+    if unknown:
+        raise ConfigError(f"invalid TaskBuildConfig: unknown task sources {unknown} (known: {sorted(SOURCES)})")
     out = Path(out_dir)
     staging = out / ".staging"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     t0 = time.monotonic()
-    he = build_humaneval(staging, cfg.humaneval_limit, cfg.limits, cfg.workers) if cfg.humaneval_limit != 0 else []
-    t_he = time.monotonic() - t0
-    bf, bf_stats = build_bugfixes(staging, cfg)
-    t_bf = time.monotonic() - t0 - t_he
-    words = WORD_POOL[:cfg.learnable_count] if cfg.learnable_count <= len(WORD_POOL) else WORD_POOL
-    ln = build_learnable_tasks(staging, cfg.learnable_count, cfg.seed, words, workers=cfg.workers) \
-        if cfg.learnable_count else []
-    t_ln = time.monotonic() - t0 - t_he - t_bf
-    mined, repos = [], {}
-    for name, env_out in sorted((environments or {}).items()):
-        repos[name] = json.loads(Path(env_out, "environment.json").read_text())
-        for d in repo_environment_tasks(env_out):
-            shutil.move(str(d), str(staging / d.name))
-            mined.append(staging / d.name)
-    t_repo = time.monotonic() - t0 - t_he - t_bf - t_ln
+    built, extra, seconds = [], {}, {}
+    for source in list(SOURCES.values()):
+        t = time.monotonic()
+        got = source.build(BuildRequest(staging, cfg, cfg.count(source), dict(environments or {})))
+        dirs, entries = got if isinstance(got, tuple) else (got, {})
+        built += [(source.name, Path(d)) for d in dirs]
+        extra.update(entries)
+        seconds[source.name] = round(time.monotonic() - t, 2)
     tasks, unchecked = [], {}
-    for d in he + bf + ln + mined:
+    for name, d in built:
         t = json.loads((d / "task.json").read_text())
+        if t["source"] != name:
+            raise ValueError(f"task {t['id']} of the source {name!r} says its source is {t['source']!r}")
         if behavioural_check(t):
             tasks.append(t)
         else:  # no canary: an in-process forgery of the results would pay, so neither RL nor eval uses it
@@ -111,14 +147,11 @@ def build_tasks(out_dir, config=None, environments: dict[str, Path] | None = Non
             os.rename(staging / tid, out / side / tid)
     shutil.rmtree(staging, ignore_errors=True)
     summary = {
-        "config": cfg.to_dict(), "tasks": len(tasks),
+        **extra, "config": cfg.to_dict(), "tasks": len(tasks),
         "rl_tasks": len(split["rl_tasks"]), "eval_tasks": len(split["eval_tasks"]), "split": split,
         "by_source": {s: sum(t["source"] == s for t in tasks) for s in sorted({t["source"] for t in tasks})},
-        "bugfix_modules": {s["module"]: {k: v for k, v in s.items() if k != "module"} for s in bf_stats},
-        "repositories": repos,
         "left_out_no_behavioural_check": {k: sorted(v) for k, v in sorted(unchecked.items())},
-        "seconds": {"humaneval": round(t_he, 2), "bugfix": round(t_bf, 2), "learnable": round(t_ln, 2),
-                    "repositories": round(t_repo, 2), "total": round(time.monotonic() - t0, 2)},
+        "seconds": {**seconds, "total": round(time.monotonic() - t0, 2)},
         "split_check": check_split(out),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
@@ -133,7 +166,7 @@ def behavioural_check(task: dict) -> bool:
 
 def repo_environment(spec: RepoSpec, out: Path, seed: int = 0, workers: int = 2,
                      exclude_licences: tuple[str, ...] = ()) -> dict:
-    """``spec`` bootstrapped (``repo_env``) and mined (``tasks_repo``): the tasks under
+    """``spec`` bootstrapped (``repos.bootstrap``) and mined (``repo_mined.mine``): the tasks under
     ``out/tasks/<id>/``, the environment's report (its ``env.json``: kept tests, tests left out by
     reason, test command, digest) as ``out/env.json`` and the row returned as ``out/environment.json``:
     outcome, reason, licence, tests, tasks, the candidates rejected by reason and a sample task."""
@@ -162,12 +195,6 @@ def repo_environment(spec: RepoSpec, out: Path, seed: int = 0, workers: int = 2,
     shutil.rmtree(env_dir, ignore_errors=True)
     (out / "environment.json").write_text(json.dumps(row, indent=2, sort_keys=True))
     return row
-
-
-def repo_environment_tasks(out) -> list[Path]:
-    """The task directories ``repo_environment`` wrote under ``out``."""
-    return sorted(d for d in Path(out, "tasks").iterdir() if (d / "task.json").is_file()) \
-        if Path(out, "tasks").is_dir() else []
 
 
 def check_split(out_dir) -> dict:

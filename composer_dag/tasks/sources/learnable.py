@@ -15,7 +15,11 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from composer_dag.tasks.format import TaskLimits, write_task
+from composer_dag.tasks.format import TaskLimits
+from composer_dag.tasks.registry import BuildRequest, task_source
+from composer_dag.tasks.sources.write import write_checked_task
+
+SOURCE = "learnable"
 
 ANSWER_FILE = "answer.txt"
 REQUEST_FILE = "request.txt"
@@ -86,7 +90,7 @@ def build_learnable_tasks(out_dir, n: int, seed: int = 0, words=WORD_POOL, limit
 
     def one(i: int, word: str) -> Path:
         tid = f"answer-{seed}-{i:03d}"
-        task = {"id": tid, "source": "learnable", "source_file": f"learnable:{word}", "project": PROJECT,
+        task = {"id": tid, "source": SOURCE, "source_file": f"learnable:{word}", "project": PROJECT,
                 "instructions": instructions(word), "limits": limits.to_dict(),
                 "reference": {"files": [ANSWER_FILE], "kind": "answer", "word": word,
                               **({"command": SOLUTION_COMMAND} if request_file else {})},
@@ -98,8 +102,16 @@ def build_learnable_tasks(out_dir, n: int, seed: int = 0, words=WORD_POOL, limit
         history = [("Initial commit", {"README.md": readme})]
         if request_file:
             history.append(("Add the request", {REQUEST_FILE: request(word)}))
-        return write_task(out / tid, task, history,
-                          {"test_answer.py": hidden}, {ANSWER_FILE: word + "\n"}, canaries=canaries)
+        return write_checked_task(out / tid, task, history,
+                                  {"test_answer.py": hidden}, {ANSWER_FILE: word + "\n"}, canaries=canaries)
 
     with ThreadPoolExecutor(max(1, workers)) as pool:
         return list(pool.map(one, range(n), order[:n]))
+
+
+@task_source(name=SOURCE, count=100, count_field="learnable_count", rl=True, eval_every_task=True, gain=True)
+def build(req: BuildRequest) -> list[Path]:
+    """``count`` tasks: the first ``count`` words of ``WORD_POOL`` (all of them, repeated, beyond)."""
+    words = WORD_POOL[:req.count] if req.count <= len(WORD_POOL) else WORD_POOL
+    return build_learnable_tasks(req.out, req.count, req.config.seed, words, workers=req.config.workers) \
+        if req.count else []

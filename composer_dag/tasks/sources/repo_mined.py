@@ -37,9 +37,11 @@ from composer_dag.repos.bootstrap import load_env
 from composer_dag.repos.layout import norm_name, package_files
 from composer_dag.repos.suite import run_tests
 from composer_dag.laptop.image import persona_for
-from composer_dag.tasks.sources.repo_task import verify_canaries, write_pytest_task
+from composer_dag.tasks.registry import BuildRequest, task_source
+from composer_dag.tasks.sources.repo_task import environment_tasks, verify_canaries, write_pytest_task
 from composer_dag.tasks.sources.stdlib_bugfix import _parse, apply_mutation, mutation_sites
 
+SOURCE = "repo-mined"
 KINDS = ("comparison", "operator", "boolean", "off_by_one", "constant", "negation", "removed_branch",
          "removed_statement", "implement")
 
@@ -197,16 +199,35 @@ def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_a
             seen.add(mutant)
             yield rel, kind, node, mutant
 
-    # candidates run ``workers`` at a time (each a sandboxed pytest run) and are taken in their
-    # order, so the tasks do not depend on which run finished first; four times as many are queued,
-    # so a candidate that loops until its timeout holds one worker, not the queue behind it
+    selected = select_candidates(candidates_to_run(), evaluate, max_tasks, max_attempts, workers, stats, reject)
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        built = list(pool.map(lambda item: write_mined(item, env, env_dir, out_dir, log), selected))
+    if canaries and built:  # the tasks share the reference: their canaries are verified side by side
+        for name, kept in verify_canaries(built, workers).items():
+            log(f"{name}: {len(kept)} canary" + ("" if kept else " (none verified)"))
+    stats["accepted"] = len(built)
+    if history:
+        stats["history"], from_history = mine_history(env_dir, out_dir, env, canaries, log)
+        built += from_history
+    stats["seconds"] = round(time.monotonic() - t0, 2)
+    return {"ok": bool(built), "tasks": [p.name for p in built], **stats, "env_digest": env["env_digest"],
+            "out": str(out_dir)}
+
+
+def select_candidates(cands, evaluate, max_tasks: int, max_attempts: int, workers: int, stats: dict,
+                      reject) -> list:
+    """The first ``max_tasks`` candidates of ``cands`` that ``evaluate`` makes a task of:
+    ``[(candidate, (f2p, p2p, messages))]``; a candidate it refuses is ``reject``ed with the reason.
+    Candidates run ``workers`` at a time (each a sandboxed pytest run), at most ``max_attempts``
+    (``stats["runs"]``), and are taken in their order, so the tasks do not depend on which run
+    finished first; four times as many are queued, so a candidate that loops until its timeout
+    holds one worker, not the queue behind it."""
     selected = []
     with ThreadPoolExecutor(max(1, workers)) as pool:
         pending: list = []
-        gen = candidates_to_run()
         while len(selected) < max_tasks:
             while len(pending) < 4 * max(1, workers) and stats["runs"] < max_attempts:
-                cand = next(gen, None)
+                cand = next(cands, None)
                 if cand is None:
                     break
                 stats["runs"] += 1
@@ -223,19 +244,7 @@ def mine(env_dir: Path, out_dir: Path, max_tasks: int = 10, seed: int = 0, max_a
             fut.cancel()
             stats["tried"] -= 1
             stats["runs"] -= 1
-
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        built = list(pool.map(lambda item: write_mined(item, env, env_dir, out_dir, log), selected))
-    if canaries and built:  # the tasks share the reference: their canaries are verified side by side
-        for name, kept in verify_canaries(built, workers).items():
-            log(f"{name}: {len(kept)} canary" + ("" if kept else " (none verified)"))
-    stats["accepted"] = len(built)
-    if history:
-        stats["history"], from_history = mine_history(env_dir, out_dir, env, canaries, log)
-        built += from_history
-    stats["seconds"] = round(time.monotonic() - t0, 2)
-    return {"ok": bool(built), "tasks": [p.name for p in built], **stats, "env_digest": env["env_digest"],
-            "out": str(out_dir)}
+    return selected
 
 
 def write_mined(item, env: dict, env_dir: Path, out_dir: Path, log) -> Path:
@@ -283,7 +292,20 @@ def write_repo_task(task_dir: Path, env: dict, env_dir: Path, rel: str, original
     return write_pytest_task(
         task_dir, env, env_dir, changes={rel: mutant, **{h: None for h in hidden}},
         reference={rel: original.encode(), **{h: (env_dir / "tests" / h).read_bytes() for h in hidden}},
-        hidden_tree=env_dir / "tests", f2p=f2p, p2p=p2p, instructions=instructions, source="repo-mined",
+        hidden_tree=env_dir / "tests", f2p=f2p, p2p=p2p, instructions=instructions, source=SOURCE,
         source_file=f"{norm_name(env['name'])}:{rel}", reference_meta={"files": [rel], "kind": "bugfix", "mutation": kind,
                                                              "function": function},
         origin_extra={"change": kind, "file": rel, "function": function})
+
+
+@task_source(name=SOURCE, count=None, eval_share=0.5, rl=True, eval_every_task=True, eval_samples=2, sft_demos=0)
+def build(req: BuildRequest) -> tuple[list[Path], dict]:
+    """The synthetic-bug tasks mined from each repository environment (``build.repo_environment``);
+    the summary's ``repositories``: each environment's row. Split on their own, half of them held
+    out: a repository gives a few modules with many tasks each. Graded by the repository's own
+    suite (seconds each), so evaluated with fewer samples; no SFT demonstration (a transcript that
+    reads a module of a real package is longer than the tiny model's sequence)."""
+    repos = {name: json.loads(Path(env_out, "environment.json").read_text())
+             for name, env_out in sorted(req.environments.items())}
+    dirs = environment_tasks(req.environments, req.out, SOURCE)
+    return dirs[:req.count] if req.count is not None else dirs, {"repositories": repos}

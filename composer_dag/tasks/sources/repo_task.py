@@ -14,6 +14,7 @@ A task directory of this kind (``task_format``, ``format`` 2)::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -89,6 +90,19 @@ def write_pytest_task(task_dir: Path, env: dict, env_dir: Path, *, changes: dict
         raise
 
 
+def environment_tasks(environments: dict[str, Path], out: Path, source: str) -> list[Path]:
+    """The tasks of ``source`` that ``repo_environment`` wrote under each of ``environments``
+    (``<dir>/tasks/<id>/``), moved to ``out/<id>``, by repository name."""
+    moved = []
+    for _, env_out in sorted(environments.items()):
+        tasks = Path(env_out, "tasks")
+        for d in sorted(tasks.iterdir()) if tasks.is_dir() else []:
+            if (d / "task.json").is_file() and json.loads((d / "task.json").read_text())["source"] == source:
+                shutil.move(str(d), str(out / d.name))
+                moved.append(out / d.name)
+    return moved
+
+
 def project_dir_name(env: dict) -> str:
     """The checkout's directory name on the laptop: the distribution's name, as cloned."""
     return norm_name(env["name"])
@@ -107,16 +121,13 @@ def _shared_visible(dirs: list[Path], tasks: list[dict]) -> str:
     changed module, the test files it does not hide)."""
     from composer_dag.grading.canaries import flat_file, visible_text
 
-    def hidden(task: dict) -> set[str]:
-        return {t.split("::", 1)[0] for t in task["tests"]["FAIL_TO_PASS"]}
-
     parts = [visible_text(dirs[0] / "repo", flat=True)]
     for d, task in zip(dirs[1:], tasks[1:]):
         changed = (task.get("origin") or {}).get("file")
         if not changed:
             parts.append(visible_text(d / "repo", flat=True))
             continue
-        for rel in sorted({changed} | (hidden(tasks[0]) - hidden(task))):
+        for rel in sorted({changed} | (set(_hidden(tasks[0])) - set(_hidden(task)))):
             p = d / "repo" / rel
             if p.is_file() and not p.is_symlink():
                 parts.append(flat_file(p.read_text(errors="replace")))
@@ -151,8 +162,6 @@ def verify_canaries(task_dirs: list[Path], workers: int = 2, candidates_per_file
     kept when the reference fails some of its tests; a file whose candidate is not kept has its
     next one tried in the next round. A run whose result is void or tampered with is run again one
     canary at a time. Each task takes up to ``keep`` canaries, from its files in order."""
-    import hashlib
-
     from composer_dag.grading.canaries import make_canaries
     from composer_dag.grading.checks import outcomes, run_checks
     from composer_dag.tasks.taskdir import apply_reference
@@ -160,21 +169,7 @@ def verify_canaries(task_dirs: list[Path], workers: int = 2, candidates_per_file
     dirs = [Path(d) for d in task_dirs]
     tasks = {d.name: json.loads((d / "task.json").read_text()) for d in dirs}
     by_name = {d.name: d for d in dirs}
-
-    def env_key(name: str) -> str:
-        return str((tasks[name].get("origin") or {}).get("env_digest") or name)
-
-    def hidden(name: str) -> list[str]:
-        return sorted({t.split("::", 1)[0] for t in tasks[name]["tests"]["FAIL_TO_PASS"]})
-
-    # (environment, file, digest of its hidden source) -> the tasks that hide it, in order
-    groups: dict[tuple, list[str]] = {}
-    group_of: dict[tuple, tuple] = {}  # (task name, file) -> its group
-    for d in dirs:
-        for rel in hidden(d.name):
-            text = (d / "hidden_tests" / rel).read_bytes()
-            group_of[(d.name, rel)] = key = (env_key(d.name), rel, hashlib.sha256(text).hexdigest())
-            groups.setdefault(key, []).append(d.name)
+    groups, group_of = _canary_groups(dirs, tasks)
 
     todo = {key: make_canaries((by_name[names[0]] / "hidden_tests" / key[1]).read_text(),
                                seed=f"{tasks[names[0]]['id']}:{key[1]}",
@@ -218,10 +213,35 @@ def verify_canaries(task_dirs: list[Path], workers: int = 2, candidates_per_file
                     for key, src, failing in results:
                         if failing:
                             found[key].append((src, failing))
+    return _record_canaries(dirs, tasks, {name: found[key] for name, key in group_of.items()}, keep)
+
+
+def _hidden(task: dict) -> list[str]:
+    """The test files holding a repository task's FAIL_TO_PASS tests."""
+    return sorted({t.split("::", 1)[0] for t in task["tests"]["FAIL_TO_PASS"]})
+
+
+def _canary_groups(dirs: list[Path], tasks: dict[str, dict]) -> tuple[dict[tuple, list[str]], dict[tuple, tuple]]:
+    """(groups, group_of): (environment, file, digest of its hidden source) -> the tasks that
+    hide it, in order; (task name, file) -> its group."""
+    groups: dict[tuple, list[str]] = {}
+    group_of: dict[tuple, tuple] = {}
+    for d in dirs:
+        env_key = str((tasks[d.name].get("origin") or {}).get("env_digest") or d.name)
+        for rel in _hidden(tasks[d.name]):
+            text = (d / "hidden_tests" / rel).read_bytes()
+            group_of[(d.name, rel)] = key = (env_key, rel, hashlib.sha256(text).hexdigest())
+            groups.setdefault(key, []).append(d.name)
+    return groups, group_of
+
+
+def _record_canaries(dirs: list[Path], tasks: dict[str, dict], found: dict[tuple, list], keep: int) -> dict[str, dict]:
+    """Each task's first ``keep`` canaries of ``found`` ((task name, file) -> [(canary source,
+    failing tests)]) written to ``canaries/`` and ``task.json``; task name -> its canaries."""
     kept: dict[str, dict] = {d.name: {} for d in dirs}
     for d in dirs:
-        for rel in hidden(d.name):
-            for src, failing in found[group_of[(d.name, rel)]]:
+        for rel in _hidden(tasks[d.name]):
+            for src, failing in found[(d.name, rel)]:
                 if len(kept[d.name]) < keep:
                     kept[d.name][check_name(src.encode()) + ".py"] = (src, {"replaces": rel, "failing": failing})
     out = {}

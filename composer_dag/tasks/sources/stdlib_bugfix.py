@@ -19,7 +19,15 @@ from pathlib import Path
 
 from composer_dag.grading.checks import failures, outcomes, run_hidden_tests
 from composer_dag.laptop.image import PYVER
-from composer_dag.tasks.format import _GITIGNORE, TaskBuildConfig, write_task
+from composer_dag.tasks.format import GITIGNORE
+from composer_dag.tasks.registry import BuildRequest, task_source
+from composer_dag.tasks.sources.write import write_checked_task
+
+SOURCE = "stdlib-bugfix"
+# pure-Python stdlib modules whose unittest module passes quickly against a local copy
+DEFAULT_MODULES = ("colorsys", "textwrap", "fnmatch", "shlex", "difflib", "fractions", "graphlib",
+                   "quopri", "netrc", "getopt", "glob", "plistlib", "string", "base64", "configparser",
+                   "calendar", "ipaddress", "sched", "filecmp", "fileinput", "timeit", "copy")
 
 _CMP_SWAP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
              ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is}
@@ -152,7 +160,7 @@ def _module_masks(module: str, mutant_name: str) -> dict[str, str | None]:
     return masks
 
 
-def _bugfix_module(module: str, out: Path, cfg: TaskBuildConfig) -> tuple[list[Path], dict]:
+def _bugfix_module(module: str, out: Path, cfg) -> tuple[list[Path], dict]:
     std = Path(sysconfig.get_paths()["stdlib"])
     src_path, test_path = std / f"{module}.py", std / "test" / f"test_{module}.py"
     stats = {"module": module, "attempts": 0, "accepted": 0, "rejected": {}}
@@ -206,16 +214,16 @@ def _bugfix_module(module: str, out: Path, cfg: TaskBuildConfig) -> tuple[list[P
             tid = f"bugfix-{module}-{digest}"
             readme = (f"# py{module}\n\nOur patched copy of the `{module}` module. Import it from this directory "
                       f"(`import {module}`) to get our version instead of the interpreter's.\n")
-            task = {"id": tid, "source": "stdlib-bugfix", "source_file": f"stdlib:{module}.py",
+            task = {"id": tid, "source": SOURCE, "source_file": f"stdlib:{module}.py",
                     "project": f"py{module}", "instructions": _describe(module, fails),
                     "limits": cfg.limits.to_dict(),
                     "reference": {"files": [f"{module}.py"], "kind": "bugfix", "mutation": kind,
                                   "failing_tests": sorted(fails)[:20]},
                     "sandbox": {"masks": _module_masks(module, f"{module}.py")}}
-            commits = [("Initial commit", {"README.md": readme, ".gitignore": _GITIGNORE}),
+            commits = [("Initial commit", {"README.md": readme, ".gitignore": GITIGNORE}),
                        (f"Add {module} module", {f"{module}.py": mutant})]
-            d = write_task(out / tid, task, commits, {f"test_{module}.py": tests}, {f"{module}.py": original},
-                           masks={f"{module}.py": mutant, "empty": ""})
+            d = write_checked_task(out / tid, task, commits, {f"test_{module}.py": tests}, {f"{module}.py": original},
+                                   masks={f"{module}.py": mutant, "empty": ""})
             built.append(d)
             stats["accepted"] += 1
         return built, stats
@@ -223,22 +231,23 @@ def _bugfix_module(module: str, out: Path, cfg: TaskBuildConfig) -> tuple[list[P
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def build_bugfixes(out: Path, cfg: TaskBuildConfig) -> tuple[list[Path], list[dict]]:
+def build_bugfixes(out: Path, cfg, count: int) -> tuple[list[Path], list[dict]]:
     """Mutants of stdlib modules that their own test suite catches: up to ``max_per_module`` from
-    each module in order until ``bugfix_count``. Modules run in parallel; the result depends only
-    on the seed (later modules are skipped once the earlier ones give enough)."""
-    if cfg.bugfix_count <= 0:
+    each of ``cfg.bugfix_modules`` in order until ``count`` (``cfg``: a ``TaskBuildConfig``).
+    Modules run in parallel; the result depends only on the seed (later modules are skipped once
+    the earlier ones give enough)."""
+    if count <= 0:
         return [], []
     keep, stats = [], []
     with ThreadPoolExecutor(max(1, cfg.workers)) as pool:
         futures = [pool.submit(_bugfix_module, m, out, cfg) for m in cfg.bugfix_modules]
         for fut in futures:
-            if len(keep) >= cfg.bugfix_count:
+            if len(keep) >= count:
                 fut.cancel()
                 continue
             built, st = fut.result()
             stats.append(st)
-            take = built[:cfg.bugfix_count - len(keep)]
+            take = built[:count - len(keep)]
             keep += take
             for d in built[len(take):]:
                 shutil.rmtree(d)
@@ -249,3 +258,11 @@ def build_bugfixes(out: Path, cfg: TaskBuildConfig) -> tuple[list[Path], list[di
                     if d not in keep:
                         shutil.rmtree(d, ignore_errors=True)
     return keep, stats
+
+
+@task_source(name=SOURCE, count=10, count_field="bugfix_count", sft_demos=4)
+def build(req: BuildRequest) -> tuple[list[Path], dict]:
+    """Bug-fix tasks from the stdlib modules; the summary's ``bugfix_modules``: per module, the
+    mutants tried, accepted and rejected by reason."""
+    dirs, stats = build_bugfixes(req.out, req.config, req.count)
+    return dirs, {"bugfix_modules": {s["module"]: {k: v for k, v in s.items() if k != "module"} for s in stats}}

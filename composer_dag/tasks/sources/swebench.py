@@ -40,9 +40,11 @@ from composer_dag.repos.config import BootstrapConfig
 from composer_dag.repos.layout import detect_layout, is_package_shim, record_tests
 from composer_dag.repos.suite import run_tests
 from composer_dag.laptop.image import persona_for
-from composer_dag.tasks.sources.repo_task import add_repo_canaries, write_pytest_task
+from composer_dag.tasks.registry import BuildRequest, task_source
+from composer_dag.tasks.sources.repo_task import add_repo_canaries, environment_tasks, write_pytest_task
 from composer_dag.tasks.taskdir import load_task
 
+SOURCE = "swe-instances"
 IMPORT_REASONS = ("bad_record", "no_mirror", "no_base_commit", "patch_does_not_apply", "bootstrap_failed",
                   "fail_to_pass_passes_at_base", "reference_fails", "pass_to_pass_fails", "duplicate_id")
 FIELDS = ("instance_id", "repo", "base_commit", "patch", "test_patch", "problem_statement", "FAIL_TO_PASS",
@@ -217,7 +219,7 @@ def import_instance(inst: dict, repos: str, out_dir: Path, cfg: BootstrapConfig,
         d = write_pytest_task(
             Path(out_dir) / tid, env, env_dir, changes={},
             reference={rel: (fixed / rel).read_bytes() for rel in code_files if (fixed / rel).is_file()},
-            hidden_tree=hidden, f2p=f2p, p2p=p2p, instructions=inst["problem_statement"], source="swe-instances",
+            hidden_tree=hidden, f2p=f2p, p2p=p2p, instructions=inst["problem_statement"], source=SOURCE,
             source_file=f"{inst['repo']}:{','.join(code_files)}",
             reference_meta={"files": code_files, "kind": "patch"},
             origin_extra={"instance_id": tid, "repo": inst["repo"], "base_commit": inst["base_commit"]})
@@ -391,3 +393,11 @@ def history_instances(env_dir: Path, cfg: BootstrapConfig = BootstrapConfig(), m
                     "environment_setup_commit": p})
     return {"instances": out, "commits": len(commits), "skipped": skipped,
             "digest": hashlib.sha256(json.dumps(out, sort_keys=True).encode()).hexdigest()[:16]}
+
+
+@task_source(name=SOURCE, count=None)
+def build(req: BuildRequest) -> list[Path]:
+    """The tasks of each repository environment's history (``history_instances``, imported when
+    the environment was mined)."""
+    dirs = environment_tasks(req.environments, req.out, SOURCE)
+    return dirs[:req.count] if req.count is not None else dirs
