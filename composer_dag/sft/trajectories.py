@@ -33,6 +33,7 @@ from typing import Iterable
 from pydantic import Field
 
 from ..runtime.config import StageConfig
+from ..tasks.sources import declared
 
 SCHEMA_FIELDS = ("trajectory_id", "task_id", "source", "origin", "split", "messages", "num_turns", "chars")
 
@@ -41,7 +42,7 @@ class TrajectoryConfig(StageConfig):
     """Which trajectories the SFT set holds."""
 
     max_per_source: dict[str, int] = Field(
-        {"humaneval": 4, "stdlib-bugfix": 4, "repo-mined": 0},
+        declared("sft_demos"),
         description="reference trajectories per task source, a seeded draw; sources not named: every task; 0: "
                     "none (repo-mined: a mined task's transcript reads a module of a real package, longer than "
                     "the tiny model's sequence, so SFT's tokenization would drop it)")
