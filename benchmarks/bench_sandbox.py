@@ -87,7 +87,7 @@ def episode_overhead(task: Path, cfg) -> tuple[float, float, float]:
 
 def measure(n: int) -> dict:
     from composer_dag.laptop.desktop import dressing
-    from composer_dag.sandbox.bwrap import Sandbox
+    from composer_dag.sandbox import Sandbox
     from composer_dag.tasks.format import task_dirs
     from composer_dag.tasks.sources.build import build_tasks
     from composer_dag.harness.episode import Episode, EpisodeConfig

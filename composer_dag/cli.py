@@ -117,7 +117,7 @@ def cmd_tasks_export(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_sandbox_exec(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     from composer_dag.laptop.desktop import dressing
-    from composer_dag.sandbox.bwrap import Limits, Sandbox
+    from composer_dag.sandbox import Limits, Sandbox
 
     if not os.path.isdir(args.workspace_dir):
         raise ValueError(f"workspace {args.workspace_dir} does not exist")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from composer_dag.laptop.desktop import dressing
-from composer_dag.sandbox.bwrap import Limits, Sandbox
+from composer_dag.sandbox import Limits, Sandbox
 from .metrics import pass_at_k
 
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")

@@ -67,7 +67,7 @@ from composer_dag.runtime.config import StageConfig
 from composer_dag.repos import bytecode
 from composer_dag.laptop.image import PYVER, task_persona
 from composer_dag.laptop.desktop import dressing
-from composer_dag.sandbox.bwrap import Bind, Limits, Sandbox, identity_lease, scratch, share_tree, volume_workspace
+from composer_dag.sandbox import Bind, Limits, Sandbox, identity_lease, scratch, share_tree, volume_workspace
 from composer_dag.sandbox.volumes import Volume, unmounting as _unmounting
 from composer_dag.tasks.taskdir import check_name, hidden_files, load_task, project_name
 

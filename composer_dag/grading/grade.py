@@ -19,7 +19,7 @@ from composer_dag.grading.checks import RUNNER, RUNNER_FAILED, GradeConfig, cana
 from composer_dag.grading import page_cache
 from composer_dag.laptop.image import runtime
 from composer_dag.laptop.image import image_roots
-from composer_dag.sandbox.bwrap import exclusive_runs
+from composer_dag.sandbox import exclusive_runs
 from composer_dag.tasks.taskdir import apply_reference, canary_files, checkout_digest, hidden_files, load_task, workspace_digest
 
 

@@ -28,7 +28,7 @@ from composer_dag.grading.grade import GradeResult, grade
 from composer_dag.tasks.taskdir import load_task, project_name
 from composer_dag.laptop.image import task_persona
 from composer_dag.laptop.desktop import dressing
-from composer_dag.sandbox.bwrap import Limits, Sandbox, entry_disk_bytes, volume_workspace
+from composer_dag.sandbox import Limits, Sandbox, entry_disk_bytes, volume_workspace
 
 SEARCH_SECONDS = 2.0  # time budget of one `search` call (the pattern is the model's)
 

@@ -411,7 +411,7 @@ def sandbox_realism(workspace: str | os.PathLike | None = None) -> dict:
 
     from composer_dag.laptop.desktop import dressing
     from composer_dag.laptop.image import Persona
-    from composer_dag.sandbox.bwrap import Limits, Sandbox, volume_workspace
+    from composer_dag.sandbox import Limits, Sandbox, volume_workspace
 
     with tempfile.TemporaryDirectory(prefix="realism-") as tmp:
         # the project copied into the sandbox's home, as an episode's checkout is

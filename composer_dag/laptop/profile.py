@@ -133,6 +133,45 @@ def _wanted(root: Path, dirs: list[str]) -> list[Path]:
     return out
 
 
+def _session_entries(r: Path, src: str, put) -> None:
+    """The entries of a user's session on the root ``r``: /sys and /dev, the process's privileges,
+    its environment, home, /tmp, tools and kernel."""
+    put("sys_entries", SYS_ENTRIES, "sysfs's top level (Documentation/filesystems/sysfs.rst)")
+    put("dev_entries", DEV_ENTRIES, KERNEL_DEVICES)
+    put("dev_min", 150, KERNEL_DEVICES + ": 150-250 entries")
+    put("cgroup_pattern", r"0::/user\.slice/user-\d+\.slice/\S+", "systemd.special(7): a login session's scope")
+    last = int(Path("/proc/sys/kernel/cap_last_cap").read_text()) if Path("/proc/sys/kernel/cap_last_cap").exists() else 40
+    put("no_new_privs", 0, "proc(5): 0 unless a process asked for it")
+    put("seccomp", 0, "proc(5): 0 for a process without a filter")
+    put("cap_bounding", f"{(1 << (last + 1)) - 1:016x}", f"capabilities(7): the full set up to cap_last_cap {last}")
+    put("cap_effective", f"{0:016x}", "capabilities(7): an unprivileged user's")
+    put("uid_map_pattern", r"0\s+0\s+4294967295", "user_namespaces(7): the initial namespace")
+    put("user_groups", INSTALLER_GROUPS, USER_SETUP)
+    put("env_names", SESSION_ENV, PAM_SYSTEMD + ", login(1) and a terminal's")
+    put("env_never", r"BWRAP|SANDBOX|CONTAINER|DOCKER|KUBERNETES|COMPOSER|PYTEST|VIRTUAL_ENV|^container$",
+        "variables a laptop's session does not set")
+    skel = sorted(os.listdir(r / "etc/skel"))
+    dirs = [f"{x.split('=', 1)[1].strip()}" for x in (r / "etc/xdg/user-dirs.defaults").read_text().splitlines()
+            if "=" in x and not x.startswith("#")] if (r / "etc/xdg/user-dirs.defaults").exists() else []
+    put("home_entries", sorted(set(skel) | set(dirs) | {".cache", ".config", ".local", ".bash_history"}),
+        f"/etc/skel and xdg-user-dirs' defaults in {src}, and the XDG base directories")
+    put("history_min_lines", 20, "a developer's shell history")
+    put("config_min", 3, "a session's ~/.config (dconf, pulse, systemd, ...)")
+    put("cache_min", 2, "a session's ~/.cache")
+    tmp = []
+    for f in sorted(r.glob("usr/lib/tmpfiles.d/*.conf")):
+        for line in f.read_text(errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) > 1 and parts[0].rstrip("!-=~+^") in ("d", "D") and parts[1].startswith("/tmp/"):
+                tmp.append(parts[1][5:])
+    put("tmp_entries", sorted(set(tmp)), f"the tmpfiles.d rules for /tmp in {src}")
+    have = [t for t in TOOLS if any((r / d / t).exists() or (r / d / t).is_symlink() for d in ("usr/bin", "bin", "usr/sbin"))]
+    put("tools", have, f"the commands {src} has")
+    put("editors_min", 2, f"{', '.join(t for t in EDITORS if (r / 'usr/bin' / t).exists())} in {src}")
+    put("uptime_min_s", 600, "a laptop in use")
+    put("kernel_pattern", r"\d+\.\d+\.\d+-\d+-(amd64|arm64)", "Debian's kernel packages (linux-image-amd64)")
+
+
 def build(root: str) -> dict:
     """The profile's entries, read from the Debian root at ``root``."""
     r = Path(root)
@@ -188,40 +227,7 @@ def build(root: str) -> dict:
     put("connect_fail_within_s", 5, "a laptop whose Wi-Fi is up with no upstream: the gateway does not answer")
     put("connect_error_not", r"Network is unreachable|Permission denied|Operation not permitted",
         "what a laptop with a default route never says")
-    put("sys_entries", SYS_ENTRIES, "sysfs's top level (Documentation/filesystems/sysfs.rst)")
-    put("dev_entries", DEV_ENTRIES, KERNEL_DEVICES)
-    put("dev_min", 150, KERNEL_DEVICES + ": 150-250 entries")
-    put("cgroup_pattern", r"0::/user\.slice/user-\d+\.slice/\S+", "systemd.special(7): a login session's scope")
-    last = int(Path("/proc/sys/kernel/cap_last_cap").read_text()) if Path("/proc/sys/kernel/cap_last_cap").exists() else 40
-    put("no_new_privs", 0, "proc(5): 0 unless a process asked for it")
-    put("seccomp", 0, "proc(5): 0 for a process without a filter")
-    put("cap_bounding", f"{(1 << (last + 1)) - 1:016x}", f"capabilities(7): the full set up to cap_last_cap {last}")
-    put("cap_effective", f"{0:016x}", "capabilities(7): an unprivileged user's")
-    put("uid_map_pattern", r"0\s+0\s+4294967295", "user_namespaces(7): the initial namespace")
-    put("user_groups", INSTALLER_GROUPS, USER_SETUP)
-    put("env_names", SESSION_ENV, PAM_SYSTEMD + ", login(1) and a terminal's")
-    put("env_never", r"BWRAP|SANDBOX|CONTAINER|DOCKER|KUBERNETES|COMPOSER|PYTEST|VIRTUAL_ENV|^container$",
-        "variables a laptop's session does not set")
-    skel = sorted(os.listdir(r / "etc/skel"))
-    dirs = [f"{x.split('=', 1)[1].strip()}" for x in (r / "etc/xdg/user-dirs.defaults").read_text().splitlines()
-            if "=" in x and not x.startswith("#")] if (r / "etc/xdg/user-dirs.defaults").exists() else []
-    put("home_entries", sorted(set(skel) | set(dirs) | {".cache", ".config", ".local", ".bash_history"}),
-        f"/etc/skel and xdg-user-dirs' defaults in {src}, and the XDG base directories")
-    put("history_min_lines", 20, "a developer's shell history")
-    put("config_min", 3, "a session's ~/.config (dconf, pulse, systemd, ...)")
-    put("cache_min", 2, "a session's ~/.cache")
-    tmp = []
-    for f in sorted(r.glob("usr/lib/tmpfiles.d/*.conf")):
-        for line in f.read_text(errors="replace").splitlines():
-            parts = line.split()
-            if len(parts) > 1 and parts[0].rstrip("!-=~+^") in ("d", "D") and parts[1].startswith("/tmp/"):
-                tmp.append(parts[1][5:])
-    put("tmp_entries", sorted(set(tmp)), f"the tmpfiles.d rules for /tmp in {src}")
-    have = [t for t in TOOLS if any((r / d / t).exists() or (r / d / t).is_symlink() for d in ("usr/bin", "bin", "usr/sbin"))]
-    put("tools", have, f"the commands {src} has")
-    put("editors_min", 2, f"{', '.join(t for t in EDITORS if (r / 'usr/bin' / t).exists())} in {src}")
-    put("uptime_min_s", 600, "a laptop in use")
-    put("kernel_pattern", r"\d+\.\d+\.\d+-\d+-(amd64|arm64)", "Debian's kernel packages (linux-image-amd64)")
+    _session_entries(r, src, put)
     return {"source": src, "suite": SUITE, "packages": list(PACKAGES), "entries": e}
 
 

@@ -8,7 +8,7 @@ import os
 import re
 import subprocess
 
-from composer_dag.sandbox.bwrap import Sandbox
+from composer_dag.sandbox import Sandbox
 
 _FINGERPRINT = r'''
 import json, os, pwd, socket, subprocess, sys

@@ -15,8 +15,6 @@ import functools
 import random
 from pathlib import Path
 
-from composer_dag.sandbox.dressing import INIT_DIR
-
 INIT_SOURCE = Path(__file__).with_name("laptop_init.c")
 
 # (user, command line): "comm=NAME " first where the process renames itself

@@ -26,7 +26,7 @@ from composer_dag.laptop.image import PYVER, Persona
 from composer_dag.repos.config import NETWORK_ERRORS, BootstrapConfig, BootstrapError
 from composer_dag.repos.layout import Layout, norm_name, req_name
 from composer_dag.laptop.desktop import dressing
-from composer_dag.sandbox.bwrap import Bind, Limits, Sandbox
+from composer_dag.sandbox import Bind, Limits, Sandbox
 
 # what the sandbox's Python has already (rootfs.TOOLING and its requirements): not fetched again
 PROVIDED = {"pytest", "pluggy", "iniconfig", "packaging", "pip", "exceptiongroup", "tomli", "colorama"}

@@ -24,7 +24,7 @@ from composer_dag.laptop.image import Persona
 from composer_dag.repos.config import NETWORK_ERRORS, BootstrapConfig, BootstrapError
 from composer_dag.repos.layers import repo_sandbox, venv_binds
 from composer_dag.repos.layout import Layout, package_files
-from composer_dag.sandbox.bwrap import Bind, share_tree
+from composer_dag.sandbox import Bind, share_tree
 
 CHECKS_DIR = "/var/tmp/checks"  # where the recorded test tree sits in every run, here and at grading
 REPORT_DIR = "/var/tmp/cdag-report"

@@ -162,7 +162,7 @@ def freezer(request, tmp_path, monkeypatch):
     import contextlib
     import subprocess
 
-    from composer_dag.sandbox import bwrap as sbx
+    from composer_dag.sandbox import cgroups as sbx
 
     if request.param == "v1":
         yield "v1", None
@@ -190,7 +190,8 @@ def test_exclusive_runs_leave_no_live_episode_running_beside_them(all_tasks, tmp
     Under cgroup v2 the episode's sandbox is in a v2 cgroup, frozen through ``cgroup.freeze``."""
     from composer_dag.grading.checks import GradeConfig
     from composer_dag.laptop.desktop import dressing
-    from composer_dag.sandbox.bwrap import Limits, Sandbox, _freezer_root
+    from composer_dag.sandbox import Limits, Sandbox
+    from composer_dag.sandbox.cgroups import _freezer_root
 
     hierarchy, mnt = freezer
     root = _freezer_root()
@@ -240,7 +241,7 @@ def test_runs_of_a_grading_cannot_find_each_other(all_tasks, tmp_path):
 
     from composer_dag.grading.page_cache import drop_caches
     from composer_dag.laptop.desktop import dressing
-    from composer_dag.sandbox.bwrap import Sandbox, identity_lease
+    from composer_dag.sandbox import Sandbox, identity_lease
 
     token = secrets.token_hex(4)
 

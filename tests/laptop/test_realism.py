@@ -127,7 +127,7 @@ def test_the_battery_in_a_grading_run_sees_what_the_episode_sees(tmp_path, repor
 
     from composer_dag.grading.checks import RUNNER, RUNNER_PATH, SCRATCH, grading_sandbox
     from composer_dag.laptop.image import task_persona
-    from composer_dag.sandbox.bwrap import IDENTITY_UIDS, Bind, Limits, identity_lease, scratch, volume_workspace
+    from composer_dag.sandbox import IDENTITY_UIDS, Bind, Limits, identity_lease, scratch, volume_workspace
     from composer_dag.sandbox.volumes import unmounting
     from composer_dag.harness.episode import Episode
 
@@ -159,7 +159,7 @@ def test_the_battery_in_a_grading_run_sees_what_the_episode_sees(tmp_path, repor
 def test_personas_vary_with_the_seed_and_share_what_does_not_depend_on_them(tmp_path):
     from composer_dag.laptop.image import LOCALES, persona_for, persona_runtime, runtime
     from composer_dag.laptop.desktop import dressing
-    from composer_dag.sandbox.bwrap import Sandbox
+    from composer_dag.sandbox import Sandbox
 
     drawn = [persona_for(f"task-{i}") for i in range(200)]
     assert persona_for("task-7") == drawn[7]  # the same task, the same persona

@@ -12,7 +12,9 @@ import pytest
 
 from composer_dag.laptop.realism import fingerprint, realism_diff, tell_tales
 from composer_dag.laptop.desktop import dressing
-from composer_dag.sandbox.bwrap import Limits, Sandbox, _laptop_nproc, _pids_root, sandbox_exec
+from composer_dag.sandbox import Limits, Sandbox, sandbox_exec
+from composer_dag.sandbox.cgroups import _pids_root
+from composer_dag.sandbox.limits import _laptop_nproc
 
 
 @pytest.fixture
@@ -78,7 +80,7 @@ def test_sandbox_ends_with_the_process_holding_it(tmp_path):
     tag = f"{os.getpid()}.{time.monotonic_ns() % 10**6}"
     (tmp_path / "ws").mkdir()
     (tmp_path / "tmp").mkdir()
-    script = ("import sys\nfrom pathlib import Path\nfrom composer_dag.sandbox.bwrap import Sandbox\n"
+    script = ("import sys\nfrom pathlib import Path\nfrom composer_dag.sandbox import Sandbox\n"
               "from composer_dag.laptop.desktop import dressing\n"
               f"sb = Sandbox(Path({str(tmp_path / 'ws')!r}), dressing=dressing())\n"
               f"print(sb.run('setsid sleep 4242.{tag} >/dev/null 2>&1 & echo up').stdout, flush=True)\n"
@@ -98,7 +100,7 @@ def test_sandbox_ends_with_the_process_holding_it(tmp_path):
     # what it mounted for the sandbox (its /home, /run/user, root image) the next process's sweep
     # lets go of, with the directory
     from composer_dag.sandbox import volumes
-    from composer_dag.sandbox.bwrap import sweep_stale_temporaries
+    from composer_dag.sandbox import sweep_stale_temporaries
 
     def mounts():
         return [ln for ln in Path("/proc/self/mountinfo").read_text().splitlines() if f" {tmp_path}/tmp/" in ln]
@@ -114,7 +116,7 @@ def test_without_file_systems_of_its_own_the_sandbox_binds_the_host_trees(tmp_pa
     the sandbox binds the runtime's cached trees and the home as before: it still runs the
     interpreter and the tools, and its mount table names the host (the realism battery's tell)."""
     (tmp_path / "ws").mkdir()
-    script = ("import json, os\nfrom pathlib import Path\nfrom composer_dag.sandbox.bwrap import Sandbox\n"
+    script = ("import json, os\nfrom pathlib import Path\nfrom composer_dag.sandbox import Sandbox\n"
               "from composer_dag.laptop.desktop import dressing\n"
               f"with Sandbox(Path({str(tmp_path / 'ws')!r}), dressing=dressing()) as sb:\n"
               "    r = sb.run('python3 -c \"import json; print(json.__name__)\"; pytest --version; '\n"
@@ -173,7 +175,7 @@ def test_a_new_process_clears_only_the_cgroups_of_dead_ones(tmp_path):
     for cg in (live, gone, other):
         cg.mkdir(exist_ok=True)
     try:
-        subprocess.run([sys.executable, "-c", "from composer_dag.sandbox.bwrap import _pids_root; _pids_root()"],
+        subprocess.run([sys.executable, "-c", "from composer_dag.sandbox.cgroups import _pids_root; _pids_root()"],
                        check=True, timeout=60)
         assert live.is_dir() and other.is_dir() and not gone.exists()
     finally:
@@ -245,7 +247,7 @@ def test_temporaries_a_killed_process_left_are_swept_once_a_day_old(tmp_path):
     """A sandbox's home, an episode's workspace and a grading's tree (``cdag-h-``, ``cdag-w-``,
     ``cdag-g-``) a SIGKILL left behind go once untouched for a day; fresh ones, and other names
     (the identity locks' directory, a user's own), stay."""
-    from composer_dag.sandbox.bwrap import STALE_TEMP_S, sweep_stale_temporaries
+    from composer_dag.sandbox import STALE_TEMP_S, sweep_stale_temporaries
 
     old = time.time() - STALE_TEMP_S - 60
     names = {"cdag-h-ab12cd_3": old, "cdag-w-zz99yy88": old, "cdag-g-q1w2e3r4": time.time() - 3600,

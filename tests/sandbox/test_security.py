@@ -27,8 +27,7 @@ from pathlib import Path
 import pytest
 
 from composer_dag.laptop import image as rootfs
-from composer_dag.sandbox import bwrap as sandbox_mod
-from composer_dag.sandbox.bwrap import Limits
+from composer_dag.sandbox import Limits, cgroups, limits
 from composer_dag.harness.episode import MAX_TOOL_FILE_BYTES, Episode, EpisodeConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -474,11 +473,11 @@ def test_fork_bomb_is_capped_and_cleaned_up(task, host_guard):
     assert entry["exit_code"] == 124 and "killed: timeout" in out
     assert "Resource temporarily unavailable" in out
     # a pids cgroup of its own where the host has one (the cap then holds the session too)
-    cgroup = sandbox_mod._pids_root() is not None
+    cgroup = cgroups._pids_root() is not None
     assert ep.sandbox.process_cap == ("cgroup" if cgroup else "rlimit")
-    assert 20 < peak[0] <= limit + (sandbox_mod.SESSION_PIDS if cgroup else 0), (peak, limit)
+    assert 20 < peak[0] <= limit + (cgroups.SESSION_PIDS if cgroup else 0), (peak, limit)
     out, entry = term(ep, "ulimit -u; echo alive")
-    nproc = sandbox_mod._laptop_nproc() if cgroup else limit
+    nproc = limits._laptop_nproc() if cgroup else limit
     assert entry["exit_code"] == 0 and out.split()[-2:] == [str(nproc), "alive"]
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from composer_dag.repos.fetch import pack_objects
 from composer_dag.repos.layout import norm_name
-from composer_dag.sandbox.bwrap import share_tree
+from composer_dag.sandbox import share_tree
 from composer_dag.tasks.taskdir import TASK_FORMAT, check_name
 from composer_dag.tasks.format import TaskLimits
 
