@@ -1,6 +1,8 @@
-"""Process sandbox that looks like a developer's laptop: bubblewrap + rlimits + a wall clock.
+"""Process sandbox: bubblewrap + rlimits + a wall clock, showing the machine its caller's
+``Dressing`` describes (``dressing.py``). This module holds a sandbox's lifetime and its
+command line, made from the dressing's mount plan and the sandbox's own mounts.
 
-Layout seen from inside (``Persona`` defaults)::
+Layout seen from inside, with the laptop's dressing (``laptop.desktop``, a default persona)::
 
     /usr, /bin, /lib*, /sbin      host system, read-only
     /usr/local                    the host's Python install (binary, stdlib, a curated
@@ -67,9 +69,9 @@ The tmpfs mounts hold memory, not disk; their size caps keep them from eating th
 Memory is capped per process only (RLIMIT_AS), so the total is at most ``max_processes``
 times ``memory_bytes``; a total cap needs a cgroup, which the deployment's pod provides.
 
-The runtime image (system binds, /usr/local, /etc, the home skeleton) is built by
-``rootfs``; the persona (user, host, time zone, locale, editor) is the caller's, for a task
-``rootfs.task_persona(task)`` (its project's owner), the same in its episode and its grading.
+The machine (root image, /usr/local, /etc, the home skeleton and history, the init and its
+process tree, the environment, the desktop's mount points) is the caller's ``Dressing``; for a
+task ``laptop.desktop.dressing(task_persona(task))``, the same in its episode and its grading.
 """
 
 

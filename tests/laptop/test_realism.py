@@ -238,3 +238,33 @@ def test_the_runtime_cache_evicts_what_no_one_has_used_for_days(tmp_path, monkey
     monkeypatch.setenv("CDAG_RT_MAX_AGE_DAYS", "1")
     build("newer")
     assert not fresh.exists() and used.exists() and new.exists()
+
+
+def with_printer(d, tmp_path):
+    """A toy realism feature, all in one function of the laptop's side: a laptop's printing as a
+    reader sees it (CUPS's runtime directory, the default printer a GNOME session's user set, a
+    message of the day that names the office). Nothing in composer_dag/sandbox/ changes for it."""
+    from dataclasses import replace
+
+    motd = tmp_path / "motd"
+    motd.write_text("Printers: Office_LaserJet (2nd floor)\n")
+    return replace(d, overlays=d.overlays + ((motd, "/etc/motd"),),
+                   mounts=d.mounts + ("--perms", "0755", "--dir", "/run/cups"),
+                   env=dict(d.env, PRINTER="Office_LaserJet"))
+
+
+def test_a_realism_feature_is_one_function_of_the_laptop_and_shows_in_a_real_sandbox(tmp_path):
+    from composer_dag.laptop.desktop import dressing
+    from composer_dag.sandbox import Sandbox
+
+    ws = tmp_path / "shop"
+    ws.mkdir()
+    plain, dressed = dressing(), with_printer(dressing(), tmp_path)
+    probe = "cat /etc/motd; stat -c %a /run/cups; echo \"printer=$PRINTER\"; echo $XDG_CURRENT_DESKTOP"
+    with Sandbox(ws, dressing=dressed) as sb:
+        r = sb.run(probe)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines() == ["Printers: Office_LaserJet (2nd floor)", "755", "printer=Office_LaserJet", "GNOME"]
+    with Sandbox(ws, dressing=plain) as sb:  # the laptop without the feature: none of it
+        r = sb.run(probe)
+    assert "Office_LaserJet" not in r.stdout and "printer=\n" in r.stdout and "GNOME" in r.stdout
