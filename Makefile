@@ -34,7 +34,7 @@ system-deps:  ## the Debian packages the sandboxes, the Slurm clusters and the b
 	  if [ "$$(id -u)" != 0 ]; then echo "need root (or sudo) to apt-get install $(SYSTEM_PKGS)" >&2; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PKGS) >/dev/null; \
 	fi
-	@# the sandbox binds its init at /usr/lib/systemd (composer_dag/sandbox/bwrap.py): the directory must exist
+	@# the laptop binds the sandbox's init at /usr/lib/systemd (composer_dag/laptop/image.py): the directory must exist
 	@test -d /usr/lib/systemd || mkdir -p /usr/lib/systemd || { echo "need root to mkdir /usr/lib/systemd" >&2; exit 1; }
 	@have="$$(locale -a 2>/dev/null)"; for l in $(PERSONA_LOCALES); do \
 	  echo "$$have" | grep -qx "$$l.utf8" && continue; echo "generating the locale $$l.UTF-8"; \
