@@ -73,7 +73,7 @@ def _vllm_procs(me) -> list[dict]:
 def rollout_prompts(policy_dir: str, tasks_dir: str, batch: int, system_style: str = "compact") -> list[list[int]]:
     """First-turn prompts of the learnable tasks, tokenized as the agent loop does."""
     from composer_dag.harness.episode import Episode
-    from composer_dag.agent import render_prompt
+    from composer_dag.harness.composer import COMPOSER
     from composer_dag.rl.step import find_tasks
     from composer_dag.train.tokenizer import load_tokenizer
 
@@ -82,7 +82,7 @@ def rollout_prompts(policy_dir: str, tasks_dir: str, batch: int, system_style: s
     prompts = []
     for t in tasks:
         with Episode(t) as ep:
-            prompts.append(tok(render_prompt(tok, ep.prompt(), system_style), add_special_tokens=False).input_ids)
+            prompts.append(tok(COMPOSER.render_prompt(tok, ep.prompt(), system_style), add_special_tokens=False).input_ids)
     return [prompts[i % len(prompts)] for i in range(batch)]
 
 
@@ -93,7 +93,7 @@ def later_turn_prompts(policy_dir: str, tasks_dir: str, groups: int, group_size:
     ``read_file`` call and its observation (the task's files, cut so the prompt is ``context``
     tokens long)."""
     from composer_dag.harness.episode import Episode
-    from composer_dag.agent import system_prompt
+    from composer_dag.harness.composer import COMPOSER
     from composer_dag.rl.step import find_tasks
     from composer_dag.train.tokenizer import load_tokenizer
 
@@ -105,7 +105,7 @@ def later_turn_prompts(policy_dir: str, tasks_dir: str, groups: int, group_size:
             text = "\n\n".join(f"# {f.relative_to(ep.workspace)}\n{f.read_text()}" for f in files)
             while len(text) < 40 * context:
                 text += "\n" + text
-            msgs = [{"role": "system", "content": system_prompt(system_style)}, {"role": "user", "content": ep.prompt()},
+            msgs = [*COMPOSER.prompt_messages(ep.prompt(), system_style),
                     {"role": "assistant", "content": "", "tool_calls": [{"name": "read_file", "arguments": {"path": files[0].name}}]}]
             head = tok.apply_chat_template(msgs, tokenize=False)
             ids = tok(head + "<|im_start|>tool\n<tool_response>\n", add_special_tokens=False).input_ids

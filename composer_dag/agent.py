@@ -3,14 +3,16 @@
 Each episode keeps one token stream: the rendered prompt (system + user), then for every
 turn the sampled tokens (loss mask 1, with their sampling logprobs) followed by the tool
 turn that answers them (mask 0). The stream is exactly what the policy saw, so the trainer
-scores the same tokens. Tool calls are ``<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>`` blocks; a turn without a parseable call gets an error observation and is
-counted, never raised.
+scores the same tokens. The harness (``AgentConfig.harness``, default ``composer``: calls as
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks) writes the system prompt,
+parses each completion into calls and renders their results; a turn without a parseable call
+gets an error observation and is counted, never raised. Each rollout names its harness and
+its version.
 
 Model output and observations are untrusted: a completion longer than ``max_new_tokens`` is
 cut (the assistant message is marked ``truncated``), an observation cut to the budget is
 marked ``truncated`` (an error one ``error``), and control-token text inside an observation
-(``<|im_end|>``, ``<tool_call>``, ...) is broken with a zero-width space, so that a file
+(``<|im_end|>``, the harness's call markers, ...) is broken with a zero-width space, so that a file
 cannot forge a turn or a call.
 """
 
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import threading
 import time
 import uuid
@@ -30,19 +31,11 @@ from typing import Literal
 from pydantic import Field
 
 from composer_dag.tasks.taskdir import checkout_digest, workspace_digest
-from composer_dag.harness.episode import TOOL_SCHEMAS, Episode, EpisodeConfig, Observation
+from composer_dag import harness as harnesses
+from composer_dag.harness.base import defang
+from composer_dag.harness.episode import Episode, EpisodeConfig, Observation
 from .inference.engine import Completion, Engine, Sampling
 from .runtime.config import StageConfig
-
-SYSTEM_INTRO = ("You are a coding agent working in the user's project on their machine. Act only through "
-                "tools: write each call as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. "
-                "Call submit when the work is done.")
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
-CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                  "<tool_response>", "</tool_response>")
-NO_CALL = ("Error: no tool call found. Write a call as <tool_call>{\"name\": \"...\", \"arguments\": {...}}"
-           "</tool_call>; call submit when the work is done.")
-
 
 class AgentConfig(StageConfig):
     """The agent harness: how episodes are sampled and how long they may run (RL's orchestrator
@@ -55,60 +48,10 @@ class AgentConfig(StageConfig):
     top_p: float = 1.0
     system_style: Literal["full", "compact"] = Field("compact", description="full: the JSON tool schemas; compact: one signature per line")
     max_calls_per_turn: int = 4
+    harness: str = Field("composer", description="the harness the policy acts through (composer_dag.harness.names())")
     workers: int = Field(4, description="threads for tool calls and grading")
     episode: EpisodeConfig = Field(EpisodeConfig(), description="each episode's budgets and its grading "
                                                                  "(episode.grade: reward_mode, flag_penalty)")
-
-
-def system_prompt(style: str = "full") -> str:
-    if style == "full":
-        tools = "\n".join(json.dumps(t["function"]) for t in TOOL_SCHEMAS)
-    elif style == "compact":
-        sig = lambda f: ", ".join(f"{k}: {v['type']}" for k, v in f["parameters"]["properties"].items())
-        tools = "\n".join(f"{t['function']['name']}({sig(t['function'])})" for t in TOOL_SCHEMAS)
-    else:
-        raise ValueError(f"system_style must be 'full' or 'compact', not {style!r}")
-    return f"{SYSTEM_INTRO}\nTools:\n{tools}"
-
-
-def render_prompt(tokenizer, user: str, system_style: str = "full") -> str:
-    msgs = [{"role": "system", "content": system_prompt(system_style)}, {"role": "user", "content": user}]
-    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-
-
-def tool_call_text(name: str, arguments: dict) -> str:
-    """One call as the harness writes it (and as a policy is taught to)."""
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
-def defang(text: str, control=CONTROL_TOKENS) -> str:
-    """``text`` with every control-token string broken by a zero-width space."""
-    for t in sorted(control, key=len, reverse=True):
-        if t in text:
-            text = text.replace(t, t[0] + "\u200b" + t[1:])
-    return text
-
-
-def parse_tool_calls(text: str) -> tuple[list[dict], list[str], str]:
-    """(calls, errors, prose) from an assistant completion. ``errors`` holds one message per
-    block that is not a JSON object; ``prose`` is the text outside the blocks."""
-    calls, errors = [], []
-    for body in _CALL.findall(text):
-        try:
-            obj = json.loads(body.strip())
-        except json.JSONDecodeError as e:
-            errors.append(f"Error: the tool call is not valid JSON ({e.msg} at char {e.pos}).")
-            continue
-        except (ValueError, RecursionError) as e:  # an over-long integer, nesting too deep
-            errors.append(f"Error: the tool call is not usable JSON ({type(e).__name__}).")
-            continue
-        fn = obj.get("function", obj) if isinstance(obj, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            calls.append(obj)
-        else:
-            errors.append("Error: a tool call must be a JSON object with a string 'name' and 'arguments'.")
-    prose = _CALL.sub("", text).replace("<|im_end|>", "").replace("<|endoftext|>", "").strip()
-    return calls, errors, prose
 
 
 @dataclass
@@ -182,11 +125,11 @@ class AgentLoop:
                  episode: EpisodeConfig | None = None, grades: GradeCache | None = None):
         self.engine, self.tok, self.cfg = engine, tokenizer, config
         self.episode = config.episode if episode is None else episode
+        self.harness = harnesses.get(config.harness)
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.stops = (self.im_end, tokenizer.eos_token_id)
         self.newline = self._encode("\n")
-        extra = [t for t in getattr(tokenizer, "all_special_tokens", None) or [] if len(t) > 1]
-        self.control = sorted(set(CONTROL_TOKENS) | set(extra), key=len, reverse=True)
+        self.control = self.harness.control(tokenizer)
         self.pool = ThreadPoolExecutor(max(1, config.workers), thread_name_prefix="agent")
         self.grades = grades if grades is not None else GradeCache()
 
@@ -197,11 +140,10 @@ class AgentLoop:
         return self.tok(text, add_special_tokens=False).input_ids
 
     def _start(self, task_dir, group_id: str, sample: int) -> _Run:
-        ep = Episode(task_dir, self.episode)
+        ep = Episode(task_dir, self.episode, harness=self.harness)
         user = ep.prompt()
-        msgs = [{"role": "system", "content": system_prompt(self.cfg.system_style)},
-                {"role": "user", "content": user}]
-        prompt = self._encode(render_prompt(self.tok, user, self.cfg.system_style))
+        msgs = self.harness.prompt_messages(user, self.cfg.system_style)
+        prompt = self._encode(self.harness.render_prompt(self.tok, user, self.cfg.system_style))
         return _Run(Path(task_dir), group_id, sample, ep, prompt, min(self.cfg.max_turns, ep.max_turns), msgs)
 
     def run(self, jobs: list[tuple[str, str, int]], version: int, seed: int = 0,
@@ -252,7 +194,7 @@ class AgentLoop:
             ids, lps = ids[:self.cfg.max_new_tokens], (lps or [])[:self.cfg.max_new_tokens]
         r.extend(ids, 1, lps if lps is not None and len(lps) == len(ids) else None)
         text = self.tok.decode(ids, skip_special_tokens=False)
-        calls, errors, prose = parse_tool_calls(text)
+        calls, errors, prose = self.harness.parse(text)
         r.messages.append({"role": "assistant", "content": prose, "tool_calls": calls,
                            **({"truncated": True} if cut or c.finish_reason == "length" else {})})
         if ids and ids[-1] == self.tok.eos_token_id:
@@ -261,7 +203,7 @@ class AgentLoop:
         r.extend(([] if c.finish_reason == "stop" and not cut else [self.im_end]) + self.newline, 0)
         observations: list[Observation] = [Observation(e, is_error=True) for e in errors]
         if not calls and not errors:
-            observations.append(Observation(NO_CALL, is_error=True))
+            observations.append(Observation(self.harness.no_call, is_error=True))
         r.malformed += len(observations)
         for call in calls[:self.cfg.max_calls_per_turn]:
             obs = r.episode.step(call)
@@ -270,11 +212,11 @@ class AgentLoop:
             observations.append(obs)
             if obs.done:
                 break
-        tool_msgs = [{"role": "tool", "content": self.defang(o.content)} for o in observations]
+        tool_msgs = [self.harness.result_message(self.defang(o.content)) for o in observations]
         r.messages += [{**m, **({"truncated": True} if o.truncated else {}), **({"error": True} if o.is_error else {})}
                        for m, o in zip(tool_msgs, observations)]
         if r.episode.done:
-            r.finish = "submit" if any(o.tool == "submit" and not o.is_error for o in observations) else "task_turn_limit"
+            r.finish = "submit" if any(o.kind == "submit" and not o.is_error for o in observations) else "task_turn_limit"
         elif r.turns >= r.max_turns:
             r.finish = "max_turns"
         if not r.done:
@@ -292,7 +234,8 @@ class AgentLoop:
         return {
             "rollout_id": uuid.uuid4().hex[:16], "task_id": r.episode.task.get("id", r.task_dir.name),
             "task_dir": str(r.task_dir), "group_id": r.group_id, "sample_index": r.sample,
-            "policy_version": version, "messages": json.dumps(r.messages),
+            "policy_version": version, "harness": self.harness.name, "harness_version": self.harness.version,
+            "messages": json.dumps(r.messages),
             "prompt_ids": r.prompt_ids, "completion_ids": r.ids, "loss_mask": r.mask,
             "logprobs": r.logprobs, "reward": float(g.reward), "unflagged_reward": float(g.details.get("unflagged_reward", g.reward)),
             "tests_passed": g.passed, "tests_failed": g.failed, "flags": list(g.flags),
@@ -325,6 +268,7 @@ def rollout_schema():
             ("tool_seconds", pa.float64()), ("grade_seconds", pa.float64()), ("episode_seconds", pa.float64()),
             ("step", pa.int64()), ("advantage", pa.float64()), ("staleness", pa.int64()),
             ("server_id", pa.string()), ("infra_error", pa.string()), ("attempts", pa.int32()),
+            ("harness", pa.string()), ("harness_version", pa.string()),
         ])
     return _SCHEMA
 

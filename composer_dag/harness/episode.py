@@ -1,15 +1,16 @@
-"""The tools a policy acts through, and the ``Episode`` that runs them on one task.
+"""The ``Episode``: one task's workspace and sandbox, and the actions a harness's calls perform there.
 
-File tools work on the host copy of the workspace and refuse any path that resolves
-(symlinks included) outside it; ``list_dir`` shows a link's target without following it, and
-files over ``MAX_TOOL_FILE_BYTES`` are refused (the host would hold them in memory many times
-over); terminal commands run in the task's sandbox. Every call,
-valid or not, lands in ``Episode.log``; malformed calls come back as error observations.
+A harness (``composer_dag.harness.base.Harness``; default ``composer``) checks each call and
+maps it to a harness-neutral action (``Episode.act``). File actions (read, list, search, write)
+work on the host copy of the workspace and refuse any path that resolves (symlinks included)
+outside it; listing shows a link's target without following it, and files over
+``MAX_TOOL_FILE_BYTES`` are refused (the host would hold them in memory many times over);
+commands (exec) run in the task's sandbox. Every call, valid or not, lands in ``Episode.log``
+under its action's ``kind``; malformed calls come back as error observations.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -23,6 +24,8 @@ import regex
 from pydantic import Field
 
 from composer_dag.runtime.config import StageConfig
+from composer_dag.harness.base import Harness, ToolError, truncate
+from composer_dag.harness.composer import COMPOSER
 from composer_dag.grading.checks import GradeConfig
 from composer_dag.grading.grade import GradeResult, grade
 from composer_dag.tasks.taskdir import load_task, project_name
@@ -33,40 +36,13 @@ from composer_dag.sandbox import Limits, Sandbox, entry_disk_bytes, volume_works
 SEARCH_SECONDS = 2.0  # time budget of one `search` call (the pattern is the model's)
 
 
-def _fn(name: str, description: str, props: dict, required: list[str]) -> dict:
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": props, "required": required, "additionalProperties": False}}}
-
-
-_S, _I = {"type": "string"}, {"type": "integer"}
-TOOL_SCHEMAS: list[dict] = [
-    _fn("read_file", "Read a text file of the project. Lines are numbered from 1; give start_line/end_line "
-        "(inclusive) to read part of a long file.",
-        {"path": {**_S, "description": "Path relative to the project root (or absolute inside it)."},
-         "start_line": {**_I, "minimum": 1}, "end_line": {**_I, "minimum": 1}}, ["path"]),
-    _fn("list_dir", "List a directory of the project (directories end with '/').",
-        {"path": {**_S, "description": "Directory, relative to the project root; '.' for the root."}}, ["path"]),
-    _fn("search", "Search file contents with a Python regular expression, like grep -rn. Returns path:line: text.",
-        {"pattern": {**_S, "description": "Regular expression."},
-         "path": {**_S, "description": "File or directory to search (default: the whole project)."}}, ["pattern"]),
-    _fn("edit_file", "Replace the exact text `old` with `new` in a file. `old` must occur exactly once. "
-        "With old = \"\" and a path that does not exist, create the file with content `new`.",
-        {"path": _S, "old": _S, "new": _S}, ["path", "old", "new"]),
-    _fn("run_terminal_cmd", "Run a bash command in the project directory on the user's machine and return its "
-        "exit code and output. A command that runs past the timeout is killed with everything it started; "
-        "what a command starts in the background keeps running until the session ends.",
-        {"command": _S}, ["command"]),
-    _fn("submit", "Finish: the work is done and ready for review.", {}, []),
-]
-_SCHEMA = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
-
-
 @dataclass
 class Observation:
     content: str
     is_error: bool = False
     done: bool = False
     tool: str | None = None
+    kind: str | None = None  # the action the call performed (harness.base.KINDS)
     seconds: float = 0.0
     truncated: bool = False  # the content was cut to the observation budget
 
@@ -80,30 +56,6 @@ class EpisodeConfig(StageConfig):
     observation_chars: Optional[int] = Field(None, description="characters of a tool's output shown (None: the task's limit)")
     work_root: Optional[str] = Field(None, description="where workspaces are created (None: the temp dir)")
     grade: GradeConfig = GradeConfig()
-
-
-def truncate(text: str, budget: int) -> str:
-    """Keep the head and tail of ``text`` within ``budget`` characters, with a marker between."""
-    if len(text) <= budget:
-        return text
-    head = int(budget * 0.7)
-    tail = max(0, budget - head)
-    cut = len(text) - head - tail
-    return f"{text[:head]}\n[... {cut} characters truncated ...]\n{text[len(text) - tail:] if tail else ''}"
-
-
-class ToolError(Exception):
-    pass
-
-
-def _encodable(text: str) -> bool:
-    """False for text holding lone surrogates (invalid UTF-8 bytes decoded with surrogateescape
-    or escaped in JSON), which no file name, file or command can hold."""
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 MAX_TOOL_FILE_BYTES = 8 << 20  # read_file / edit_file; the terminal (head, sed -n) reads larger files
@@ -128,8 +80,10 @@ class Episode:
     malformed, or that submits at once, never copies the checkout, and is graded on the task's
     checkout as handed out (``final_tree``), which is what its workspace would have held."""
 
-    def __init__(self, task_dir, config: EpisodeConfig = EpisodeConfig(), limits: Limits = Limits()):
+    def __init__(self, task_dir, config: EpisodeConfig = EpisodeConfig(), limits: Limits = Limits(),
+                 harness: Harness = COMPOSER):
         self.task_dir = Path(task_dir)
+        self.harness = harness
         self.task = load_task(self.task_dir)
         lim = self.task.get("limits", {})
         self.config = config
@@ -219,71 +173,46 @@ class Episode:
 
     # -- stepping
     def step(self, tool_call: dict) -> Observation:
+        """Check ``tool_call`` against the harness's tools and carry it out. Its log entry holds the
+        harness-neutral ``kind`` (and ``command`` or ``path``), ``outside``, ``ok``, and the
+        harness's ``tool`` and ``args``."""
         t0 = time.monotonic()
-        entry = {"turn": self.turn, "tool": None, "args": None, "ok": False, "outside": False}
+        entry = {"turn": self.turn, "kind": "other", "tool": None, "args": None, "ok": False, "outside": False}
         try:
-            name, args = self._parse(tool_call)
-            entry.update(tool=name, args=args)
+            tool, args = self.harness.check(tool_call)
+            entry.update(tool=tool.name, args=args, **self.harness.describe(tool, args))
             if self.done:
                 raise ToolError("the episode is over; no more tool calls are accepted")
             self.turn += 1
             if self.turn > self.max_turns:
                 self.done = True
                 raise ToolError(f"turn limit ({self.max_turns}) reached")
-            if name != "submit":
+            if tool.kind != "submit":
                 self._materialize()
-            content = getattr(self, f"_t_{name}")(entry, **args)
+            content = self.harness.run(self, entry, tool, args)
             entry["ok"] = True
-            obs = Observation(truncate(content, self.obs_chars), done=self.done, tool=name,
-                              truncated=len(content) > self.obs_chars)
+            obs = Observation(truncate(content, self.obs_chars), done=self.done, tool=tool.name,
+                              kind=entry["kind"], truncated=len(content) > self.obs_chars)
         except ToolError as e:
             entry["error"] = str(e)
-            obs = Observation(f"Error: {e}", is_error=True, done=self.done, tool=entry["tool"])
+            obs = Observation(f"Error: {e}", is_error=True, done=self.done, tool=entry["tool"], kind=entry["kind"])
         except (OSError, UnicodeError) as e:  # e.g. a binary file to edit, a file where a dir must be
             why = "the file is not UTF-8 text" if isinstance(e, UnicodeError) else (e.strerror or type(e).__name__)
             entry["error"] = f"{entry['tool']}: {why}"  # strerror only: no host paths in observations
-            obs = Observation(f"Error: {entry['error']}", is_error=True, done=self.done, tool=entry["tool"])
+            obs = Observation(f"Error: {entry['error']}", is_error=True, done=self.done, tool=entry["tool"],
+                              kind=entry["kind"])
         obs.seconds = entry["seconds"] = time.monotonic() - t0
         self.log.append(entry)
         return obs
 
-    def _parse(self, call) -> tuple[str, dict]:
-        if not isinstance(call, dict):
-            raise ToolError("a tool call must be an object with 'name' and 'arguments'")
-        fn = call.get("function", call)
-        if not isinstance(fn, dict):
-            raise ToolError("'function' must be an object with 'name' and 'arguments'")
-        name, args = fn.get("name"), fn.get("arguments", {})
-        if not isinstance(name, str):
-            # Checked before the lookup: a list or dict name is unhashable and cannot be a tool anyway.
-            raise ToolError(f"the tool name must be a string, not {type(name).__name__}; "
-                            f"available: {', '.join(_SCHEMA)}")
-        if name not in _SCHEMA:
-            raise ToolError(f"unknown tool {truncate(repr(name), 200)}; available: {', '.join(_SCHEMA)}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except (ValueError, RecursionError) as e:  # JSONDecodeError, over-long integers, deep nesting
-                raise ToolError(f"arguments are not valid JSON: {truncate(str(e), 300)}") from None
-        if args is None:
-            args = {}
-        if not isinstance(args, dict):
-            raise ToolError("arguments must be a JSON object")
-        schema = _SCHEMA[name]
-        unknown = set(args) - set(schema["properties"])
-        if unknown:
-            raise ToolError(f"{name}: unexpected argument(s) {sorted(unknown)}")
-        missing = [k for k in schema["required"] if k not in args]
-        if missing:
-            raise ToolError(f"{name}: missing required argument(s) {missing}")
-        for k, v in args.items():
-            want = schema["properties"][k]["type"]
-            if want == "string" and not isinstance(v, str) or want == "integer" and (
-                    not isinstance(v, int) or isinstance(v, bool) or v < schema["properties"][k].get("minimum", v)):
-                raise ToolError(f"{name}: argument {k!r} must be {'a positive integer' if want == 'integer' else 'a string'}")
-            if isinstance(v, str) and ("\0" in v or not v.isascii() and not _encodable(v)):
-                raise ToolError(f"{name}: argument {k!r} holds a NUL byte or text that is not valid UTF-8")
-        return name, args
+    def act(self, kind: str, entry: dict, **args) -> str:
+        """Perform one harness-neutral action (``exec``, ``read``, ``list``, ``search``, ``write``,
+        ``submit``) with its arguments; ``entry`` is the call's log entry."""
+        do = {"exec": self._exec, "read": self._read, "list": self._list, "search": self._search,
+              "write": self._write, "submit": self._submit}.get(kind)
+        if do is None:
+            raise ToolError(f"{entry.get('tool')}: no action {kind!r} in this environment")
+        return do(entry, **args)
 
     def _path(self, path: str, entry: dict) -> Path:
         """Host path for a project path; refuses (and records) anything resolving outside."""
@@ -320,8 +249,8 @@ class Episode:
                 return os.path.relpath(mount + str(p)[len(layer):], self._real)
         return os.path.relpath(p, self._real)
 
-    # -- tools
-    def _t_read_file(self, entry, path, start_line=None, end_line=None) -> str:
+    # -- actions
+    def _read(self, entry, path, start_line=None, end_line=None) -> str:
         f = self._path(path, entry)
         if not f.is_file():
             raise ToolError(f"{path}: no such file" if not f.exists() else f"{path}: is a directory")
@@ -332,7 +261,7 @@ class Episode:
             raise ToolError(f"{path}: start_line {start_line} is past the end ({len(lines)} lines)")
         return "\n".join(f"{i + 1:>6}\t{line}" for i, line in enumerate(lines[a:b], start=a)) or "(empty file)"
 
-    def _t_list_dir(self, entry, path) -> str:
+    def _list(self, entry, path) -> str:
         d = self._path(path, entry)
         if not d.is_dir():
             raise ToolError(f"{path}: not a directory")
@@ -344,7 +273,7 @@ class Episode:
                 rows.append(c.name + "/" if c.is_dir() else f"{c.name}  ({c.lstat().st_size} bytes)")
         return "\n".join(rows) or "(empty directory)"
 
-    def _t_search(self, entry, pattern, path=".") -> str:
+    def _search(self, entry, pattern, path=".") -> str:
         # The model's pattern runs in the host process: the ``regex`` engine with a time budget
         # for the whole search, so a catastrophic pattern such as (a+)+$ cannot hang a worker.
         try:
@@ -378,7 +307,7 @@ class Episode:
                         return "\n".join(hits) + "\n(stopped after 200 matches)"
         return "\n".join(hits) or "No matches."
 
-    def _t_edit_file(self, entry, path, old, new) -> str:
+    def _write(self, entry, path, old, new) -> str:
         f = self._path(path, entry)
         self._read_only(f, path)
         existed, before = os.path.lexists(f), entry_disk_bytes(f)
@@ -419,7 +348,7 @@ class Episode:
             os.lchown(p, uid, gid)
             p = p.parent
 
-    def _t_run_terminal_cmd(self, entry, command) -> str:
+    def _exec(self, entry, command) -> str:
         r = self.sandbox.run(command, timeout=self.command_timeout)
         entry["exit_code"], entry["command_seconds"] = r.exit_code, r.seconds
         parts = [f"exit code: {r.exit_code}" + (f" (killed: {r.killed_reason} after {r.seconds:.1f}s)" if r.killed_reason else "")]
@@ -429,6 +358,6 @@ class Episode:
             parts.append("stderr:\n" + r.stderr.rstrip("\n"))
         return "\n".join(parts)
 
-    def _t_submit(self, entry) -> str:
+    def _submit(self, entry) -> str:
         self.done = True
         return "Submitted."

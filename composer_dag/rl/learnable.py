@@ -15,49 +15,52 @@ import json
 import random
 from pathlib import Path
 
-from ..agent import tool_call_text
+from composer_dag import harness as harnesses
+from composer_dag.harness.base import Action
 from composer_dag.tasks.sources.learnable import ANSWER_FILE, build_learnable_tasks
 
 WORDS = ("red", "green", "blue", "gold")
 
 
 def format_warmup_texts(tokenizer, task_dirs, n: int, seed: int = 0, words=WORDS,
-                        system_style: str = "compact") -> list[tuple[str, list[tuple[str, int]]]]:
-    """(prompt, segments) transcripts that teach the tool-call syntax only.
+                        system_style: str = "compact", harness="composer") -> list[tuple[str, list[tuple[str, int]]]]:
+    """(prompt, segments) transcripts that teach the harness's call syntax only.
 
-    Turn 1 is one of: ``edit_file`` creating ``answer.txt`` with a word drawn uniformly from
-    ``words`` (independent of the instructions; half of the time), ``list_dir``, or
-    ``submit``; unless it submitted, the real tool output follows and turn 2 submits. The
-    right answer is never shown more often than chance. ``segments`` are (text, supervised)
-    pieces after the prompt, tokenized piece by piece as the agent loop does.
+    Turn 1 is one of: a write creating ``answer.txt`` with a word drawn uniformly from
+    ``words`` (independent of the instructions; half of the time), a listing of the project,
+    or a submit, each as the harness renders that action; unless it submitted, the real tool
+    output follows and turn 2 submits. The right answer is never shown more often than chance.
+    ``segments`` are (text, supervised) pieces after the prompt, tokenized piece by piece as the
+    agent loop does.
     """
     from composer_dag.harness.episode import Episode
-    from ..agent import render_prompt
 
+    h = harnesses.get(harness)
     rng = random.Random(seed)
     prompts, outputs = [], {}
     for d in task_dirs:
-        with Episode(d) as ep:
-            prompts.append(render_prompt(tokenizer, ep.prompt(), system_style))
-    with Episode(task_dirs[0]) as ep:  # what the tools really answer
-        outputs["list_dir"] = ep.step({"name": "list_dir", "arguments": {"path": "."}}).content
-        outputs["edit_file"] = ep.step({"name": "edit_file", "arguments": {
-            "path": ANSWER_FILE, "old": "", "new": words[0]}}).content
+        with Episode(d, harness=h) as ep:
+            prompts.append(h.render_prompt(tokenizer, ep.prompt(), system_style))
+    listing, first = Action("list", {"path": "."}), Action("write", {"path": ANSWER_FILE, "old": "", "new": words[0]})
+    with Episode(task_dirs[0], harness=h) as ep:  # what the tools really answer
+        for a in (listing, first):
+            outputs[a.kind] = [ep.step(c).content for c in h.render_action(a)][-1]
     end = "<|im_end|>"
+    turn = lambda action: h.render_turn("", h.render_action(action)) + end
     out = []
     for _ in range(n):
         r = rng.random()
         if r < 0.5:
-            name, args = "edit_file", {"path": ANSWER_FILE, "old": "", "new": rng.choice(words)}
+            action = Action("write", {"path": ANSWER_FILE, "old": "", "new": rng.choice(words)})
         elif r < 0.75:
-            name, args = "list_dir", {"path": "."}
+            action = listing
         else:
-            name, args = "submit", {}
-        segs = [(tool_call_text(name, args) + end, 1)]
-        if name != "submit":
-            tool = tokenizer.apply_chat_template([{"role": "tool", "content": outputs[name]}], tokenize=False,
+            action = Action("submit")
+        segs = [(turn(action), 1)]
+        if action.kind != "submit":
+            tool = tokenizer.apply_chat_template([h.result_message(outputs[action.kind])], tokenize=False,
                                                  add_generation_prompt=True)
-            segs += [("\n", 0), (tool, 0), (tool_call_text("submit", {}) + end, 1)]
+            segs += [("\n", 0), (tool, 0), (turn(Action("submit")), 1)]
         out.append((rng.choice(prompts), segs))
     return out
 

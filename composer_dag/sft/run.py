@@ -21,7 +21,8 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from ..agent import CONTROL_TOKENS, defang, parse_tool_calls, render_prompt, tool_call_text
+from composer_dag import harness as harnesses
+from composer_dag.harness.base import defang
 from ..pipes import Reporter, entry_point
 from ..runtime.checkpoint import atomic_dir, write_json_atomic
 from ..train.midtrain import MidtrainConfig, train
@@ -68,28 +69,29 @@ class SFTConfig(MidtrainConfig):
             if self.pretrain_dir else None
 
 
-def transcript(messages: list[dict], tok, system_style: str = "compact") -> tuple[list[int], list[int]]:
-    """``(input_ids, loss_mask)`` of one trajectory, piece by piece as the agent loop encodes it."""
+def transcript(messages: list[dict], tok, system_style: str = "compact",
+               harness="composer") -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` of one trajectory, piece by piece as the agent loop encodes it
+    (the prompt, calls and results as ``harness`` renders them)."""
+    h = harnesses.get(harness)
     enc = lambda text: tok(text, add_special_tokens=False).input_ids
     if not messages or messages[0].get("role") != "user":
         raise ValueError("a trajectory starts with the user's message")
-    control = sorted(set(CONTROL_TOKENS) | {t for t in getattr(tok, "all_special_tokens", []) if len(t) > 1})
-    ids = enc(render_prompt(tok, messages[0]["content"], system_style))
+    control = h.control(tok)
+    ids = enc(h.render_prompt(tok, messages[0]["content"], system_style))
     mask = [0] * len(ids)
     i = 1
     while i < len(messages):
         m = messages[i]
         if m["role"] != "assistant":
             raise ValueError(f"message {i}: expected an assistant turn, found {m['role']!r}")
-        calls = m.get("tool_calls") or []
-        body = "\n".join(tool_call_text(c.get("name"), c.get("arguments") or {}) for c in calls)
-        text = "\n".join(x for x in ((m.get("content") or "").strip(), body) if x) + "<|im_end|>"
+        text = h.render_turn(m.get("content") or "", m.get("tool_calls") or []) + "<|im_end|>"
         piece = enc(text)
         ids, mask = ids + piece, mask + [1] * len(piece)
         i += 1
         tools = []
         while i < len(messages) and messages[i]["role"] == "tool":
-            tools.append({"role": "tool", "content": defang(messages[i]["content"], control)})
+            tools.append(h.result_message(defang(messages[i]["content"], control)))
             i += 1
         if tools:
             piece = enc("\n") + enc(tok.apply_chat_template(tools, tokenize=False, add_generation_prompt=True))
@@ -149,7 +151,8 @@ def format_check(model_dir: str, trajectories_dir: str, cfg: SFTConfig) -> dict:
     rows = pq.read_table(os.path.join(trajectories_dir, "trajectories.parquet")).to_pylist()
     rows = ([r for r in rows if r["split"] == "val"] + [r for r in rows if r["split"] != "val"])[:cfg.format_samples]
     tok = load_tokenizer(model_dir)
-    prompts = [tok(render_prompt(tok, json.loads(r["messages"])[0]["content"], cfg.system_style),
+    h = harnesses.get("composer")
+    prompts = [tok(h.render_prompt(tok, json.loads(r["messages"])[0]["content"], cfg.system_style),
                    add_special_tokens=False).input_ids for r in rows]
     eng = make_engine("hf", model_dir)
     try:
@@ -158,7 +161,7 @@ def format_check(model_dir: str, trajectories_dir: str, cfg: SFTConfig) -> dict:
     finally:
         eng.close()
     texts = [tok.decode(o.token_ids, skip_special_tokens=False) for o in outs]
-    parsed = [bool(calls) and not errors for calls, errors, _ in map(parse_tool_calls, texts)]
+    parsed = [bool(calls) and not errors for calls, errors, _ in map(h.parse, texts)]
     share = sum(parsed) / len(parsed) if parsed else 0.0
     return {"samples": len(parsed), "parsed": sum(parsed), "share": share, "min_share": cfg.min_format_share,
             "ok": bool(parsed) and share >= cfg.min_format_share,

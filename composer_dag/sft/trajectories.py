@@ -4,7 +4,8 @@ Three origins:
 
 - ``reference``: built from a training task's reference solution and played through a real
   episode (the tools answer every call, the grader must pass the result): read the lines that
-  change, ``edit_file`` them, ``submit``; a task whose reference names a procedure (the learnable
+  change, write them, submit, each action as the harness renders it (``reference_actions``,
+  ``Harness.render_action``); a task whose reference names a procedure (the learnable
   family's shell command) runs it and submits. A trajectory whose calls fail or whose grade does not pass is skipped and counted.
 - ``rollout``: successful, unflagged rollouts of earlier RL runs (rejection sampling).
 - ``session``: good production sessions (``production_traces``: accepted by their user,
@@ -32,6 +33,8 @@ from typing import Iterable
 
 from pydantic import Field
 
+from composer_dag import harness as harnesses
+from composer_dag.harness.base import Action
 from ..runtime.config import StageConfig
 from ..tasks.sources import declared
 
@@ -52,7 +55,7 @@ class TrajectoryConfig(StageConfig):
                                  description="production sessions' largest share of the trajectories (good sessions "
                                              "only: accepted, unflagged, tests passing where run); 0 takes none")
     val_fraction: float = Field(0.1, description="share of tasks (by a hash of the id) whose trajectories validate")
-    context_lines: int = Field(3, description="lines shown around the change by the read_file call")
+    context_lines: int = Field(3, description="lines shown around the change by the reference read")
     workers: int = Field(2, description="episodes played at once")
     seed: int = 0
 
@@ -82,16 +85,15 @@ def _hunk(old_text: str, new_text: str) -> tuple[str, str, int, int] | None:
             return None
 
 
-def reference_calls(task_dir: Path, task: dict, context_lines: int = 3) -> list[dict] | None:
-    """The tool calls that solve ``task`` from its reference files; None if it has none."""
+def reference_actions(task_dir: Path, task: dict, context_lines: int = 3) -> list[Action] | None:
+    """The harness-neutral actions that solve ``task`` from its reference files; None if it has none."""
     ref = task.get("reference") or {}
     files = ref.get("files") or []
     if not files:
         return None
-    call = lambda name, **args: {"name": name, "arguments": args}
     if ref.get("command"):  # a task whose reference is a procedure (the learnable family)
-        return [call("run_terminal_cmd", command=ref["command"]), call("submit")]
-    calls = []
+        return [Action("exec", {"command": ref["command"]}), Action("submit")]
+    actions = []
     for rel in files:
         target = task_dir / "reference" / "files" / rel
         if not target.is_file():
@@ -99,26 +101,33 @@ def reference_calls(task_dir: Path, task: dict, context_lines: int = 3) -> list[
         new_text = target.read_text()
         current = task_dir / "repo" / rel
         if ref.get("kind") == "answer":
-            calls.append(call("edit_file", path=rel, old="", new=new_text.strip()))
+            actions.append(Action("write", {"path": rel, "old": "", "new": new_text.strip()}))
         elif not current.is_file():
-            calls.append(call("edit_file", path=rel, old="", new=new_text))
+            actions.append(Action("write", {"path": rel, "old": "", "new": new_text}))
         else:
             hunk = _hunk(current.read_text(), new_text)
             if hunk is None:
                 return None
             old, new, first, last = hunk
-            calls.append(call("read_file", path=rel, start_line=max(1, first - context_lines),
-                              end_line=last + context_lines))
-            calls.append(call("edit_file", path=rel, old=old, new=new))
-    return calls + [call("submit")]
+            actions.append(Action("read", {"path": rel, "start_line": max(1, first - context_lines),
+                                           "end_line": last + context_lines}))
+            actions.append(Action("write", {"path": rel, "old": old, "new": new}))
+    return actions + [Action("submit")]
 
 
-def play(task_dir: Path, calls: list[dict]) -> tuple[list[dict] | None, str]:
+def reference_calls(task_dir: Path, task: dict, context_lines: int = 3, harness="composer") -> list[dict] | None:
+    """The calls of ``harness`` that solve ``task`` from its reference files; None if it has none."""
+    actions = reference_actions(task_dir, task, context_lines)
+    return None if actions is None else harnesses.get(harness).render_actions(actions)
+
+
+def play(task_dir: Path, calls: list[dict], harness="composer") -> tuple[list[dict] | None, str]:
     """Play ``calls`` in a real episode of the task: ``(messages, "ok")`` when every call
     succeeds and the grade passes unflagged, else ``(None, reason)``."""
     from composer_dag.harness.episode import Episode
 
-    with Episode(task_dir) as ep:
+    h = harnesses.get(harness)
+    with Episode(task_dir, harness=h) as ep:
         messages = [{"role": "user", "content": ep.prompt()}]
         for c in calls:
             obs = ep.step(c)
@@ -126,7 +135,7 @@ def play(task_dir: Path, calls: list[dict]) -> tuple[list[dict] | None, str]:
             if obs.is_error:
                 return None, "reference_call_failed"
             if not obs.done:
-                messages.append({"role": "tool", "content": obs.content})
+                messages.append(h.result_message(obs.content))
         result = ep.grade()
     if result.flags:
         return None, "reference_flagged"

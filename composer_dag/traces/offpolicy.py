@@ -82,12 +82,13 @@ def token_stream(record: dict, tok) -> tuple[list[int], list[int], list[int], li
     return prompt, ids, mask, lps
 
 
-def regrade(record: dict, task_dir: Path) -> tuple[float, list[str], int, int]:
-    """Play the session's tool calls again in an episode of ``task_dir`` and grade it:
-    ``(reward, flags, tests passed, tests failed)``."""
+def regrade(record: dict, task_dir: Path, harness="composer") -> tuple[float, list[str], int, int]:
+    """Play the session's tool calls again in an episode of ``task_dir`` through ``harness`` (the
+    one that served it) and grade it: ``(reward, flags, tests passed, tests failed)``."""
+    from composer_dag import harness as harnesses
     from composer_dag.harness.episode import Episode
 
-    with Episode(task_dir) as ep:
+    with Episode(task_dir, harness=harnesses.get(harness)) as ep:
         for m in from_openai(record["messages"]):
             for call in m.get("tool_calls") or []:
                 if ep.done:

@@ -16,11 +16,9 @@ import json
 import random
 from pathlib import Path
 
+from composer_dag import harness as harnesses
 from .format import FORMAT, to_openai
 from .intake import HOUR_DIR, PARTITION
-
-EDIT_TOOLS = ("edit_file", "write_file", "create_file")
-
 
 def _segments(mask: list[int]) -> list[tuple[int, int]]:
     """``(start, end)`` of each run of 1s in ``mask``: one per assistant message."""
@@ -34,12 +32,34 @@ def _segments(mask: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+def written_paths(messages: list[dict], harness="composer") -> list[str]:
+    """The paths that the calls of ``messages`` (the harness's own messages) asked to write: the
+    calls of the harness's write tools that name a path as a string, done or not."""
+    h = harnesses.get(harness)
+    out = []
+    for m in messages:
+        for c in m.get("tool_calls") or []:
+            fn = c.get("function", c) if isinstance(c, dict) else {}
+            tool = h.tool(fn.get("name")) if isinstance(fn, dict) and isinstance(fn.get("name"), str) else None
+            if tool is None or tool.kind != "write":
+                continue
+            args = fn.get("arguments")
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except ValueError:
+                continue
+            path = tool.action_args(args).get("path") if isinstance(args, dict) else None
+            if isinstance(path, str):
+                out.append(path)
+    return out
+
+
 def session_from_rollout(rollout: dict, *, session_id: str, user_id: str, consent: bool, ended_at: dt.datetime,
                          model_version: str, model_digest: str, tokenizer_digest: str, persona=None) -> dict:
     """One session from an agent-loop rollout record; the simulated user accepts the edits when
     the tests passed and rejects them otherwise, and rates the session the same way."""
-    harness = json.loads(rollout["messages"])
-    messages = to_openai(harness)
+    own = json.loads(rollout["messages"])
+    messages = to_openai(own)
     ids, mask, lps = rollout["completion_ids"], rollout["loss_mask"], rollout["logprobs"]
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     gens = []
@@ -47,16 +67,7 @@ def session_from_rollout(rollout: dict, *, session_id: str, user_id: str, consen
         gens.append({"message_index": idx, "token_ids": [int(x) for x in ids[a:b]],
                      "logprobs": [min(0.0, float(x)) for x in lps[a:b]]})
     passed = rollout["tests_passed"] > 0 and rollout["tests_failed"] == 0
-    paths = [c["function"]["arguments"] for m in messages for c in m.get("tool_calls") or []
-             if c["function"]["name"] in EDIT_TOOLS]
-    edits = []
-    for args in paths:
-        try:
-            path = json.loads(args).get("path")
-        except (ValueError, AttributeError):
-            path = None
-        if isinstance(path, str):
-            edits.append({"path": path, "accepted": passed})
+    edits = [{"path": path, "accepted": passed} for path in written_paths(own, rollout.get("harness") or "composer")]
     started = ended_at - dt.timedelta(seconds=max(1.0, float(rollout.get("episode_seconds") or 1.0)))
     record = {
         "format": FORMAT, "session_id": session_id, "user_id": user_id, "consent": {"training": consent},
@@ -117,16 +128,17 @@ def write_hours(storage, incoming_url: str, hours: list[str], sessions: list[dic
     return {"files": files, "written": written, "bad": bad_counts}
 
 
-def reference_engine(tok, calls):
+def reference_engine(tok, calls, harness="composer"):
     """A served model that writes a task's reference calls, one per turn (an ``Engine``)."""
     import time
 
-    from ..agent import tool_call_text
     from ..inference.engine import Completion, Engine, EngineStats
+
+    h = harnesses.get(harness)
 
     class ReferenceEngine(Engine):
         def __init__(self):
-            self.texts = [tool_call_text(c["name"], c["arguments"]) + "<|im_end|>" for c in calls]
+            self.texts = [h.render_turn("", [c]) + "<|im_end|>" for c in calls]
             self.turn, self.stats = 0, EngineStats()
 
         def generate(self, prompts, params):

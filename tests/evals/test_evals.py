@@ -217,7 +217,9 @@ class _Scripted(Engine):
         self.tok, self.stats = tok, EngineStats()
 
     def _text(self, i, prompt):
-        from composer_dag.rl.learnable import tool_call_text
+        from composer_dag.harness.composer import COMPOSER
+
+        tool_call_text = COMPOSER.render_call
 
         m = re.search(r"Write the word (\w+)", prompt)
         if "<|im_start|>" not in prompt:

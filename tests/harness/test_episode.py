@@ -6,7 +6,10 @@ import os
 import pytest
 
 from composer_dag.tasks.format import task_dirs
-from composer_dag.harness.episode import TOOL_SCHEMAS, Episode, EpisodeConfig, truncate
+from composer_dag import harness
+from composer_dag.harness.base import truncate
+from composer_dag.harness.composer import COMPOSER
+from composer_dag.harness.episode import Episode, EpisodeConfig
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +29,11 @@ def call(name, **args):
 
 
 def test_schemas_are_openai_function_specs():
-    names = [t["function"]["name"] for t in TOOL_SCHEMAS]
+    assert harness.get("composer") is COMPOSER and "composer" in harness.names()
+    names = [t["function"]["name"] for t in COMPOSER.tool_schemas()]
     assert names == ["read_file", "list_dir", "search", "edit_file", "run_terminal_cmd", "submit"]
-    for t in TOOL_SCHEMAS:
+    assert [t.kind for t in COMPOSER.tools] == ["read", "list", "search", "write", "exec", "submit"]
+    for t in COMPOSER.tool_schemas():
         assert t["type"] == "function" and t["function"]["parameters"]["type"] == "object"
         json.dumps(t)
 

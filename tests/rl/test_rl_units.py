@@ -11,7 +11,8 @@ import torch
 
 from composer_dag.tasks.format import TaskLimits
 from composer_dag.inference.engine import Completion, Engine, EngineStats
-from composer_dag.agent import AgentConfig, AgentLoop, GradeCache, parse_tool_calls, rollouts_to_table, workspace_digest
+from composer_dag.agent import AgentConfig, AgentLoop, GradeCache, rollouts_to_table, workspace_digest
+from composer_dag.harness.composer import COMPOSER
 from composer_dag.rl.grpo import group_advantages, grpo_loss, pack
 from composer_dag.rl.learnable import build_learnable_tasks
 from composer_dag.rl.loop import Batch, RolloutSource
@@ -74,9 +75,9 @@ def tasks(tmp_path_factory):
 
 
 def test_parse_tool_calls():
-    calls, errors, prose = parse_tool_calls('hi <tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>'
-                                            '<tool_call>{oops}</tool_call><tool_call>[1]</tool_call>'
-                                            '<tool_call>{"name": {"x": 1}}</tool_call><|im_end|>')
+    calls, errors, prose = COMPOSER.parse('hi <tool_call>\n{"name": "submit", "arguments": {}}\n</tool_call>'
+                                          '<tool_call>{oops}</tool_call><tool_call>[1]</tool_call>'
+                                          '<tool_call>{"name": {"x": 1}}</tool_call><|im_end|>')
     assert calls == [{"name": "submit", "arguments": {}}] and len(errors) == 3 and prose == "hi"
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from composer_dag.agent import render_prompt, tool_call_text
+from composer_dag.harness.composer import COMPOSER
 from composer_dag.tasks.sources.learnable import build_learnable_tasks
 from composer_dag.sft import trajectories as traj
 from composer_dag.sft.run import transcript
@@ -113,11 +113,11 @@ def test_transcript_supervises_the_assistant_tokens_only(built, learnable_base):
     row = next(r for r in traj.read_rows(out / "trajectories.parquet") if r["source"] == "learnable")
     msgs = json.loads(row["messages"])
     ids, mask = transcript(msgs, tok)
-    prompt = tok(render_prompt(tok, msgs[0]["content"], "compact"), add_special_tokens=False).input_ids
+    prompt = tok(COMPOSER.render_prompt(tok, msgs[0]["content"], "compact"), add_special_tokens=False).input_ids
     assert ids[:len(prompt)] == prompt and not any(mask[:len(prompt)])
     supervised = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
     calls = [m["tool_calls"][0] for m in msgs if m["role"] == "assistant"]
-    assert supervised == "".join(tool_call_text(c["name"], c["arguments"]) + "<|im_end|>" for c in calls)
+    assert supervised == "".join(COMPOSER.render_call(c["name"], c["arguments"]) + "<|im_end|>" for c in calls)
     assert "exit code: 0" in tok.decode(ids, skip_special_tokens=False)  # the tool's answer, unsupervised
 
 

@@ -560,7 +560,7 @@ def test_realtime_sessions_as_off_policy_rollouts(rollouts, sessions, learnable_
 def _session(tok, sid: str, task: Path, files: dict, start: dict) -> dict:
     """A production session whose edits write ``files`` in ``task``'s repository and submit,
     recorded as accepted and rated 1, with the policy's token ids and logprobs."""
-    from composer_dag.agent import tool_call_text
+    from composer_dag.harness.composer import COMPOSER
     from tests.cheats import task_info
 
     calls = [{"name": "edit_file", "arguments": {"path": rel, "old": (task / "repo" / rel).read_text(), "new": text}}
@@ -569,7 +569,7 @@ def _session(tok, sid: str, task: Path, files: dict, start: dict) -> dict:
                 {"role": "user", "content": f"Fix {task_info(task)['sol']}."}]
     gens = []
     for c in calls:
-        ids = tok(tool_call_text(c["name"], c["arguments"]) + "<|im_end|>", add_special_tokens=False).input_ids
+        ids = tok(COMPOSER.render_call(c["name"], c["arguments"]) + "<|im_end|>", add_special_tokens=False).input_ids
         gens.append({"message_index": len(messages), "token_ids": ids, "logprobs": [-0.5] * len(ids)})
         messages += [{"role": "assistant", "content": "", "tool_calls": [c]}, {"role": "tool", "content": "Done."}]
     record = {"format": fmt.FORMAT, "session_id": sid, "user_id": "u", "consent": {"training": True},
