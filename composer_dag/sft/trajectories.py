@@ -38,7 +38,8 @@ from composer_dag.harness.base import Action
 from ..runtime.config import StageConfig
 from ..tasks.sources import declared
 
-SCHEMA_FIELDS = ("trajectory_id", "task_id", "source", "origin", "split", "messages", "num_turns", "chars")
+SCHEMA_FIELDS = ("trajectory_id", "task_id", "source", "origin", "split", "messages", "num_turns", "chars",
+                 "harness", "harness_version")
 
 
 class TrajectoryConfig(StageConfig):
@@ -149,12 +150,16 @@ def _text(messages: list[dict]) -> str:
         json.dumps(c) for m in messages for c in m.get("tool_calls") or [])
 
 
-def _row(task_id: str, source: str, origin: str, messages: list[dict], cfg: TrajectoryConfig) -> dict:
+def _row(task_id: str, source: str, origin: str, messages: list[dict], cfg: TrajectoryConfig,
+         harness: tuple[str, str] | None = None) -> dict:
+    """One trajectory row; ``harness``: the (name, version) whose messages these are (default composer's)."""
     body = json.dumps(messages, sort_keys=True)
+    name, version = harness or (harnesses.get("composer").name, harnesses.get("composer").version)
     return {"trajectory_id": hashlib.sha256(f"{origin}:{task_id}:{body}".encode()).hexdigest()[:16],
             "task_id": task_id, "source": source, "origin": origin,
             "split": _split(task_id, cfg.val_fraction, cfg.seed), "messages": body,
-            "num_turns": sum(m["role"] == "assistant" for m in messages), "chars": len(body)}
+            "num_turns": sum(m["role"] == "assistant" for m in messages), "chars": len(body),
+            "harness": name, "harness_version": version}
 
 
 def _draw(seed: int, task_id: str) -> str:
@@ -227,7 +232,8 @@ def from_rollouts(tables: Iterable, train_tasks: dict[str, str], cfg: Trajectory
                     why = "duplicate"
                 else:
                     seen.add(key)
-                    rows.append(_row(r["task_id"], train_tasks[r["task_id"]], "rollout", clean, cfg))
+                    named = (r["harness"], r.get("harness_version") or "") if r.get("harness") else None
+                    rows.append(_row(r["task_id"], train_tasks[r["task_id"]], "rollout", clean, cfg, named))
                     continue
             skipped[why] += 1
     return rows, skipped, n
@@ -325,7 +331,8 @@ def write_rows(rows: list[dict], out_dir) -> Path:
 
     table = pa.Table.from_pylist(rows, schema=pa.schema([
         ("trajectory_id", pa.string()), ("task_id", pa.string()), ("source", pa.string()), ("origin", pa.string()),
-        ("split", pa.string()), ("messages", pa.string()), ("num_turns", pa.int32()), ("chars", pa.int64())]))
+        ("split", pa.string()), ("messages", pa.string()), ("num_turns", pa.int32()), ("chars", pa.int64()),
+        ("harness", pa.string()), ("harness_version", pa.string())]))
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     pq.write_table(table, Path(out_dir) / "trajectories.parquet", compression="zstd")
     return Path(out_dir) / "trajectories.parquet"

@@ -107,6 +107,7 @@ def test_malformed_calls_get_error_observations_and_are_counted(tasks):
     assert "Error: no tool call" in tok.decode([t for t, m in zip(ids, mask) if not m])
     t = rollouts_to_table([r])
     assert t.num_rows == 1 and t.column("reward")[0].as_py() == 1.0
+    assert (t.column("harness")[0].as_py(), t.column("harness_version")[0].as_py()) == ("composer", COMPOSER.version)
 
 
 def test_the_grading_settings_come_from_the_agent_config(tasks):

@@ -49,6 +49,7 @@ def test_every_reference_trajectory_solves_its_task(task_mix, built):
     assert s["reference"]["out"] == n_tasks, s["reference"]["skipped"]  # every kind of reference plays through
     rows = traj.read_rows(out / "trajectories.parquet")
     assert {r["source"] for r in rows} == {"learnable", "humaneval", "stdlib-bugfix"}
+    assert {(r["harness"], r["harness_version"]) for r in rows} == {("composer", COMPOSER.version)}
     for r in rows:
         msgs = json.loads(r["messages"])
         assert msgs[0]["role"] == "user" and msgs[-1]["tool_calls"][0]["name"] == "submit"
