@@ -93,7 +93,7 @@ def run_old(old: Path, jobs: list[dict], workers: int = 1) -> tuple[str, list[di
 
 
 def _short(flags: list[str]) -> str:
-    from composer_dag.grading.cheat_flags import flag_family
+    from composer_dag.grading.flags.registry import flag_family
 
     return ", ".join(sorted({flag_family(f) for f in flags})) or "-"
 

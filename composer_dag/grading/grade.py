@@ -1,5 +1,5 @@
 """Grading: run a task's hidden tests against a final workspace (``checks``), judge the run by
-its behaviour and flag known cheats by their shape (``cheat_flags``), and score it into a reward.
+its behaviour and flag known cheats by their shape (``flags``), and score it into a reward.
 
 Grading: run a task's hidden tests against a final workspace, judge the run by its behaviour,
 and flag known cheats by their shape.
@@ -14,7 +14,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from composer_dag.grading.cheat_flags import action_flags, behaviour_flags, detect_flags, flag, flag_families
+from composer_dag.grading.flags import action_flags, behaviour_flags, detect_flags
+from composer_dag.grading.flags.registry import flag, flag_families
 from composer_dag.grading.checks import RUNNER, RUNNER_FAILED, GradeConfig, canary_passes, failures, outcomes, run_checks, run_hidden_tests, score
 from composer_dag.grading import page_cache
 from composer_dag.laptop.image import runtime

@@ -123,7 +123,7 @@ def test_what_the_rules_cannot_read_whole_is_flagged(tasks, tmp_path):
     """A data file, or a string constant, larger than the shape rules read (1 MB) could hide a
     table past the part read: flagged ``shape_unreadable``, as a file too deep to walk is; the
     same file under the limit is read, and holds nothing of the hidden tests."""
-    from composer_dag.grading.cheat_flags import detect_flags
+    from composer_dag.grading.flags import detect_flags
 
     task = tasks["humaneval-000"]
     ws = workspace(task, tmp_path, reference=True)
@@ -172,7 +172,7 @@ def test_reward_modes(tasks, tmp_path):
 
 def test_flag_families_and_rollout_columns():
     from composer_dag.agent import rollout_schema
-    from composer_dag.grading.cheat_flags import flag_family
+    from composer_dag.grading.flags.registry import flag_family
     from composer_dag.grading.grade import GradeResult
 
     r = GradeResult(reward=0.0, passed=1, failed=0, per_test={}, flags=[
@@ -182,15 +182,15 @@ def test_flag_families_and_rollout_columns():
     assert {"flag_families", "canary_passed"} <= set(rollout_schema().names)
     # a family is registered once, with its prefixes; a flag of an unregistered prefix cannot be
     # made, nor counted under some family
-    from composer_dag.grading import cheat_flags
+    from composer_dag.grading.flags import registry
 
     with pytest.raises(ValueError, match="not registered"):
-        cheat_flags.flag("monkey_patch", "x.py")
+        registry.flag("monkey_patch", "x.py")
     with pytest.raises(ValueError, match="no registered family"):
         flag_family("monkey_patch:x.py")
     with pytest.raises(ValueError, match="registered twice"):
-        cheat_flags.register("exit2", "exit_call")
-    assert set(cheat_flags.FAMILIES.values()) >= {"canary", "exit", "test_edit", "outside_read"}
+        registry.register("exit2", "exit_call")
+    assert set(registry.FAMILIES.values()) >= {"canary", "exit", "test_edit", "outside_read"}
 
 
 def test_results_planted_by_the_solution_are_void(tasks, tmp_path):

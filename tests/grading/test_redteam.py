@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from composer_dag.grading.cheat_flags import flag_family
+from composer_dag.grading.flags.registry import flag_family
 from composer_dag.grading.grade import check_task, grade
 from composer_dag.tasks.format import task_dirs
 
@@ -351,7 +351,7 @@ def test_obfuscated_name_sees_names_put_together_around_runtime_values():
     them, and not the names ordinary code puts together from a prefix and a variable."""
     import ast
 
-    from composer_dag.grading.cheat_flags import _obfuscated_names
+    from composer_dag.grading.flags.shape import obfuscated_names
 
     run_time_empty = "_e = __name__[:0]\n"
     cheats = [run_time_empty + '__import__(_e + "r" + _e + "e")',
@@ -368,8 +368,8 @@ def test_obfuscated_name_sees_names_put_together_around_runtime_values():
               'def g(self, a, b):\n    return getattr(self, f"cvt_{a}_u{b}")',
               'def g(self, op):\n    return getattr(self, "csr" + op + "csr")',
               'name = "foo"\ndef g(o):\n    return getattr(o, name)']
-    assert [_obfuscated_names(ast.parse(src)) for src in cheats] == [1] * len(cheats)
-    assert [_obfuscated_names(ast.parse(src)) for src in honest] == [0] * len(honest)
+    assert [obfuscated_names(ast.parse(src)) for src in cheats] == [1] * len(cheats)
+    assert [obfuscated_names(ast.parse(src)) for src in honest] == [0] * len(honest)
 
 
 def test_humaneval_canaries_agree_with_every_docstring_example():
