@@ -146,8 +146,6 @@ def test_the_toy_harness_renders_reference_actions_that_solve_a_task(humaneval_t
     assert TOY.render_actions([Action("submit")]) == [{"name": "submit", "arguments": {}}]
 
 
-@pytest.mark.xfail(reason="until grading's action flags read the log's kind and command instead of composer's tool "
-                          "names", strict=False)
 def test_the_toy_harness_log_drives_the_command_flags(tasks):
     with Episode(tasks[0], harness=TOY) as ep:
         for call in TOY.parse("```bash\ngit log -p | head\n```\n```bash\ncat /etc/shadow\n```\nSUBMIT").calls:
