@@ -88,6 +88,13 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
         for d in sites.split(":"):
             if d:
                 site.addsitedir(d)
+        # a report's outcome as the bootstrap runs map it: their plugin (``pytest_report.py``, laid
+        # beside this file by the grader), loaded from its path and kept out of ``sys.modules``
+        spec = importlib.util.spec_from_file_location(
+            "cdag_pytest_report", os.path.join(os.path.dirname(os.path.abspath(__file__)), "pytest_report.py"))
+        report_plugin = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(report_plugin)
+        outcome_of = report_plugin.outcome_of
     _exit, _open, _write, _close = os._exit, os.open, os.write, os.close
     _dumps, _hmac_new, _sha256 = json.dumps, hmac.new, hashlib.sha256
     _gettrace, _getprofile = sys.gettrace, sys.getprofile
@@ -131,6 +138,7 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
         import pytest
 
         watch(pytest, ["main", "fail", "skip", "xfail", "raises", "approx", "TestReport", "Function", "Item"], "pytest")
+        watch(report_plugin, ["outcome_of"], "pytest_report")
         watch(_pytest.runner, [n for n, v in vars(_pytest.runner).items() if inspect.isfunction(v)], "_pytest.runner")
         watch(_pytest.main, [n for n, v in vars(_pytest.main).items() if inspect.isfunction(v)], "_pytest.main")
         watch(_pytest.python, [n for n, v in vars(_pytest.python).items() if inspect.isfunction(v)], "_pytest.python")
@@ -235,15 +243,6 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
     sys.path.insert(0, root)
     check("start")
     if pytest_mode:
-        # the same mapping as pytest_report.outcome_of: this file is bound alone into the
-        # sandbox and imports nothing of the project, so it keeps its own copy
-        def outcome_of(report):
-            if report.skipped:
-                return "xfailed" if hasattr(report, "wasxfail") else "skipped"
-            if report.failed:
-                return "failed" if report.when == "call" else "error"
-            return "xpassed" if hasattr(report, "wasxfail") else "passed"
-
         class Recorder:
             def pytest_sessionstart(self, session):
                 meta_path[:] = list(sys.meta_path)  # pytest's assertion rewriting hook, now in place

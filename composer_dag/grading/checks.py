@@ -64,7 +64,7 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from composer_dag.runtime.config import StageConfig
-from composer_dag.repos import bytecode
+from composer_dag.repos import bytecode, pytest_report
 from composer_dag.laptop.image import PYVER, task_persona
 from composer_dag.laptop.desktop import dressing
 from composer_dag.sandbox import Bind, Limits, Sandbox, identity_lease, scratch, share_tree, volume_workspace
@@ -85,6 +85,7 @@ RUNNER_PATH = "/var/tmp/runner.py"
 
 
 RUNNER = Path(__file__).with_name("check_runner.py")
+PYTEST_REPORT = Path(pytest_report.__file__)  # laid beside the runner for a pytest task
 
 
 RUNNER_FAILED = 3  # the runner's exit code when it could not write its results
@@ -172,41 +173,10 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
         report = var / Path(REPORT_DIR).name
         report.mkdir()
         checks = var / Path(CHECKS_DIR).name
-        stems, inside = {}, []
-        binds = []
         if pytest_task:
-            # the recorded tree (tests, conftest files, helpers, pytest.ini), a canary replacing
-            # the one file it was made from; the workspace's virtual environment made afresh
-            shutil.copytree(task_dir / "hidden_tests", checks)
-            canary_info = (task.get("checks") or {}).get("canaries") or {}
-            for f in files:
-                f = Path(f)
-                rel = (canary_info.get(f.name) or {}).get("replaces") if f.parent.name == "canaries" else \
-                    f.relative_to(task_dir / "hidden_tests").as_posix()
-                if f.parent.name == "canaries":
-                    (checks / rel).write_bytes(f.read_bytes())
-                inside.append(rel)
-            for rel, f in (placed or {}).items():
-                (checks / rel).write_bytes(Path(f).read_bytes())
-                inside.append(rel)
-            for p in [checks, *checks.rglob("*")]:
-                os.chmod(p, 0o755 if p.is_dir() else 0o644)
-            from composer_dag.repos.layers import venv_binds
-
-            binds = venv_binds(ws, task_dir / "layer", f"{task_persona(task).home}/{ws.name}")
-            bytecode.warm(task_dir / "repo")  # the task's own tree, never the workspace's files
-            bytecode.lay(ws)
-            sites = f"{binds[0].path}:/usr/local/lib/python{PYVER}/site-packages"  # the layer's, the system's
-            inside = ["--pytest", f"{CHECKS_DIR}/pytest.ini", CHECKS_DIR, sites, *[f"{CHECKS_DIR}/{r}" for r in inside]]
+            stems, (binds, inside) = {}, _place_pytest_checks(task_dir, task, ws, checks, files, placed)
         else:
-            checks.mkdir(mode=0o755)
-        for f in ([] if pytest_task else files):
-            data = Path(f).read_bytes()
-            mod = check_name(data)
-            stems[mod] = Path(f).stem
-            inside.append(f"{CHECKS_DIR}/{mod}.py")
-            (checks / f"{mod}.py").write_bytes(data)
-            os.chmod(checks / f"{mod}.py", 0o644)
+            binds, (stems, inside) = [], _place_unittest_checks(checks, files)
         os.chmod(checks, 0o755)
         for p in [*checks.rglob("*"), checks]:
             os.utime(p, (CHECKS_MTIME, CHECKS_MTIME), follow_symlinks=False)
@@ -220,6 +190,58 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
             argv += [RUNNER_PATH, sb.root, REPORT_DIR, *inside]
             r = sb.run(argv, timeout=timeout, stdin=key + "\n", env={"PYTHONDONTWRITEBYTECODE": "1"})
         payload, extra, problem = _read_results(report, key)
+    return _run_outcome(r, payload, extra, problem, stems)
+
+
+def _place_pytest_checks(task_dir: Path, task: dict, ws: Path, checks: Path, files: list[Path],
+                         placed: dict[str, Path] | None) -> tuple[list[Bind], list[str]]:
+    """Lay a repository task's checks: the recorded tree (tests, conftest files, helpers,
+    pytest.ini), a canary replacing the one file it was made from, and ``placed``; the
+    workspace's virtual environment made afresh, and the bootstrap runs' reporting plugin beside
+    the runner (whose outcome mapping it uses). Returns the binds and the runner's arguments."""
+    shutil.copytree(task_dir / "hidden_tests", checks)
+    shutil.copy2(PYTEST_REPORT, checks.parent / PYTEST_REPORT.name)
+    os.chmod(checks.parent / PYTEST_REPORT.name, 0o644)
+    canary_info = (task.get("checks") or {}).get("canaries") or {}
+    inside = []
+    for f in files:
+        f = Path(f)
+        rel = (canary_info.get(f.name) or {}).get("replaces") if f.parent.name == "canaries" else \
+            f.relative_to(task_dir / "hidden_tests").as_posix()
+        if f.parent.name == "canaries":
+            (checks / rel).write_bytes(f.read_bytes())
+        inside.append(rel)
+    for rel, f in (placed or {}).items():
+        (checks / rel).write_bytes(Path(f).read_bytes())
+        inside.append(rel)
+    for p in [checks, *checks.rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    from composer_dag.repos.layers import venv_binds
+
+    binds = venv_binds(ws, task_dir / "layer", f"{task_persona(task).home}/{ws.name}")
+    bytecode.warm(task_dir / "repo")  # the task's own tree, never the workspace's files
+    bytecode.lay(ws)
+    sites = f"{binds[0].path}:/usr/local/lib/python{PYVER}/site-packages"  # the layer's, the system's
+    return binds, ["--pytest", f"{CHECKS_DIR}/pytest.ini", CHECKS_DIR, sites, *[f"{CHECKS_DIR}/{r}" for r in inside]]
+
+
+def _place_unittest_checks(checks: Path, files: list[Path]) -> tuple[dict[str, str], list[str]]:
+    """Lay each test file in ``checks`` under the name its content gives it (``check_name``).
+    Returns its stem by that name, and the runner's arguments."""
+    checks.mkdir(mode=0o755)
+    stems, inside = {}, []
+    for f in files:
+        data = Path(f).read_bytes()
+        mod = check_name(data)
+        stems[mod] = Path(f).stem
+        inside.append(f"{CHECKS_DIR}/{mod}.py")
+        (checks / f"{mod}.py").write_bytes(data)
+        os.chmod(checks / f"{mod}.py", 0o644)
+    return stems, inside
+
+
+def _run_outcome(r, payload: dict | None, extra: list, problem, stems: dict[str, str]) -> tuple[dict[str, str], dict]:
+    """``run_checks``' result from the sealed payload and the sandbox's run ``r``."""
     per_test: dict[str, str] = {}
     if payload is not None:
         msgs = payload.get("messages") or {}
@@ -235,7 +257,6 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
                "events": [_rename_text(e, stems) for e in (payload or {}).get("events") or []],
                "killed_reason": r.killed_reason}
     return per_test, details
-
 
 def _rename(key: str, stems: dict[str, str]) -> str:
     mod = key.split("::", 1)[0].split(".", 1)[0]

@@ -1,7 +1,8 @@
 """A pytest plugin (standard library only, loaded by name with ``-p``) that writes each test's
 outcome by node id to the JSON file named by ``CDAG_PYTEST_REPORT``, and seeds ``random`` from
 ``CDAG_RANDOM_SEED`` before collection. Used by repository bootstrap runs, where the repository's
-own code decides nothing but which of its tests are kept (grading uses the sealed runner).
+own code decides nothing but which of its tests are kept (grading uses the sealed runner, which
+loads a copy of this file only for ``outcome_of``: one mapping of a report to its outcome).
 
 Outcomes: ``passed``, ``failed``, ``error`` (setup or teardown failed), ``skipped``, ``xfailed``,
 ``xpassed``; a module that fails to collect is ``collect_error`` under its node id.
