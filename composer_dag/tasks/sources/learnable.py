@@ -26,42 +26,31 @@ REQUEST_FILE = "request.txt"
 SOLUTION_COMMAND = f"cut -d'\"' -f2 {REQUEST_FILE} > {ANSWER_FILE}"
 """The reference procedure: the word is the only quoted text of the request."""
 PROJECT = "notes"
-WORD_POOL = (
-    "that", "value", "method", "self", "name", "module", "used", "string", "other", "this", "will",
-    "objects", "defined", "which", "when", "only", "same", "code", "should", "also", "values",
-    "types", "methods", "clause", "version", "built", "must", "called", "pattern", "have", "using",
-    "suite", "block", "number", "default", "first", "example", "names", "then", "they", "raised",
-    "such", "call", "given", "case", "items", "keyword", "section", "result", "classes", "context",
-    "keys", "does", "than", "there", "current", "more", "base", "mapping", "line", "syntax",
-    "target", "special", "returns", "empty", "created", "support", "length", "item", "within",
-    "local", "point", "numbers", "order", "left", "raises", "most", "form", "each", "strings",
-    "bound", "where", "their", "either", "found", "right", "before", "always", "integer", "index",
-    "subject", "true", "mutable", "single", "like", "define", "after", "those", "present",
-    "manager", "frame", "passed", "command", "access", "scope", "defines", "these", "occurs",
-    "last", "match", "instead", "through", "numeric", "into", "equal", "body", "level", "uses",
-    "part", "zero", "three", "binding", "program", "cannot", "both", "some", "being", "been",
-    "start", "lists", "details", "loop", "step", "normal", "literal", "data", "copy", "time",
-    "over", "means", "matches", "width", "calls", "future", "invoked", "digits", "unless", "below",
-    "false", "nested", "create", "whose", "itself", "without", "decimal", "error", "stack", "user",
-    "rather", "provide", "yields", "runtime", "rules", "count", "between", "slicing", "allows",
-    "were", "handler", "handled", "contain", "field", "option", "once", "valid", "compare", "group",
-    "source", "another", "would", "clauses", "refer", "added", "detail", "even", "treated",
-    "lookup", "owner", "space", "file", "about", "least", "primary", "stored", "search", "modules",
-    "sets", "sign", "operand", "display", "simple", "comma", "follows", "during", "binary",
-    "allowed", "them", "removed", "because", "formal", "until", "execute", "less", "similar",
-    "done", "control", "common", "custom", "calling", "stop", "omitted", "change", "side", "pair",
-    "place", "meaning", "made", "above", "fails", "pairs", "test", "read", "feature", "allow",
-    "still", "setting", "whether", "note", "cases", "lines", "around", "clear", "prefix", "view",
-    "targets", "back", "never", "leading", "text", "certain", "listed", "caught", "guard", "append",
-    "split", "digit", "table", "under", "include", "occur", "already", "library", "total",
-    "changes", "bitwise", "truth", "follow", "reverse", "hand", "effect", "tuples", "needs",
-    "saved", "slot", "results", "since", "exist", "free", "latter", "cause", "exactly", "inside",
-    "named", "just", "well", "modulo", "recent", "need", "entire", "garbage", "double", "remove",
-    "trace", "usually", "static", "event", "derived", "bases", "power", "second", "useful",
-    "nearest", "specify", "becomes", "tests", "binds", "iterate", "succeed", "terms", "star",
-    "builds", "indices", "unary", "insert", "square", "refers", "lower", "points", "proper",
-    "accept",
-)
+WORD_POOL = tuple("""
+    that value method self name module used string other this will objects defined which when only
+    same code should also values types methods clause version built must called pattern have using
+    suite block number default first example names then they raised such call given case items
+    keyword section result classes context keys does than there current more base mapping line
+    syntax target special returns empty created support length item within local point numbers order
+    left raises most form each strings bound where their either found right before always integer
+    index subject true mutable single like define after those present manager frame passed command
+    access scope defines these occurs last match instead through numeric into equal body level uses
+    part zero three binding program cannot both some being been start lists details loop step normal
+    literal data copy time over means matches width calls future invoked digits unless below false
+    nested create whose itself without decimal error stack user rather provide yields runtime rules
+    count between slicing allows were handler handled contain field option once valid compare group
+    source another would clauses refer added detail even treated lookup owner space file about least
+    primary stored search modules sets sign operand display simple comma follows during binary
+    allowed them removed because formal until execute less similar done control common custom
+    calling stop omitted change side pair place meaning made above fails pairs test read feature
+    allow still setting whether note cases lines around clear prefix view targets back never leading
+    text certain listed caught guard append split digit table under include occur already library
+    total changes bitwise truth follow reverse hand effect tuples needs saved slot results since
+    exist free latter cause exactly inside named just well modulo recent need entire garbage double
+    remove trace usually static event derived bases power second useful nearest specify becomes
+    tests binds iterate succeed terms star builds indices unary insert square refers lower points
+    proper accept
+""".split())
 """Words for the default task set, one task each: frequent words of the Python reference manual
 (fixed here, so every machine builds the same tasks). Many distinct words make copying the word,
 not remembering a few, what lowers the loss."""
