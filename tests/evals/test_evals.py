@@ -317,6 +317,7 @@ def test_evaluate_tiny_checkpoint_hf_entry_point(setup, tmp_path, capsys):
         "results.parquet", "rollouts.parquet", "humaneval.parquet", "summary.json"}
 
 
+@pytest.mark.slow
 def test_eval_command_line(setup, tmp_path):
     """`composer-dag eval CHECKPOINT --tasks DIR`: a real subprocess, JSON summary on the last line,
     then the same against that summary as the baseline (the gate passes against itself)."""

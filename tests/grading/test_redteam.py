@@ -221,6 +221,7 @@ def test_exclusive_runs_leave_no_live_episode_running_beside_them(all_tasks, tmp
                 assert "exclusive" not in r.details and len(inside) >= 5, (len(inside), windows)
 
 
+@pytest.mark.slow
 def test_runs_of_a_grading_cannot_find_each_other(all_tasks, tmp_path):
     """Two runs, each under its own leased identity, plant marks in every shared place and kernel
     object they can think of (user keyrings, abstract sockets, /tmp, /var/tmp, /dev/shm, the home,

@@ -78,6 +78,7 @@ def _hash_parity_flips() -> str:
     return f"k{i}", a[i]
 
 
+@pytest.mark.slow
 def test_bootstrap_keeps_only_reliable_tests_and_fails_cleanly(repo_envs, tmp_path):
     """One project with a test of each kind: kept, failing at the base, skipped, depending on
     the clock (the shifted run), on the hash seed, and vacuous (passes with the code replaced by
@@ -139,6 +140,7 @@ def test_bootstrap_keeps_only_reliable_tests_and_fails_cleanly(repo_envs, tmp_pa
     assert r["ok"] and load_env(tmp_path / "env10")["store"]["dependencies"] == ["six-1.17.0-py2.py3-none-any.whl"], r
 
 
+@pytest.mark.slow
 def test_mined_tasks_are_sound_and_graded_under_pytest(mined_tasks, repo_envs):
     """Synthetic bugs over parse: each task passes today's soundness checks (reference passes,
     broken fails, a canary the reference fails), records its origin, hides its FAIL_TO_PASS
@@ -272,6 +274,7 @@ def _cli(*args, timeout=900):
     return r.returncode, json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else None, r.stderr
 
 
+@pytest.mark.slow
 def test_swebench_export_then_import_gives_back_the_tasks(mined_tasks, repo_envs, tmp_path):
     """Export writes SWE-bench instances (the test lists JSON-encoded strings of pytest node ids)
     and a mirror per repository; import checks each base commit out of the mirror, bootstraps it,
@@ -348,6 +351,7 @@ def parse_history(repo_envs, tmp_path_factory):
     return root / "env"
 
 
+@pytest.mark.slow
 def test_history_tasks_follow_swebench_recipe(parse_history, tmp_path):
     """A release whose new tests fail on the previous release's code becomes a task: the commit
     message says nothing ("Release 1.20.2"), so the changelog's entry, rewritten as a user's
@@ -461,6 +465,7 @@ def test_test_requirements_are_read_wherever_the_project_declares_them(tmp_path)
     assert all(Requirement(r) for r in reqs)  # every line parses as pip reads it
 
 
+@pytest.mark.slow
 def test_a_suite_written_for_an_older_pytest_gets_one_in_its_layer(repo_envs, tmp_path):
     """A conftest with a hook argument pytest 9 no longer has (``pytest_ignore_collect(path,
     config)``, as boltons') stops the suite before any test under the sandbox's pytest; the

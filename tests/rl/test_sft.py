@@ -41,6 +41,7 @@ def built(task_mix, tmp_path_factory):
     return out, summary
 
 
+@pytest.mark.slow
 def test_every_reference_trajectory_solves_its_task(task_mix, built):
     out, s = built
     n_tasks = len(list(task_mix.glob("*/task.json")))
