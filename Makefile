@@ -9,9 +9,9 @@ STAMP := $(VENV)/.installed
 export COMPOSER_HOME ?= $(CURDIR)/.composer
 export DAGSTER_HOME ?= $(COMPOSER_HOME)/dagster_home
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test` (0: one process, the default: on 2 cores two workers took as
-# long, the whole-graph module alone outlasting the rest); modules stay whole on one worker
-PYTEST_WORKERS ?= 0
+# pytest-xdist workers for `make test` (0: one process). With 2, one worker runs the whole-graph run
+# and the tests that read it, the other the rest (tests/conftest.py: the xdist groups)
+PYTEST_WORKERS ?= 2
 
 .PHONY: help install system-deps run test test-fast dev bench clean
 

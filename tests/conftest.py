@@ -22,8 +22,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Modules whose tests take minutes: started first, so that the two workers of `make test` end
-# together rather than one waiting for the other's last long module.
+# Modules whose tests take minutes: started first on their worker.
 LONG_FIRST = ("tests.rl.test_fleet", "tests.rl.test_rl_learn", "tests.graph.test_ui_browser", "tests.graph.test_faults_kill",
               "tests.train.test_midtrain", "tests.rl.test_sft")
 
@@ -70,11 +69,12 @@ def _needs(item) -> set[str]:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Markers for what each test needs (``_needs``), then the longest modules first: the ones
-    that use the Slurm cluster (the whole-graph run), then those in ``LONG_FIRST``. Under
-    ``make test`` (pytest-xdist, ``--dist loadfile``) each module runs whole on one worker, so
-    its module fixtures (a pair of vLLM servers, `dagster dev`) start once, and the two workers
-    end together."""
+    """Markers for what each test needs (``_needs``) and the xdist group of each test, then the
+    longest modules first: the ones that use the Slurm cluster (the whole-graph run), then those in
+    ``LONG_FIRST``. Under ``make test`` (two pytest-xdist workers, ``--dist loadgroup``) one worker
+    runs the whole-graph run and every test that reads it, the other the rest, so the session's
+    graph, its two-node cluster and each module's fixtures (a pair of vLLM servers, `dagster dev`)
+    start once."""
     for it in items:
         for mark in sorted(_needs(it)):
             it.add_marker(mark)
