@@ -132,16 +132,18 @@ def materialize_graph(tmp_path_factory, two_node_cluster, repo_sdists):
                 mp.setenv(k, v)
             defs = build_defs(resources)
             printed = []
+            nodes_tmp = {n: cluster.node_dir(n) / "tmp" for n in cluster.names}
+            scratch = lambda d: {p.name for p in (d / cluster.scratch.rsplit("/", 1)[1]).glob("*")
+                                 if p.is_dir() and p.name != "composer-cache"}
+            before = {n: scratch(d) for n, d in nodes_tmp.items()}  # what the session's earlier Slurm tests left
             with ServerNodeLoss(cluster) as loss:
                 results = materialize_all(instance=instance, definitions=defs, run_config=TINY_RUN_CONFIG,
                                           log=lambda line: (print(line), printed.append(line)))
             print_step_times(instance, results)
-            # what each node's scratch holds after the run (a job's directory left behind), and
+            # what the run's jobs left in each node's scratch (a job's directory left behind), and
             # no secret in what the nodes wrote, before the lost node comes back with an empty /tmp
             try:
-                nodes_tmp = {n: cluster.node_dir(n) / "tmp" for n in cluster.names}
-                left = {n: sorted(p.name for p in (d / cluster.scratch.rsplit("/", 1)[1]).iterdir()
-                                  if p.is_dir() and p.name != "composer-cache") for n, d in nodes_tmp.items()}
+                left = {n: sorted(scratch(d) - before[n]) for n, d in nodes_tmp.items()}
                 leaks = {n: scan_tree(d, list(secrets.values())) for n, d in nodes_tmp.items()}
             finally:
                 if loss.victim:

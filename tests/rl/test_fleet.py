@@ -274,13 +274,13 @@ def test_fleet_infra_failure_is_masked(orchestrator, monkeypatch):
     lock = threading.Lock()
 
     class Flaky(Episode):  # the first sandbox of the batch cannot start; the others are counted
-        def __init__(self, task_dir, config):
+        def __init__(self, task_dir, config, **kw):
             with lock:
                 made["n"] += 1
                 first = made["n"] == 1
             if first:
                 raise OSError("bwrap: cannot create the sandbox")
-            super().__init__(task_dir, config)
+            super().__init__(task_dir, config, **kw)
             with lock:
                 live["n"] += 1
                 live["peak"] = max(live["peak"], live["n"])
