@@ -39,8 +39,13 @@ def key(desc: bytes, ring: int, add: bool) -> bool:
 pool = sorted(f for f in os.listdir(os.path.join(os.path.dirname(os.__file__), "idlelib")) if f.endswith(".py"))
 
 
-def pick(mark: str) -> str:
-    return os.path.join(os.path.dirname(os.__file__), "idlelib", pool[int(hashlib.sha256(mark.encode()).hexdigest(), 16) % len(pool)])
+def pick(mark: str, peer: str) -> str:
+    """The file ``mark`` reads; two marks whose hashes meet are parted (the greater takes the next
+    file), the same way in both runs, so the two files always differ."""
+    index = {m: int(hashlib.sha256(m.encode()).hexdigest(), 16) % len(pool) for m in (mark, peer)}
+    if index[mark] == index[peer] and mark > peer:
+        index[mark] = (index[mark] + 1) % len(pool)
+    return os.path.join(os.path.dirname(os.__file__), "idlelib", pool[index[mark]])
 
 
 def cached(path: str) -> bool:
@@ -54,8 +59,8 @@ def cached(path: str) -> bool:
         os.close(fd)
 
 
-mine, theirs = pick(me), pick(other)
-seen["page_cache"] = cached(theirs) if theirs != mine else None
+mine, theirs = pick(me, other), pick(other, me)
+seen["page_cache"] = cached(theirs)
 with open(mine, "rb") as f:
     f.read()
 places = ["/tmp", "/var/tmp", "/dev/shm", os.path.expanduser("~"), f"/run/user/{os.getuid()}", os.getcwd()]
