@@ -72,7 +72,9 @@ def cmd_env_grade(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"{what} {path} does not exist")
     if not os.path.exists(os.path.join(args.task_dir, "task.json")):
         raise ValueError(f"{args.task_dir} has no task.json: not a task directory")
-    return grade_cli(args.task_dir, args.workspace_dir)
+    if args.actions and not os.path.isfile(args.actions):
+        raise ValueError(f"action log {args.actions} does not exist")
+    return grade_cli(args.task_dir, args.workspace_dir, args.actions)
 
 
 def cmd_env_bootstrap(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
@@ -115,13 +117,32 @@ def cmd_tasks_export(args: argparse.Namespace) -> dict[str, Any]:
     return export_tasks(Path(args.tasks_dir), Path(args.out), Path(args.mirror_dir) if args.mirror_dir else None)
 
 
+def _exec_command(args: argparse.Namespace) -> list[str]:
+    """The command of ``sandbox exec``: what follows ``--``; options given between the workspace
+    and ``--`` (``--timeout``) are read here, since everything after the workspace reaches
+    ``cmd`` as it is."""
+    cmd = list(args.cmd)
+    if "--" not in cmd:
+        return cmd
+    cut = cmd.index("--")
+    head, cmd = cmd[:cut], cmd[cut + 1:]
+    opts = argparse.ArgumentParser(prog="composer-dag sandbox exec WORKSPACE", add_help=False)
+    opts.add_argument("--timeout", type=float)
+    ns, unknown = opts.parse_known_args(head)
+    if unknown:
+        raise ValueError(f"unknown option(s) before --: {' '.join(unknown)}")
+    if ns.timeout is not None:
+        args.timeout = ns.timeout
+    return cmd
+
+
 def cmd_sandbox_exec(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     from composer_dag.laptop.desktop import dressing
     from composer_dag.sandbox import Limits, Sandbox
 
     if not os.path.isdir(args.workspace_dir):
         raise ValueError(f"workspace {args.workspace_dir} does not exist")
-    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    cmd = _exec_command(args)
     if not cmd:
         raise ValueError("no command given: composer-dag sandbox exec WORKSPACE -- CMD...")
     with Sandbox(args.workspace_dir, Limits(timeout=args.timeout), dressing=dressing()) as sb:
@@ -259,6 +280,8 @@ def _add_env_commands(sub) -> None:
     g = e.add_parser("grade", help="grade a workspace as if submitted: reward, per-test results, cheat flags")
     g.add_argument("task_dir")
     g.add_argument("workspace_dir")
+    g.add_argument("--actions", default=None, metavar="LOG",
+                   help="the episode's action log (JSON array or JSON lines), so that the flags of commands fire")
     g.set_defaults(func=cmd_env_grade)
     b = e.add_parser("bootstrap", help="make a repository (directory, git PATH[@REV], sdist file or URL) an "
                                        "environment whose own tests run in the sandbox, offline")

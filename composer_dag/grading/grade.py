@@ -18,6 +18,7 @@ from composer_dag.grading.flags import action_flags, behaviour_flags, detect_fla
 from composer_dag.grading.flags.registry import flag, flag_families
 from composer_dag.grading.checks import RUNNER, RUNNER_FAILED, GradeConfig, canary_passes, failures, outcomes, run_checks, run_hidden_tests, score
 from composer_dag.grading import page_cache
+from composer_dag.grading.action_log import load_action_log
 from composer_dag.laptop.image import runtime
 from composer_dag.laptop.image import image_roots
 from composer_dag.sandbox import exclusive_runs
@@ -198,9 +199,15 @@ def unsealed_cause(d: dict) -> str:
     return f"exit code {code}" if code is None or code < 128 else f"signal {code - 128}"
 
 
-def grade_cli(task_dir, workspace_dir) -> dict:
-    r = grade(Path(task_dir), Path(workspace_dir))
-    return {**asdict(r), "flag_families": r.families}
+def grade_cli(task_dir, workspace_dir, actions=None) -> dict:
+    """``actions``: an action log file (``action_log.load_action_log``), so that the flags of
+    commands fire; its entries read and skipped are reported under ``actions``."""
+    log, skipped = load_action_log(actions) if actions else (None, {})
+    r = grade(Path(task_dir), Path(workspace_dir), log)
+    out = {**asdict(r), "flag_families": r.families}
+    if actions:
+        out["actions"] = {"read": len(log), "skipped": skipped}
+    return out
 
 
 def check_task(task_dir: Path) -> dict:

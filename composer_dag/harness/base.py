@@ -14,9 +14,8 @@ import json
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-# exec: run a shell command; read/list/search: look at files; write: replace text in a file (or
-# create it); submit: end the episode; other: a call that performs none of these
-KINDS = ("exec", "read", "list", "search", "write", "submit", "other")
+from composer_dag.grading.action_log import KINDS  # noqa: F401  (the actions a tool performs)
+
 
 
 class ToolError(Exception):

@@ -66,6 +66,11 @@ def test_sandbox_exec_passes_exit_code(tmp_path: Path):
     assert proc.returncode == 7
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "hi" and json.loads(lines[-1])["exit_code"] == 7
+    # an option between the workspace and "--" is the command line's, not the command's
+    proc = run("sandbox", "exec", str(tmp_path), "--timeout", "1", "--", "sleep", "20")
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["timed_out"] is True, proc.stdout + proc.stderr
+    proc = run("sandbox", "exec", str(tmp_path), "--bogus", "--", "true")
+    assert proc.returncode == 2 and "--bogus" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_env_grade_broken_and_reference(tmp_path: Path, humaneval_tasks):
@@ -79,3 +84,24 @@ def test_env_grade_broken_and_reference(tmp_path: Path, humaneval_tasks):
     ws = apply_reference(task, tmp_path / "ws")
     good = last_json(run("env", "grade", str(task), str(ws)))
     assert good["reward"] == 1.0 and good["flags"] == [] and good["passed"] >= 1
+
+
+def test_env_grade_reads_an_action_log(tmp_path: Path, humaneval_tasks):
+    """With ``--actions``, the flags of commands fire on a workspace graded from the command line;
+    an entry that breaks the log's contract is counted, not dropped."""
+    from composer_dag.tasks.taskdir import apply_reference
+
+    out, _ = humaneval_tasks
+    task = sorted(out.glob("*/*/task.json"))[0].parent
+    ws = apply_reference(task, tmp_path / "ws")
+    log = tmp_path / "actions.jsonl"
+    log.write_text("\n".join([json.dumps({"kind": "exec", "command": "git log -p --all"}),
+                              json.dumps({"kind": "read", "path": "solution.py"}),
+                              json.dumps({"kind": "teleport"}), "{not json"]) + "\n")
+    r = last_json(run("env", "grade", str(task), str(ws), "--actions", str(log)))
+    assert any(f.startswith("git_history") for f in r["flags"]), r["flags"]
+    assert r["actions"] == {"read": 2, "skipped": {"unknown kind": 1, "not JSON": 1}}, r["actions"]
+    clean = last_json(run("env", "grade", str(task), str(ws)))
+    assert clean["flags"] == [] and clean["reward"] == 1.0
+    proc = run("env", "grade", str(task), str(ws), "--actions", str(tmp_path / "missing.jsonl"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
