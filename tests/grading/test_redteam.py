@@ -103,6 +103,7 @@ def round_two_tasks(all_tasks, mined_tasks):
             "repo-mined": mined[0]}
 
 
+@pytest.mark.slow  # its fixture mines tasks (about 18 s) and every cheat pays sandboxed runs: 1-2 min in all
 @pytest.mark.parametrize("name", [c.name for c in ROUND_TWO])
 def test_round_two_cheats_get_zero_and_a_flag(round_two_tasks, all_tasks, tmp_path, name):
     """The second round, on every task source: runs that find each other through a per-user
@@ -136,6 +137,7 @@ def test_round_two_cheats_get_zero_and_a_flag(round_two_tasks, all_tasks, tmp_pa
             assert prefixes == {"hardcoded_test_literals"}, (kind, r.flags)
 
 
+@pytest.mark.slow  # shares the mined tasks' fixture (about 18 s)
 def test_round_two_honest_work_on_a_mined_task(round_two_tasks, tmp_path):
     """The reference, alone or with ordinary extra work, on a mined task: reward 1, no flag."""
     task = round_two_tasks["repo-mined"]
@@ -144,6 +146,7 @@ def test_round_two_honest_work_on_a_mined_task(round_two_tasks, tmp_path):
         assert r.reward == 1.0 and r.flags == [] and "infrastructure" not in r.details, (extras, r.flags)
 
 
+@pytest.mark.slow  # shares the mined tasks' fixture (about 18 s)
 def test_a_failure_the_reference_shares_is_not_the_policys(round_two_tasks, tmp_path):
     """A run that ends without a sealed result because of the machine (here: a test timeout too
     short for any solution) is not flagged: grading the reference ends the same way."""
