@@ -184,7 +184,7 @@ def learn(args) -> dict:
 
     import torch
 
-    from composer_dag.rl.fleet.server import ServerProcess
+    from composer_dag.inference.server import ServerProcess
     from composer_dag.cluster.spec import free_port
     from composer_dag.rl.learnable import make_learnable_setup
     from composer_dag.rl.report import reward_slope

@@ -228,7 +228,7 @@ class Servers:
     """A pair of vLLM OpenAI rollout servers on one policy, each on its own CPU."""
 
     def __init__(self, policy_dir, logs):
-        from composer_dag.rl.fleet.server import ServerProcess
+        from composer_dag.inference.server import ServerProcess
 
         self.procs = [ServerProcess(policy_dir, _free_port(), log_path=str(logs / f"server_{i}.log"), cpu=i % 2,
                                     max_model_len=1024, kv_cache_mb=32) for i in range(2)]

@@ -189,7 +189,7 @@ def test_fleet_trainer_killed_resumes_while_the_servers_keep_serving(learnable_b
     once, the servers brought to the final version, the published weights equal to the policy."""
     import signal
 
-    from composer_dag.rl.fleet.server import ServerClient
+    from composer_dag.inference.server import ServerClient
     from composer_dag.rl.weights import latest_version
     from composer_dag.storage import Storage
 
@@ -420,7 +420,7 @@ def test_fleet_serve_takes_the_model_from_storage(learnable_base, s3_bucket, tmp
     """What the serve wrapper needs on a machine of its own: the model from a storage URL, the
     command line a cluster backend runs."""
     from composer_dag.rl.fleet.serve import fetch_model, parse_tag, version_tag
-    from composer_dag.rl.fleet.server import server_command
+    from composer_dag.inference.server import server_command
     from composer_dag.storage import open_storage
 
     url = f"s3://{s3_bucket['bucket']}/models/policy"
@@ -456,7 +456,7 @@ def test_fleet_serve_takes_the_model_from_storage(learnable_base, s3_bucket, tmp
 
 
 def test_fleet_server_killed_mid_episode_then_rejoins(orchestrator, servers, monkeypatch):
-    from composer_dag.rl.fleet import server as server_mod
+    from composer_dag.inference import server as server_mod
 
     o, _, _ = orchestrator(group_size=4, orchestrator={**ORCH, "max_turns": 2})
     o.fleet.wait_serving(0, o.fleet.servers)

@@ -583,7 +583,7 @@ def test_a_server_cut_off_mid_response_is_down_not_a_failed_run():
     publication that stops the run."""
     import socket
 
-    from composer_dag.rl.fleet.server import ServerClient, ServerDown
+    from composer_dag.inference.server import ServerClient, ServerDown
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from ...pipes import Reporter
-from .server import ServerProcess, server_command
+from ...inference.server import ServerProcess, server_command
 
 
 def _last_line(path: Path) -> str:

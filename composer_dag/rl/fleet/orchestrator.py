@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ...pipes import Reporter
 from ..step import choose_tasks
-from .server import ServerDown, ServerEngine
+from ...inference.server import ServerDown, ServerEngine
 from .sync import Fleet, FleetStopped
 
 

@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 
-from .server import VLLM_SERVER, ServerClient, ServerDown, server_env
+from ...inference.server import VLLM_SERVER, ServerClient, ServerDown, server_env
 
 
 def version_tag(version: int, digest: str) -> str:

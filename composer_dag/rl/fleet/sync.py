@@ -41,7 +41,7 @@ from typing import Callable
 
 from ..config import RLConfig
 from ..weights import WeightCache, latest_version, version_manifest, write_weights_dir
-from .server import ServerClient, ServerDown
+from ...inference.server import ServerClient, ServerDown
 
 
 class ProbeMismatch(RuntimeError):

@@ -28,7 +28,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from ...inference.engine import Completion, Engine, EngineStats, Sampling
+from .engine import Completion, Engine, EngineStats, Sampling
 
 
 class ServerDown(ConnectionError):
