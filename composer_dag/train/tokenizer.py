@@ -19,15 +19,29 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 SPECIAL_TOKENS = [EOS, PAD, IM_START, IM_END, *TOOL_TOKENS]
 
 # ChatML-style turns. A tool result is a "tool" turn whose content is wrapped in
-# <tool_response>; an assistant tool call is given as message["tool_calls"] (list of dicts or
-# strings), each rendered as JSON inside <tool_call> ... </tool_call>.
+# <tool_response>; an assistant tool call is given as message["tool_calls"] (strings, or dicts
+# {"name", "arguments"} or the OpenAI {"function": {...}} form), each rendered inside
+# <tool_call> ... </tool_call> as {"name": ..., "arguments": ...}, arguments given as a JSON
+# string written as they are (as sampled), so a reply sent back renders as the model wrote it.
+# ``tools`` (OpenAI function specs) are listed at the end of the system turn (one is opened when
+# the messages have none).
 CHAT_TEMPLATE = (
+    "{% if tools %}{% set tool_text = '# Tools\nCall a function by writing <tool_call>{\"name\": ..., "
+    "\"arguments\": {...}}</tool_call>. Functions:\n' + (tools | map('tojson') | join('\n')) %}"
+    "{% if not messages or messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\n' + tool_text + '<|im_end|>\n' }}{% endif %}{% endif %}"
     "{% for m in messages %}"
     "{{ '<|im_start|>' + m['role'] + '\n' }}"
     "{% if m['role'] == 'tool' %}{{ '<tool_response>\n' + m['content'] + '\n</tool_response>' }}"
     "{% else %}{{ m['content'] or '' }}{% endif %}"
+    "{% if tools and loop.first and m['role'] == 'system' %}{{ '\n\n' + tool_text }}{% endif %}"
     "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
-    "{{ '\n<tool_call>\n' + (c if c is string else (c | tojson)) + '\n</tool_call>' }}"
+    "{% if c is string %}{% set body = c %}{% else %}"
+    "{% set fn = c['function'] if c['function'] is defined else c %}"
+    "{% set args = fn['arguments'] if fn['arguments'] is defined else {} %}"
+    "{% set body = '{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' + "
+    "(args if args is string else (args | tojson)) + '}' %}{% endif %}"
+    "{{ '\n<tool_call>\n' + body + '\n</tool_call>' }}"
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\n' }}"
     "{% endfor %}"

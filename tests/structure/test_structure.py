@@ -15,7 +15,7 @@ FLOORS = {
     "composer_dag.train": 2,
     "resources": 3, "composer_dag.dedup": 3, "composer_dag.inference": 3, "composer_dag.laptop": 3,
     "composer_dag.repos": 3,
-    "composer_dag.grading": 4,
+    "composer_dag.grading": 4, "composer_dag.gateway": 4,
     "composer_dag.harness": 5, "composer_dag.tasks.sources": 5,
     "composer_dag.agent": 6,
     "composer_dag.evals": 7, "composer_dag.rl": 7, "composer_dag.traces": 7,

@@ -1,0 +1,91 @@
+"""What the gateway keeps of each call, and the token-exact training rows built from it.
+
+A record per call (``CallRecord``): the episode's key, the call's index in the episode, the
+endpoint, the prompt ids the server saw, the completion ids and their sampling logprobs, the
+policy version that sampled them, the finish reason, timings, and the earlier call whose tokens
+the prompt extends (``extends``). A call that failed (a context overrun, a server lost) is
+recorded with its ``error`` and no completion.
+
+``segments``: calls whose prompt extends the previous segment's tokens exactly are merged into
+one sequence (loss on completion tokens only); any other call starts a new segment. Nothing is
+re-tokenized: every id is one a server saw or sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class CallRecord:
+    key: str
+    index: int
+    endpoint: str                      # "chat" | "completions"
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy_version: str | None = None
+    finish_reason: str = ""            # "stop" | "length" | "tool_calls" | "error"
+    error: str | None = None
+    server: str | None = None
+    extends: int | None = None         # the index of the earlier call whose tokens this prompt continues
+    queued_s: float = 0.0
+    server_s: float = 0.0
+    total_s: float = 0.0
+    started_at: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CallRecord":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass
+class Segment:
+    ids: list[int]
+    mask: list[int]           # 1 on sampled tokens
+    logprobs: list[float]     # sampling logprobs on sampled tokens, 0.0 elsewhere
+    calls: list[int]          # the call indices merged into it
+    policy_versions: list[str | None]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def segments(records: list[CallRecord]) -> list[Segment]:
+    """The token-exact sequences of an episode's calls (in call order; failed calls left out)."""
+    out: list[Segment] = []
+    for r in sorted((r for r in records if r.error is None and r.completion_ids), key=lambda r: r.index):
+        cur = out[-1] if out else None
+        if cur is not None and len(r.prompt_ids) >= len(cur.ids) and r.prompt_ids[:len(cur.ids)] == cur.ids:
+            new = r.prompt_ids[len(cur.ids):]
+        else:
+            cur = Segment([], [], [], [], [])
+            out.append(cur)
+            new = list(r.prompt_ids)
+        lps = list(r.logprobs) if len(r.logprobs) == len(r.completion_ids) else [0.0] * len(r.completion_ids)
+        cur.ids += new + list(r.completion_ids)
+        cur.mask += [0] * len(new) + [1] * len(r.completion_ids)
+        cur.logprobs += [0.0] * len(new) + lps
+        cur.calls.append(r.index)
+        cur.policy_versions.append(r.policy_version)
+    return out
+
+
+def extension(records: list[CallRecord]) -> dict:
+    """How many calls after an episode's first extended the one before exactly (prompt + completion
+    a prefix of the call's prompt), and which did not, with why."""
+    ok = [r for r in sorted(records, key=lambda r: r.index) if r.error is None and r.completion_ids]
+    misses = []
+    for prev, r in zip(ok, ok[1:]):
+        head = list(prev.prompt_ids) + list(prev.completion_ids)
+        if r.prompt_ids[:len(head)] != head:
+            same = next((i for i, (a, b) in enumerate(zip(head, r.prompt_ids)) if a != b), min(len(head), len(r.prompt_ids)))
+            misses.append({"call": r.index, "previous": prev.index, "first_difference": same,
+                           "why": "the request's messages are not the earlier call's messages and reply"
+                                  if r.extends is None else "the prompt continues an older call"})
+    pairs = max(0, len(ok) - 1)
+    return {"pairs": pairs, "extended": pairs - len(misses), "rate": (pairs - len(misses)) / pairs if pairs else None,
+            "misses": misses}
