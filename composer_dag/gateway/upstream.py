@@ -94,3 +94,22 @@ class Servers(Upstream):
                 with self._lock:
                     self.in_flight[i] -= 1
         raise ServerDown(f"no upstream server answered ({last})")
+
+
+class Scripted(Upstream):
+    """Replies given in advance, one per call in order, as the policy's tokens (each ended by the
+    end-of-turn token; logprobs 0): a reference policy for checking a harness's plumbing end to
+    end, and for demonstrations. Past the last reply every call gets an empty turn."""
+
+    def __init__(self, tokenizer, replies: list[str], name: str = "scripted"):
+        self.tok, self.replies, self.name = tokenizer, list(replies), name
+        self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self._lock = threading.Lock()
+        self.served = 0
+
+    def complete(self, prompt_ids, sampling):
+        with self._lock:
+            text = self.replies[self.served] if self.served < len(self.replies) else ""
+            self.served += 1
+        ids = self.tok(text, add_special_tokens=False).input_ids[:max(0, sampling.max_tokens - 1)] + [self.end]
+        return Completion(list(prompt_ids), ids, [0.0] * len(ids), text, "stop"), self.name, "scripted"

@@ -205,6 +205,30 @@ class Episode:
         self.log.append(entry)
         return obs
 
+    def shell(self, command: str, cwd: str | None = None, env: dict | None = None, tool: str = "shell",
+              timeout: float | None = None):
+        """Run a command an external harness issued, in the sandbox as the persona (from ``cwd``,
+        default the project), logged as an ``exec`` action like any tool call; returns the
+        sandbox's result (exit code, stdout, stderr). After the episode is over, refused."""
+        entry = {"turn": self.turn, "kind": "exec", "tool": tool, "args": None, "command": command,
+                 "ok": False, "outside": False}
+        t0 = time.monotonic()
+        try:
+            if self.done:
+                raise ToolError("the episode is over; no more commands are accepted")
+            self.turn += 1
+            self._materialize()
+            r = self.sandbox.run(command, timeout=min(timeout or self.command_timeout, self.command_timeout),
+                                 cwd=cwd or self.root, env=env or None)
+            entry.update(ok=True, exit_code=r.exit_code, command_seconds=r.seconds)
+            return r
+        except ToolError as e:
+            entry["error"] = str(e)
+            raise
+        finally:
+            entry["seconds"] = time.monotonic() - t0
+            self.log.append(entry)
+
     def act(self, kind: str, entry: dict, **args) -> str:
         """Perform one harness-neutral action (``exec``, ``read``, ``list``, ``search``, ``write``,
         ``submit``) with its arguments; ``entry`` is the call's log entry."""
