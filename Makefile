@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # and the tests that read it, the other the rest (tests/conftest.py: the xdist groups)
 PYTEST_WORKERS ?= 2
 
-.PHONY: help install system-deps run test test-fast dev bench clean
+.PHONY: help install system-deps harnesses run test test-fast dev bench clean
 
 # Debian packages the sandboxes, the browser test and the Slurm clusters of the tests need
 # (installed when missing, as root; the two-node cluster: ip, nsenter, unshare, pgrep).
@@ -53,6 +53,11 @@ $(STAMP): pyproject.toml
 
 install: system-deps $(STAMP)  ## the virtual environment .venv and the system packages
 
+# each declared external harness (composer_dag/harness/specs/*.toml) in a virtual environment of its
+# own under .harnesses/ (COMPOSER_HARNESS_HOME), once per pinned version
+harnesses: $(STAMP)  ## the external agent harnesses (mini-swe-agent, ...) in their own environments
+	$(PY) -m composer_dag.cli harness install --all
+
 $(DAGSTER_HOME)/dagster.yaml:
 	@mkdir -p $(DAGSTER_HOME)
 	cp deploy/dagster.yaml $@
@@ -60,7 +65,7 @@ $(DAGSTER_HOME)/dagster.yaml:
 run: install $(DAGSTER_HOME)/dagster.yaml  ## materialize the whole graph on the embedded default (local files, DuckDB, CPU)
 	$(PY) -m composer_dag.definitions materialize
 
-test: install $(DAGSTER_HOME)/dagster.yaml  ## the whole suite, as CI runs it (starts Slurm, S3, vLLM, a browser itself)
+test: install harnesses $(DAGSTER_HOME)/dagster.yaml  ## the whole suite, as CI runs it (starts Slurm, S3, vLLM, a browser itself)
 	@mkdir -p tests/artifacts
 	$(VENV)/bin/dagster definitions validate -w workspace.yaml
 	$(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup) $(PYTEST_ARGS)

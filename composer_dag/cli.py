@@ -351,11 +351,78 @@ def _add_sandbox_commands(sub) -> None:
     rz.set_defaults(func=cmd_sandbox_realism)
 
 
+def cmd_harness_list(args: argparse.Namespace) -> dict[str, Any]:
+    from composer_dag import harness as harnesses
+    from composer_dag.harness.external import declared
+
+    built = [{"name": n, "version": harnesses.get(n).version, "kind": "built-in"} for n in harnesses.names()]
+    ext = [{"name": s.name, "version": s.version, "kind": "external", "api": s.api.kind, "installed": s.installed(),
+            "spec": s.path, "description": s.description} for s in declared()]
+    for h in built + ext:
+        print(f"{h['name']:<20} {h['version']:<10} {h['kind']}" + ("" if h.get("installed", True) else " (not installed)"))
+    return {"harnesses": built + ext}
+
+
+def cmd_harness_install(args: argparse.Namespace) -> dict[str, Any]:
+    from composer_dag.harness.external import declared, install, load_spec
+
+    specs = declared() if args.all else [load_spec(args.spec)] if args.spec else []
+    if not specs:
+        raise ValueError("name a harness (or a spec file), or give --all")
+    return {"installed": [{"name": s.name, "version": s.version, "env": str(install(s, log=_progress))} for s in specs]}
+
+
+def cmd_harness_run(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    from composer_dag.gateway.core import Gateway
+    from composer_dag.gateway.server import GatewayServer
+    from composer_dag.gateway.upstream import InProcess, Servers
+    from composer_dag.harness.external import load_spec, run_episode
+    from composer_dag.inference.engine import HFEngine, model_max_len
+    from composer_dag.train.tokenizer import load_tokenizer
+
+    spec = load_spec(args.spec)
+    if not os.path.exists(os.path.join(args.task_dir, "task.json")):
+        raise ValueError(f"{args.task_dir} has no task.json: not a task directory")
+    if not os.path.isdir(args.model):
+        raise ValueError(f"--model {args.model} is not a checkpoint directory")
+    upstream = Servers(args.upstream) if args.upstream else InProcess(HFEngine(args.model))
+    gw = Gateway(upstream, load_tokenizer(args.model), os.path.basename(args.model.rstrip("/")),
+                 args.max_model_len or model_max_len(args.model) or 2048, records_dir=args.records)
+    out = args.out or os.path.join(os.environ.get("COMPOSER_HOME", ".composer"), "harness-runs", spec.name)
+    with GatewayServer(gw) as server:
+        r = run_episode(spec, args.task_dir, server, gw.model, out, timeout_s=args.timeout, log=_progress)
+    with open(os.path.join(out, "rollout.json"), "w") as f:
+        json.dump(r.pop("rollout"), f, default=str)
+    return r, 0 if not r["infra_failure"] else 1
+
+
+def _add_harness_commands(sub) -> None:
+    h = sub.add_parser("harness", help="agent harnesses: the built-in one and external ones declared in spec files")
+    hs = h.add_subparsers(dest="harness_command", required=True)
+    x = hs.add_parser("list", help="the declared harnesses, their versions and whether they are installed")
+    x.set_defaults(func=cmd_harness_list)
+    x = hs.add_parser("install", help="install an external harness into its own virtual environment")
+    x.add_argument("spec", nargs="?", help="a declared harness's name or a spec file")
+    x.add_argument("--all", action="store_true", help="every declared harness")
+    x.set_defaults(func=cmd_harness_install)
+    x = hs.add_parser("run", help="play one episode of a task with a harness, through the gateway")
+    x.add_argument("spec", help="a declared harness's name or a spec file (TOML)")
+    x.add_argument("task_dir")
+    x.add_argument("--model", required=True, help="the checkpoint directory (its tokenizer; served in this "
+                                                  "process unless --upstream names servers)")
+    x.add_argument("--upstream", nargs="+", default=None, help="vLLM server URLs serving that checkpoint")
+    x.add_argument("--max-model-len", type=int, default=None)
+    x.add_argument("--timeout", type=float, default=None, help="seconds for the episode (default: the spec's)")
+    x.add_argument("--records", default=None, help="a directory for the gateway's records (JSON lines per key)")
+    x.add_argument("--out", default=None, help="the harness's working directory (its files, log, rollout.json)")
+    x.set_defaults(func=cmd_harness_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="composer-dag", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_data_commands, _add_env_commands, _add_tasks_commands, _add_traces_commands,
-                _add_sandbox_commands):
+                _add_sandbox_commands, _add_harness_commands):
         add(sub)
     return p
 

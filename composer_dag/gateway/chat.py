@@ -109,13 +109,30 @@ class Renderer:
         except Exception as e:  # a template that cannot render these messages (jinja raises many kinds)
             raise BadRequest(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
 
-    def render(self, messages: list[dict], tools: list | None, turns: list[Turn]) -> tuple[list[int], int | None]:
-        """The prompt ids of a chat request, and the index of the earlier turn it extends (None)."""
+    @staticmethod
+    def why_not(norm: list[tuple], key: str, t: Turn) -> str:
+        """Why a request does not continue the earlier call ``t``."""
+        k = len(t.messages)
+        if t.tools_key != key:
+            return f"the tools differ from call {t.index}'s"
+        if len(norm) <= k:
+            return f"the request has {len(norm)} messages; call {t.index} was given {k}, then replied"
+        if norm[:k] != t.messages:
+            i = next(i for i, (a, b) in enumerate(zip(norm, t.messages)) if a != b)
+            return f"message {i} ({norm[i][0]}) is not the one call {t.index} was given"
+        if norm[k] != t.reply:
+            return f"message {k} ({norm[k][0]}) is not call {t.index}'s reply"
+        return f"the chat template renders call {t.index}'s turns otherwise with the new messages"
+
+    def render(self, messages: list[dict], tools: list | None, turns: list[Turn]) -> tuple[list[int], int | None, str | None]:
+        """The prompt ids of a chat request, the index of the earlier turn it extends (None), and
+        why it does not continue the latest turn (None where it does)."""
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list")
         norm = [normal(m) for m in messages]
         key = json.dumps(tools, sort_keys=True) if tools else ""
         full = self.template(messages, tools, True)
+        miss = self.why_not(norm, key, turns[-1]) if turns else None
         for i in range(len(turns) - 1, -1, -1):
             t = turns[i]
             k = len(t.messages)
@@ -127,8 +144,8 @@ class Renderer:
                 continue
             gap = head[cut + len(self.end_text):]  # what the template writes after the end of a turn
             end = [] if t.ended else self.encode(self.end_text)
-            return t.ids + end + self.encode(gap + full[len(head):]), i
-        return self.encode(full), None
+            return t.ids + end + self.encode(gap + full[len(head):]), i, None if i == len(turns) - 1 else miss
+        return self.encode(full), None, miss
 
 
 def parse_reply(text: str, with_tools: bool) -> tuple[str, list[dict]]:

@@ -154,8 +154,9 @@ class Gateway:
             raise BadRequest("tool_choice must be 'auto' or 'none' (a forced call is not served)")
         with ep.lock:
             turns = list(ep.turns)
-        prompt, extends = self.renderer.render(messages, tools, turns)
+        prompt, extends, miss = self.renderer.render(messages, tools, turns)
         rec, c = self._call(ep, "chat", prompt, body, None if extends is None else turns[extends].index)
+        rec.miss = miss
         ended = bool(c.token_ids) and c.token_ids[-1] in self.renderer.stops
         text = self.tok.decode(c.token_ids[:-1] if ended else c.token_ids, skip_special_tokens=False)
         content, calls = parse_reply(text, bool(tools) and body.get("tool_choice") != "none")

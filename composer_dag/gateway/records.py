@@ -29,6 +29,7 @@ class CallRecord:
     error: str | None = None
     server: str | None = None
     extends: int | None = None         # the index of the earlier call whose tokens this prompt continues
+    miss: str | None = None            # why the prompt does not continue the episode's latest call
     queued_s: float = 0.0
     server_s: float = 0.0
     total_s: float = 0.0
@@ -84,8 +85,8 @@ def extension(records: list[CallRecord]) -> dict:
         if r.prompt_ids[:len(head)] != head:
             same = next((i for i, (a, b) in enumerate(zip(head, r.prompt_ids)) if a != b), min(len(head), len(r.prompt_ids)))
             misses.append({"call": r.index, "previous": prev.index, "first_difference": same,
-                           "why": "the request's messages are not the earlier call's messages and reply"
-                                  if r.extends is None else "the prompt continues an older call"})
+                           "why": r.miss or ("a completions call: its prompt is the client's" if r.endpoint == "completions"
+                                             else "the prompt continues an older call")})
     pairs = max(0, len(ok) - 1)
     return {"pairs": pairs, "extended": pairs - len(misses), "rate": (pairs - len(misses)) / pairs if pairs else None,
             "misses": misses}

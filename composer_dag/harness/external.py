@@ -159,8 +159,9 @@ def install(spec: HarnessSpec, log=print) -> Path:
     spec.env_dir.parent.mkdir(parents=True, exist_ok=True)
     log(f"installing {spec.name} {spec.version} into {spec.env_dir}")
     subprocess.run([spec.install.python, "-m", "venv", "--clear", str(spec.env_dir)], check=True)
-    subprocess.run([str(spec.bin / "pip"), "install", "-q", "--disable-pip-version-check", *spec.install.packages],
-                   check=True)
+    if spec.install.packages:
+        subprocess.run([str(spec.bin / "pip"), "install", "-q", "--disable-pip-version-check", *spec.install.packages],
+                       check=True)
     (spec.env_dir / ".installed").write_text(spec.requirements() + "\n")
     return spec.env_dir
 

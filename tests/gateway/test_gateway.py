@@ -122,11 +122,11 @@ def test_prompts_extend_while_the_harness_keeps_its_history(gateway):
         i for x in rec["records"] for i in range(len(seg["ids"]))
         if x["prompt_ids"] == seg["ids"][:len(x["prompt_ids"])] and len(x["prompt_ids"]) <= i < len(x["prompt_ids"]) + len(x["completion_ids"])]
     # a harness that drops its turns: the next call starts a segment of its own, and says why
-    c.chat.completions.create(model="policy", messages=[msgs[0], msgs[-1]], seed=9, max_tokens=8)
+    c.chat.completions.create(model="policy", messages=[msgs[0], msgs[-1]], tools=BASH, seed=9, max_tokens=8)
     rec = gw.records(key)
     assert len(rec["segments"]) == 2 and rec["extension"]["extended"] == 3
     (miss,) = rec["extension"]["misses"]
-    assert miss["call"] == 4 and "not the earlier call's messages" in miss["why"]
+    assert miss["call"] == 4 and miss["why"] == "the request has 2 messages; call 3 was given 8, then replied", miss
     assert len(segments([CallRecord.from_dict(x) for x in rec["records"]])) == 2
 
 
@@ -172,7 +172,7 @@ def test_a_sampled_tool_call_sent_back_in_another_form_renders_as_sampled(tok):
 
     ren = Renderer(tok)
     msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "go"}]
-    prompt, extends = ren.render(msgs, BASH, [])
+    prompt, extends, _ = ren.render(msgs, BASH, [])
     assert extends is None
     sampled = ren.encode('Looking.\n<tool_call>\n{"name": "bash",  "arguments": {"command": "ls  -la"}}\n</tool_call>')
     sampled += [tok.convert_tokens_to_ids("<|im_end|>")]
@@ -183,11 +183,12 @@ def test_a_sampled_tool_call_sent_back_in_another_form_renders_as_sampled(tok):
     back = {"tool_calls": [{"type": "function", "id": "x1", "function": {
         "arguments": json.dumps({"command": "ls  -la"}, indent=2), "name": "bash"}}], "content": "Looking.\n", "role": "assistant"}
     nxt = msgs + [back, {"role": "tool", "tool_call_id": "x1", "content": "a.py"}]
-    ids, extends = ren.render(nxt, BASH, [turn])
-    assert extends == 0 and ids[:len(prompt + sampled)] == prompt + sampled
+    ids, extends, miss = ren.render(nxt, BASH, [turn])
+    assert extends == 0 and miss is None and ids[:len(prompt + sampled)] == prompt + sampled
     assert tok.decode(ids[len(prompt + sampled):]) == "\n<|im_start|>tool\n<tool_response>\na.py\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     plain = ren.encode(ren.template(nxt, BASH, True))
     assert plain[:len(prompt + sampled)] != prompt + sampled  # what re-rendering would have sent
     # another call's arguments, or other tools: no continuation
     other = [*msgs, {**back, "tool_calls": [{"function": {"name": "bash", "arguments": '{"command": "ls"}'}}]}, nxt[-1]]
-    assert ren.render(other, BASH, [turn])[1] is None and ren.render(nxt, None, [turn])[1] is None
+    assert ren.render(other, BASH, [turn])[1:] == (None, "message 2 (assistant) is not call 0's reply")
+    assert ren.render(nxt, None, [turn])[1:] == (None, "the tools differ from call 0's")

@@ -1,0 +1,193 @@
+"""External harnesses played unchanged in episodes: mini-swe-agent (its own CLI and config, in
+its own environment, installed by ``make harnesses``) and harnesses declared in spec files
+written here, by their path. The policy is a scripted upstream where an episode checks the
+plumbing (what a command can do and reach), and a real tiny model through the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from composer_dag.harness.base import Action
+
+
+@pytest.fixture(scope="module")
+def mini():
+    from composer_dag.harness.external import install, load_spec
+
+    spec = load_spec("mini-swe-agent")
+    install(spec)  # done by `make harnesses`; a no-op then
+    return spec
+
+
+@pytest.fixture(scope="module")
+def tok(learnable_base):
+    from composer_dag.train.tokenizer import load_tokenizer
+
+    return load_tokenizer(learnable_base["policy_dir"])
+
+
+def task(learnable_base, i=0) -> Path:
+    return sorted(Path(learnable_base["tasks_dir"]).rglob("task.json"))[i].parent
+
+
+def call(cmd: str) -> str:
+    return "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": cmd}}) + "\n</tool_call>"
+
+
+def play(spec, task_dir, tok, replies, out, **kw):
+    from composer_dag.gateway.core import Gateway
+    from composer_dag.gateway.server import GatewayServer
+    from composer_dag.gateway.upstream import Scripted
+    from composer_dag.harness.external import run_episode
+
+    gw = Gateway(Scripted(tok, replies), tok, "policy", max_model_len=1 << 15, records_dir=str(out / "records"))
+    with GatewayServer(gw) as server:
+        r = run_episode(spec, task_dir, server, "policy", out / "run", timeout_s=kw.pop("timeout_s", 120), **kw)
+    return r, server
+
+
+def observations(out: Path) -> list[str]:
+    t = json.loads((out / "run" / "trajectory.json").read_text())
+    return [json.loads(m["content"])["output"] for m in t["messages"] if m["role"] == "tool" and '"output"' in m["content"]]
+
+
+def test_mini_swe_agent_plays_an_episode_in_the_sandbox(mini, learnable_base, tok, tmp_path):
+    """Its commands run in the project as the persona's user, a background process lives on to
+    the next command, its edit is the graded workspace, and no command reaches the gateway, the
+    key, the records or the runner's files."""
+    from composer_dag.laptop.image import task_persona
+    from composer_dag.tasks.taskdir import load_task, project_name
+
+    t = task(learnable_base)
+    word = load_task(t)["instructions"].split("word ")[1].split()[0]
+    probe_env = "env | grep -c 'ep-\\|COMPOSER_\\|OPENAI'; ls {records} 2>&1 | head -1; ls -a /tmp"
+    probe_net = ("for p in {ports}; do (echo > /dev/tcp/127.0.0.1/$p) 2>/dev/null && echo open $p || echo refused $p; "
+                 "done; cat /proc/*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -c '[p]ytest\\|[c]omposer\\|[m]inisweagent'")
+    from composer_dag.gateway.core import Gateway
+    from composer_dag.gateway.server import GatewayServer
+    from composer_dag.gateway.upstream import Scripted
+    from composer_dag.harness.external import run_episode
+
+    replies = ["Let me look.\n" + call("sleep 300 & echo $! > /tmp/bg.pid; whoami; pwd"),
+               call("kill -0 $(cat /tmp/bg.pid) && echo alive"),
+               call(mini.command_of(Action("write", {"path": "answer.txt", "old": "", "new": word + "\n"}))),
+               call(probe_env.format(records=tmp_path / "records")), "the probe of the gateway's ports, once known",
+               call(mini.demo.submit)]
+    gw = Gateway(Scripted(tok, replies), tok, "policy", max_model_len=1 << 15, records_dir=str(tmp_path / "records"))
+    with GatewayServer(gw) as server:
+        ports = [server.url.rsplit(":", 1)[1].split("/")[0], server.admin_url.rsplit(":", 1)[1]]
+        gw.upstream.replies[4] = call(probe_net.format(ports=" ".join(ports)))
+        r = run_episode(mini, t, server, "policy", tmp_path / "run", timeout_s=120)
+    assert r["end_reason"] == "submitted" and not r["infra_failure"], r
+    assert r["reward"] == 1.0 and r["flags"] == [] and r["harness"] == "mini-swe-agent" and r["version"] == "2.4.6"
+    assert r["calls"] == 6 and r["segments"] == 1 and r["extension_rate"] == 1.0 and r["commands"] == 6, r["rollout"]["extension"]
+    obs = observations(tmp_path)
+    persona = task_persona(load_task(t))
+    assert obs[0].split() == [persona.user, f"{persona.home}/{project_name(load_task(t))}"], obs[0]
+    assert obs[1].strip() == "alive"
+    env, net = obs[3].splitlines(), obs[4].splitlines()
+    assert env[0] == "0", obs[3]  # no key, no runner variable in the command's environment
+    assert "No such file" in env[1] and not any("cdag-h-" in x or "shell.sock" in x for x in env), obs[3]
+    assert net == [f"refused {p}" for p in ports] + ["0"], obs[4]  # neither port; no host process in sight
+    log = r["rollout"]["action_log"]
+    assert [e["kind"] for e in log] == ["exec"] * 6 and log[1]["command"] == "kill -0 $(cat /tmp/bg.pid) && echo alive"
+    recorded = [json.loads(x) for x in (tmp_path / "records").glob("*.jsonl").__next__().read_text().splitlines()]
+    assert len(recorded) == 6 and all(x["completion_ids"][-1] == tok.convert_tokens_to_ids("<|im_end|>") for x in recorded)
+
+
+def test_commands_of_an_external_harness_raise_the_flags_of_commands(mini, learnable_base, tok, tmp_path):
+    r, _ = play(mini, task(learnable_base, 1), tok, [call("git log -p --all | head -3"), call(mini.demo.submit)], tmp_path)
+    assert any(f.startswith("git_history") for f in r["flags"]) and r["reward"] == 0.0, r
+
+
+def _spec(tmp_path: Path, name: str, command: list[str], files: dict | None = None, packages=()) -> Path:
+    body = {"name": name, "version": "0.1", "install": {"packages": list(packages)},
+            "run": {"command": command, "files": files or {}, "timeout_s": 60, "max_calls": 6}}
+    lines = [f'name = "{name}"', 'version = "0.1"', "[install]", f"packages = {json.dumps(list(packages))}", "[run]",
+             f"command = {json.dumps(command)}", f"timeout_s = {body['run']['timeout_s']}", "max_calls = 6", "[run.files]"]
+    lines += [f"{json.dumps(k)} = {json.dumps(v)}" for k, v in (files or {}).items()]
+    p = tmp_path / f"{name}.toml"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+AGENT = '''import json, os, subprocess, sys, urllib.request
+base, key, docker = sys.argv[1:4]
+msgs = [{"role": "user", "content": open("task.txt").read()}]
+tools = [{"type": "function", "function": {"name": "sh", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
+for _ in range(6):
+    req = urllib.request.Request(base + "/chat/completions", json.dumps({"model": "m", "messages": msgs, "tools": tools}).encode(),
+                                 {"Authorization": "Bearer " + key, "Content-Type": "application/json"})
+    reply = json.loads(urllib.request.urlopen(req).read())["choices"][0]["message"]
+    msgs.append(reply)
+    for c in reply.get("tool_calls") or []:
+        cmd = json.loads(c["function"]["arguments"])["cmd"]
+        if cmd == "DONE":
+            sys.exit(0)
+        out = subprocess.run([docker, "exec", "x", "sh", "-c", cmd], capture_output=True, text=True).stdout
+        msgs.append({"role": "tool", "tool_call_id": c["id"], "content": out})
+'''
+
+
+def test_a_spec_file_no_one_here_wrote_works_by_its_path_and_failures_are_accounted(learnable_base, tok, tmp_path):
+    """A 20-line harness of its own (standard library only) declared in a spec file beside it;
+    then harnesses that crash before asking anything (the infrastructure's failure), hang after
+    the first completion (the policy's) and flood the gateway (the policy's)."""
+    from composer_dag.harness.external import install, load_spec
+
+    files = {"agent.py": AGENT, "task.txt": "{task}"}
+    spec = load_spec(_spec(tmp_path, "tiny-agent", ["{python}", "agent.py", "{base_url}", "{api_key}", "{docker}"], files))
+    install(spec)
+    t = task(learnable_base)
+    from composer_dag.tasks.taskdir import load_task
+
+    word = load_task(t)["instructions"].split("word ")[1].split()[0]
+    sh = lambda cmd: "<tool_call>\n" + json.dumps({"name": "sh", "arguments": {"cmd": cmd}}) + "\n</tool_call>"
+    r, _ = play(spec, t, tok, [sh(f"echo {word} > answer.txt"), sh("DONE")], tmp_path / "ok")
+    assert r["reward"] == 1.0 and r["end_reason"] == "exited" and not r["infra_failure"] and r["extension_rate"] == 1.0, r
+
+    crash = load_spec(_spec(tmp_path, "tiny-agent", ["{python}", "-c", "import sys; sys.exit(3)"]))
+    r, _ = play(crash, t, tok, [], tmp_path / "crash")
+    assert (r["end_reason"], r["infra_failure"], r["calls"]) == ("crashed", True, 0), r
+    hang = load_spec(_spec(tmp_path, "tiny-agent", ["{python}", "hang.py", "{base_url}", "{api_key}"], {"hang.py": (
+        "import json, sys, time, urllib.request\n"
+        "req = urllib.request.Request(sys.argv[1] + '/completions', json.dumps({'prompt': 'x', 'max_tokens': 4}).encode(),"
+        " {'Authorization': 'Bearer ' + sys.argv[2], 'Content-Type': 'application/json'})\n"
+        "urllib.request.urlopen(req).read(); time.sleep(600)\n")}))
+    r, _ = play(hang, t, tok, ["hello"], tmp_path / "hang", timeout_s=8)
+    assert (r["end_reason"], r["infra_failure"], r["calls"]) == ("timeout", False, 1), r
+    flood = load_spec(_spec(tmp_path, "tiny-agent", ["{python}", "agent.py", "{base_url}", "{api_key}", "{docker}"], files))
+    r, _ = play(flood, t, tok, [sh("true")] * 20, tmp_path / "flood")
+    assert r["calls"] == 6 and not r["infra_failure"], r  # six calls, then the episode's limit
+    with pytest.raises(ValueError, match="not a harness spec"):
+        bad = tmp_path / "bad.toml"
+        bad.write_text('name = "x"\n')
+        load_spec(bad)
+
+
+def test_harness_run_from_the_command_line_with_a_real_model(mini, learnable_base, tmp_path):
+    """``composer-dag harness run`` with mini-swe-agent (its step limit cut by a spec of the same
+    version given by path) and a tiny real model served in the process: one JSON line last."""
+    from composer_dag.rl.learnable import TEST_MODEL
+    from composer_dag.train.model import build_base_model
+
+    model = tmp_path / "model"
+    build_base_model("tiny", learnable_base["tokenizer_dir"], str(model), **{**TEST_MODEL, "max_position_embeddings": 4096})
+    spec = mini.path and Path(mini.path).read_text().replace('"step_limit": 30', '"step_limit": 2').replace(
+        '"max_tokens": 256', '"max_tokens": 24')
+    (tmp_path / "short.toml").write_text(spec)
+    proc = subprocess.run([sys.executable, "-m", "composer_dag.cli", "harness", "run", str(tmp_path / "short.toml"),
+                           str(task(learnable_base)), "--model", str(model), "--out", str(tmp_path / "out"),
+                           "--timeout", "240"], capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "COMPOSER_HOME": str(tmp_path)})
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"harness", "version", "reward", "flags", "calls", "segments", "extension_rate", "infra_failure"} <= set(r), r
+    assert r["harness"] == "mini-swe-agent" and r["calls"] >= 1 and not r["infra_failure"] and proc.returncode == 0, (r, proc.stderr[-800:])
+    rollout = json.loads((tmp_path / "out" / "rollout.json").read_text())
+    assert sum(len(s["ids"]) for s in rollout["segments"]) >= sum(len(x["completion_ids"]) for x in rollout["records"])
