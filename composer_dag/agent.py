@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -247,6 +249,57 @@ class AgentLoop:
         }
 
 
+class ExternalLoop:
+    """Episodes played by an external harness (``AgentConfig.harness`` names a declared spec or a
+    spec file): each job is one ``harness.external.run_episode`` through a gateway over the
+    loop's engine, several at once (``workers``); each becomes one rollout with the gateway's
+    token-exact segments. The same ``run`` as ``AgentLoop``."""
+
+    def __init__(self, engine: Engine, tokenizer, config: AgentConfig = AgentConfig(),
+                 episode: EpisodeConfig | None = None, grades=None):
+        from composer_dag.gateway.core import Gateway
+        from composer_dag.gateway.server import GatewayServer
+        from composer_dag.gateway.upstream import InProcess
+        from composer_dag.harness.external import load_spec
+
+        self.cfg, self.engine = config, engine
+        self.episode = config.episode if episode is None else episode
+        self.spec = load_spec(config.harness)
+        self.upstream = InProcess(engine, "0")
+        self.gateway = Gateway(self.upstream, tokenizer, "policy", max_model_len=config.max_context,
+                               default_max_tokens=config.max_new_tokens)
+        self.server = GatewayServer(self.gateway).start()
+        self.work = Path(tempfile.mkdtemp(prefix="cdag-ext-"))
+
+    def close(self) -> None:
+        self.server.stop()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def run(self, jobs: list[tuple[str, str, int]], version: int, seed: int = 0,
+            engine: Engine | None = None) -> list[dict]:
+        from composer_dag.harness.external import rollout_record, run_episode
+
+        if engine is not None:
+            self.upstream.engine = engine
+        self.upstream.version = str(version)
+        def one(job):
+            task_dir, group, sample = job
+            out = self.work / f"{group}-{sample}-{uuid.uuid4().hex[:6]}"
+            s = run_episode(self.spec, task_dir, self.server, "policy", out, self.episode)
+            return rollout_record(s, task_dir, group, sample, version)
+
+        with ThreadPoolExecutor(max(1, self.cfg.workers), thread_name_prefix="external") as pool:
+            return list(pool.map(one, jobs))
+
+
+def agent_loop(engine: Engine, tokenizer, config: AgentConfig = AgentConfig(), **kw):
+    """The loop for ``config.harness``: the built-in harnesses' ``AgentLoop``, an external one's
+    ``ExternalLoop``."""
+    if config.harness in harnesses.names():
+        return AgentLoop(engine, tokenizer, config, **kw)
+    return ExternalLoop(engine, tokenizer, config, **kw)
+
+
 _SCHEMA = None
 
 
@@ -269,6 +322,9 @@ def rollout_schema():
             ("step", pa.int64()), ("advantage", pa.float64()), ("staleness", pa.int64()),
             ("server_id", pa.string()), ("infra_error", pa.string()), ("attempts", pa.int32()),
             ("harness", pa.string()), ("harness_version", pa.string()),
+            # a rollout recorded call by call through the gateway: its token-exact sequences
+            ("segments", pa.list_(pa.struct([("ids", ints), ("mask", pa.list_(pa.int8())), ("logprobs", floats)]))),
+            ("extension_rate", pa.float64()), ("end_reason", pa.string()),
         ])
     return _SCHEMA
 

@@ -208,10 +208,10 @@ def _run_agent(engine, tok, tasks, cfg: EvalConfig, log, progress_dir: Path | No
     """Rollouts of every sample of every task, and how many batches came from ``progress_dir``
     (batches finished by an earlier, interrupted run with the same inputs). ``grades``: an
     ``agent.GradeCache`` shared across the candidates of one job."""
-    from ..agent import AgentLoop, rollouts_to_table
+    from ..agent import agent_loop, rollouts_to_table
     from ..storage import Storage
 
-    agent = AgentLoop(engine, tok, cfg.agent, grades=grades)
+    agent = agent_loop(engine, tok, cfg.agent, grades=grades)
     size = cfg.batch_tasks or len(tasks)
     store = Storage(str(progress_dir)) if progress_dir is not None else None
     rollouts, reused = [], 0

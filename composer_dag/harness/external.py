@@ -339,6 +339,32 @@ def run_episode(spec: HarnessSpec, task_dir, gateway, model: str, out_dir, episo
                "segments": len(records["segments"]), "extension_rate": ext["rate"], "infra_failure": infra,
                "end_reason": reason, "commands": bridge.commands, "exit_code": rc,
                "tests_passed": g.passed, "tests_failed": g.failed, "seconds": round(time.monotonic() - t0, 2)}
-    summary["rollout"] = {**records, "action_log": ep.log, "grade": {"reward": g.reward, "flags": list(g.flags),
-                                                                      "details": g.details}}
+    summary["rollout"] = {**records, "action_log": ep.log, "grade": {
+        "reward": g.reward, "flags": list(g.flags), "families": list(getattr(g, "families", [])),
+        "canary_passed": bool(getattr(g, "canary_passed", False)), "details": g.details}}
     return summary
+
+
+def rollout_record(summary: dict, task_dir, group_id: str, sample: int, version: int) -> dict:
+    """An external-harness episode (``run_episode``'s summary) as a rollout: the gateway's
+    token-exact ``segments`` to train on, the grade, ``infra_error`` where the rule says the
+    failure was the infrastructure's, and the harness with its version."""
+    import uuid
+
+    ro, g = summary["rollout"], summary["rollout"]["grade"]
+    segs = [{"ids": s["ids"], "mask": s["mask"], "logprobs": s["logprobs"]} for s in ro["segments"]]
+    return {
+        "rollout_id": uuid.uuid4().hex[:16], "task_id": summary["task_id"], "task_dir": str(task_dir),
+        "group_id": group_id, "sample_index": sample, "policy_version": version,
+        "harness": summary["harness"], "harness_version": summary["version"],
+        "messages": json.dumps(ro["action_log"], default=str), "prompt_ids": [], "completion_ids": [],
+        "loss_mask": [], "logprobs": [], "segments": segs,
+        "reward": float(g["reward"]), "unflagged_reward": float(g["details"].get("unflagged_reward", g["reward"])),
+        "tests_passed": summary["tests_passed"], "tests_failed": summary["tests_failed"], "flags": list(g["flags"]),
+        "flag_families": g["families"], "canary_passed": g["canary_passed"], "num_turns": summary["calls"],
+        "malformed_calls": 0, "tool_errors": sum(1 for e in ro["action_log"] if e.get("exit_code") not in (0, None)),
+        "finish": summary["end_reason"], "end_reason": summary["end_reason"],
+        "generated_tokens": sum(sum(s["mask"]) for s in segs), "extension_rate": summary["extension_rate"],
+        "episode_seconds": summary["seconds"],
+        "infra_error": summary["end_reason"] if summary["infra_failure"] else None,
+    }

@@ -45,13 +45,15 @@ def server_args(model_dir: str, port: int | str, host: str = "127.0.0.1", max_mo
     process (``uni`` executor, with ``server_env``'s ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the
     server is two processes, not three (API server, engine core, worker), and starts about 1.3x
     faster on CPU (``benchmarks/bench_fleet.py server-start``). ``GET /load`` answers the
-    number of requests in flight (``--enable-server-load-tracking``)."""
+    number of requests in flight (``--enable-server-load-tracking``). A chat request with
+    ``tools`` is served directly too (``--enable-auto-tool-choice``; the checkpoints write calls as
+    ``<tool_call>`` blocks, which vLLM's ``hermes`` parser reads)."""
     return ["--model", model_dir, "--host", host, "--port", str(port), "--dtype", dtype, "--enforce-eager",
             "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_mb << 20),
             "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 4096)),
             "--seed", str(seed), "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
             "--disable-log-stats", "--disable-uvicorn-access-log", "--distributed-executor-backend", "uni",
-            "--enable-server-load-tracking"]
+            "--enable-server-load-tracking", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
 def server_command(model_dir: str, port: int | str, host: str = "127.0.0.1", follow: dict | None = None,

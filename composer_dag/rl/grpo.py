@@ -39,9 +39,29 @@ def informative(rewards: list[float], group_ids: list[str], include: list[bool] 
     return [ok and len(seen[g]) > 1 for g, ok in zip(group_ids, include)]
 
 
+def training_rows(rollout: dict) -> list[dict]:
+    """The sequences a rollout trains on: itself, or, for a rollout recorded call by call through
+    the gateway (``segments``: each ``{"ids", "mask", "logprobs"}``, token-exact), one row per
+    segment, each with the episode's advantage and ratios against that segment's recorded
+    logprobs. Every row carries ``episode_tokens`` (the episode's sampled tokens over all its
+    segments), so that under the sequence mean an episode counts once however it was cut."""
+    segs = rollout.get("segments")
+    if not segs:
+        return [{**rollout, "episode_tokens": sum(rollout.get("loss_mask") or [])}]
+    total = sum(sum(s["mask"]) for s in segs)
+    rows = []
+    for s in segs:
+        first = next((i for i, m in enumerate(s["mask"]) if m), len(s["mask"]))
+        rows.append({**{k: v for k, v in rollout.items() if k != "segments"}, "prompt_ids": list(s["ids"][:first]),
+                     "completion_ids": list(s["ids"][first:]), "loss_mask": list(s["mask"][first:]),
+                     "logprobs": list(s["logprobs"][first:]), "episode_tokens": total})
+    return rows
+
+
 def pack(rollouts: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded tensors for a micro-batch. Target-aligned (length T-1) fields:
-    ``loss_mask`` (1 on sampled tokens only), ``old_logprobs``; plus ``advantages`` [B]."""
+    """Right-padded tensors for a micro-batch (of ``training_rows``). Target-aligned (length T-1)
+    fields: ``loss_mask`` (1 on sampled tokens only), ``old_logprobs``; plus ``advantages`` [B]
+    and ``episode_tokens`` [B] (each row's episode's sampled tokens)."""
     seqs = [list(r["prompt_ids"]) + list(r["completion_ids"]) for r in rollouts]
     width = max(map(len, seqs))
     B = len(seqs)
@@ -57,8 +77,9 @@ def pack(rollouts: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
             mask[i, p - 1:p - 1 + n] = torch.tensor(list(r["loss_mask"]), dtype=torch.float32)
             old[i, p - 1:p - 1 + n] = torch.tensor(list(r["logprobs"]), dtype=torch.float32)
     adv = torch.tensor([float(r["advantage"]) for r in rollouts])
+    ep = torch.tensor([float(r.get("episode_tokens") or sum(r["loss_mask"])) for r in rollouts])
     return {"input_ids": ids, "attention_mask": att, "loss_mask": mask, "old_logprobs": old,
-            "advantages": adv}
+            "advantages": adv, "episode_tokens": ep}
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -125,11 +146,13 @@ def weigh_negatives(advantages: torch.Tensor, weight: float) -> torch.Tensor:
     return advantages if weight == 1.0 else torch.where(advantages < 0, advantages * weight, advantages)
 
 
-def sequence_weights(mask: torch.Tensor) -> torch.Tensor:
+def sequence_weights(mask: torch.Tensor, episode_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token weights that make each rollout count once, whatever its length: the mask divided by
-    the rollout's own token count (GRPO's per-sequence mean). Under the token mean a failed episode
-    that rambled to the turn budget outweighs a short correct one many times over."""
-    return mask / mask.sum(-1, keepdim=True).clamp(min=1)
+    the rollout's own token count (GRPO's per-sequence mean), or by its episode's
+    (``episode_tokens`` [B]) where an episode is several rows. Under the token mean a failed
+    episode that rambled to the turn budget outweighs a short correct one many times over."""
+    denom = mask.sum(-1, keepdim=True) if episode_tokens is None else episode_tokens.unsqueeze(-1).to(mask.dtype)
+    return mask / denom.clamp(min=1)
 
 
 def _with_kl(loss, stats: dict, logp, ref_logp, kl_coef: float, weight, denom: float):

@@ -48,7 +48,7 @@ class _Generation:
     trainer's newest weights (``offer``) in place when the rollout source syncs."""
 
     def __init__(self, cfg: RLConfig, engine_dir: str, version: int, log):
-        from ..agent import AgentLoop
+        from ..agent import agent_loop
         from ..inference import engine_from_config, fit_to_model
         from ..train.tokenizer import load_tokenizer
 
@@ -56,7 +56,7 @@ class _Generation:
         self.inference = fit_to_model(cfg.inference, cfg.policy_dir, log)
         orch = fit_context(cfg.orchestrator, self.inference.max_model_len)
         self.engine = engine_from_config(self.inference, engine_dir, seed=cfg.seed)
-        self.agent = AgentLoop(self.engine, load_tokenizer(cfg.policy_dir), orch)
+        self.agent = agent_loop(self.engine, load_tokenizer(cfg.policy_dir), orch)
         self.lock = threading.Lock()
         self.offered = {"version": version, "dir": None}   # newest weights for the engine
         self.version = version                             # the engine's

@@ -95,12 +95,16 @@ class GRPOTrainer:
     def train_step(self, rollouts: list[dict]) -> dict:
         """One optimizer update on ``rollouts`` (each with ``advantage`` set); bumps ``version``."""
         cfg, t0 = self.cfg, time.perf_counter()
-        rollouts = [r for r in rollouts if len(r["completion_ids"])]
+        episodes = [r for r in rollouts if len(r.get("completion_ids") or []) or r.get("segments")]
+        if len(episodes) > self.batch_size:
+            raise ValueError(f"{len(episodes)} rollouts exceed batch_size {self.batch_size}")
+        rollouts = [row for r in episodes for row in grpo.training_rows(r) if len(row["completion_ids"])]
         seq = cfg.loss_norm == "sequence"
-        total = float(len(rollouts) if seq else sum(sum(r["loss_mask"]) for r in rollouts)) or 1.0
-        chunks = [rollouts[i:i + cfg.micro_batch] for i in range(0, len(rollouts), cfg.micro_batch)]
-        if len(chunks) > self.grad_accum:
-            raise ValueError(f"{len(rollouts)} rollouts exceed batch_size {self.batch_size}")
+        total = float(len(episodes) if seq else sum(sum(r["loss_mask"]) for r in rollouts)) or 1.0
+        # rows of multi-segment episodes beyond micro_batch * grad_accum: wider micro-batches, the
+        # same number of them (DeepSpeed steps the optimizer every grad_accum backward passes)
+        size = max(cfg.micro_batch, math.ceil(len(rollouts) / self.grad_accum))
+        chunks = [rollouts[i:i + size] for i in range(0, len(rollouts), size)]
         chunks += [[]] * (self.grad_accum - len(chunks))
         agg = {"loss": 0.0, "clip_frac": 0.0, "ratio_sum": 0.0, "tokens": 0.0, "kl_sum": 0.0}
         lr = self.engine.get_lr()[0]  # this update's (where the warm-up stands)
@@ -119,7 +123,7 @@ class GRPOTrainer:
                                                  b["loss_mask"])
                 loss, st = grpo.LOSSES[cfg.loss](logp, b["old_logprobs"], b["advantages"], b["loss_mask"], cfg.clip_eps,
                                           cfg.clip_eps_high, ref, cfg.kl_coef, denom=total,
-                                          weight=grpo.sequence_weights(b["loss_mask"]) if seq else None)
+                                          weight=grpo.sequence_weights(b["loss_mask"], b["episode_tokens"]) if seq else None)
                 if torch.isfinite(loss):
                     agg["loss"] += loss.item()
                     for k in ("clip_frac", "ratio_sum", "tokens", "kl_sum"):

@@ -171,18 +171,59 @@ def test_a_spec_file_no_one_here_wrote_works_by_its_path_and_failures_are_accoun
         load_spec(bad)
 
 
-def test_harness_run_from_the_command_line_with_a_real_model(mini, learnable_base, tmp_path):
-    """``composer-dag harness run`` with mini-swe-agent (its step limit cut by a spec of the same
-    version given by path) and a tiny real model served in the process: one JSON line last."""
+@pytest.fixture(scope="module")
+def long_model(learnable_base, tmp_path_factory):
+    """A tiny real model on the learnable tokenizer with room for mini-swe-agent's prompts (4,096
+    positions), untrained."""
     from composer_dag.rl.learnable import TEST_MODEL
     from composer_dag.train.model import build_base_model
 
-    model = tmp_path / "model"
+    model = tmp_path_factory.mktemp("long") / "model"
     build_base_model("tiny", learnable_base["tokenizer_dir"], str(model), **{**TEST_MODEL, "max_position_embeddings": 4096})
-    spec = mini.path and Path(mini.path).read_text().replace('"step_limit": 30', '"step_limit": 2').replace(
-        '"max_tokens": 256', '"max_tokens": 24')
-    (tmp_path / "short.toml").write_text(spec)
-    proc = subprocess.run([sys.executable, "-m", "composer_dag.cli", "harness", "run", str(tmp_path / "short.toml"),
+    return model
+
+
+@pytest.fixture(scope="module")
+def short_spec(mini, tmp_path_factory):
+    """mini-swe-agent's spec, same version (so its environment), given by path, with two steps of
+    24 tokens an episode."""
+    p = tmp_path_factory.mktemp("spec") / "short.toml"
+    p.write_text(Path(mini.path).read_text().replace('"step_limit": 30', '"step_limit": 2').replace(
+        '"max_tokens": 256', '"max_tokens": 24'))
+    return p
+
+
+def test_rl_step_on_rollouts_a_published_harness_played(long_model, short_spec, learnable_base):
+    """The loop of an external harness (``AgentConfig.harness``: a spec file) gives rollouts with
+    the gateway's segments, named by harness and version; a GRPO step trains on them."""
+    from composer_dag.agent import AgentConfig, ExternalLoop, agent_loop
+    from composer_dag.inference.engine import HFEngine
+    from composer_dag.rl.step import advantages
+    from composer_dag.rl.trainer import GRPOTrainer, TrainerConfig
+    from composer_dag.train.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(long_model))
+    loop = agent_loop(HFEngine(str(long_model)), tok, AgentConfig(harness=str(short_spec), max_context=4096,
+                                                                 max_new_tokens=24, workers=2))
+    assert isinstance(loop, ExternalLoop)
+    try:
+        rows = loop.run([(str(task(learnable_base, 0)), "g0", 0), (str(task(learnable_base, 0)), "g0", 1)], version=3)
+    finally:
+        loop.close()
+    assert all(r["harness"] == "mini-swe-agent" and r["harness_version"] == "2.4.6" and r["policy_version"] == 3 for r in rows)
+    assert all(r["segments"] and r["infra_error"] is None and r["generated_tokens"] > 0 for r in rows), \
+        [(r["end_reason"], r["infra_error"]) for r in rows]
+    for r, a in zip(rows, advantages(rows)):
+        r["advantage"] = a + 0.5  # the two tie at reward 0; any advantage moves the policy
+    st = GRPOTrainer(str(long_model), TrainerConfig(lr=1e-3, micro_batch=1), batch_size=2).train_step(rows)
+    assert st["train_tokens"] == sum(r["generated_tokens"] for r in rows) and st["nan_skipped"] == 0, st
+
+
+def test_harness_run_from_the_command_line_with_a_real_model(long_model, short_spec, learnable_base, tmp_path):
+    """``composer-dag harness run`` with mini-swe-agent (its step limit cut by a spec of the same
+    version given by path) and a tiny real model served in the process: one JSON line last."""
+    model = long_model
+    proc = subprocess.run([sys.executable, "-m", "composer_dag.cli", "harness", "run", str(short_spec),
                            str(task(learnable_base)), "--model", str(model), "--out", str(tmp_path / "out"),
                            "--timeout", "240"], capture_output=True, text=True, timeout=400,
                           env={**os.environ, "COMPOSER_HOME": str(tmp_path)})

@@ -166,6 +166,11 @@ def build(cfg, rep: Reporter | None = None):
     orch = fit_context(cfg.orchestrator, inference.max_model_len)
     fleet = Fleet(cfg.fleet.urls, wstore, wprefix, cfg.policy_dir, os.path.join(cfg.out_dir, "fleet_weights"),
                   cfg.fleet, log).start()
+    from ... import harness as harnesses
+
+    if orch.harness not in harnesses.names():
+        raise ValueError(f"harness {orch.harness!r}: external harnesses run in the one-process mode for now "
+                         "(fleet.servers 0); the fleet's episodes use a built-in harness")
     agent = AgentLoop(None, load_tokenizer(cfg.policy_dir), orch)
     return Orchestrator(fleet, agent, find_tasks(cfg.tasks_dir, cfg.task_sources), cfg, log)
 
