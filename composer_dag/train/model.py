@@ -135,7 +135,6 @@ def save_hf_dir(model, out_dir: str, tokenizer_dir: str | None = None, tokenizer
             copy_tokenizer_files(tokenizer_dir, tmp)
         elif tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        declare_end_of_turn(tmp)
     return out_dir
 
 
