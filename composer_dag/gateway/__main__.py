@@ -29,8 +29,10 @@ def main(argv=None) -> int:
 
     gw = Gateway(Servers(a.upstream), load_tokenizer(a.model), a.served_name or os.path.basename(a.model.rstrip("/")),
                  a.max_model_len or model_max_len(a.model) or 2048, records_dir=a.records)
-    server = GatewayServer(gw, a.host, a.port, admin_port=a.admin_port,
-                           admin_token=os.environ.get("COMPOSER_GATEWAY_ADMIN_TOKEN"))
+    given = os.environ.get("COMPOSER_GATEWAY_ADMIN_TOKEN")
+    server = GatewayServer(gw, a.host, a.port, admin_port=a.admin_port, admin_token=given)
+    if not given:  # a token made here: the runner of episodes needs it, and only this log shows it
+        print(f"admin token (set COMPOSER_GATEWAY_ADMIN_TOKEN to choose one): {server.admin_token}", flush=True)
     serve_forever(server.start(), log=lambda m: print(m, flush=True))
     return 0
 

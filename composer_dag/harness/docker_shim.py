@@ -11,16 +11,22 @@ import socket
 import sys
 
 
+def read_line(sock) -> bytes:
+    """One newline-ended message from ``sock`` (b"" if the peer closed first): both ends use it."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            return b""
+        data += chunk
+    return data
+
+
 def ask(request: dict) -> dict:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(os.environ["COMPOSER_SHELL_SOCKET"])
         s.sendall(json.dumps(request).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(1 << 16)
-            if not chunk:
-                break
-            data += chunk
+        data = read_line(s)
     return json.loads(data or b'{"exit_code": 125, "output": "the episode runner closed the connection\\n"}')
 
 

@@ -34,6 +34,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from composer_dag.harness.base import Action
+from composer_dag.harness.docker_shim import read_line
 
 SPECS = Path(__file__).with_name("specs")
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -199,12 +200,9 @@ class ShellBridge:
 
     def _handle(self, conn) -> None:
         with conn:
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = conn.recv(1 << 16)
-                if not chunk:
-                    return
-                data += chunk
+            data = read_line(conn)
+            if not data:
+                return
             try:
                 req = json.loads(data)
                 out = self._answer(req)

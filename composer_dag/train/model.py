@@ -138,28 +138,6 @@ def save_hf_dir(model, out_dir: str, tokenizer_dir: str | None = None, tokenizer
     return out_dir
 
 
-def declare_end_of_turn(model_dir: str, token: str = "<|im_end|>") -> list[int] | None:
-    """List the tokenizer's end-of-turn token (``<|im_end|>``) beside end-of-text among the
-    ``eos_token_id`` of ``generation_config.json``, so that every server of the checkpoint ends
-    a chat turn there (vLLM stops at each listed id). Returns the ids written (None: the
-    directory has no generation config or its tokenizer no such token)."""
-    gen_path, tok_path = os.path.join(model_dir, "generation_config.json"), os.path.join(model_dir, "tokenizer.json")
-    if not (os.path.exists(gen_path) and os.path.exists(tok_path)):
-        return None
-    with open(tok_path) as f:
-        added = {t["content"]: t["id"] for t in json.load(f).get("added_tokens", [])}
-    if token not in added:
-        return None
-    with open(gen_path) as f:
-        gen = json.load(f)
-    eos = gen.get("eos_token_id")
-    ids = sorted({*(eos if isinstance(eos, list) else [eos] if eos is not None else []), added[token]})
-    gen["eos_token_id"] = ids
-    with open(gen_path, "w") as f:
-        json.dump(gen, f, indent=2)
-    return ids
-
-
 def build_base_model(config_name: str, tokenizer, out_dir: str, seed: int = 0,
                      dtype: str | None = None, **overrides) -> dict:
     """Build a freshly initialised Llama from ``CONFIGS[config_name]`` and save it to ``out_dir``.
