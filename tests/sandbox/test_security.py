@@ -396,7 +396,7 @@ def test_setuid_and_setgid_binaries_gain_nothing(task, host_guard):
     a nosuid mount."""
     import struct
 
-    ep = host_guard(task)
+    ep = host_guard(task, command_timeout=240)  # the scan walks the whole tree: slow on a loaded machine
     for name, mode in (("suid-id", 0o4755), ("sgid-id", 0o2755)):
         shutil.copy("/usr/bin/id", ep.workspace / name)
         os.chown(ep.workspace / name, 0, 0)
@@ -424,6 +424,7 @@ def test_setuid_and_setgid_binaries_gain_nothing(task, host_guard):
         assert "rc=0" not in part and not any(w == "0" for w in part.split()), out
     (ep.workspace / "scan.py").write_text(_SETID_SCAN)
     out, _ = term(ep, "python3 scan.py")
+    assert "setid-files" in out, out
     found = int(out.split("setid-files")[1].split()[0])
     assert found >= 4, out  # the two copies, and the system's sudo and su at least
     assert out.rstrip().endswith("on-suid-mounts []"), out
