@@ -67,6 +67,9 @@ class Demo(BaseModel):
     argument: str = Field("command", description="tool-call: its argument holding the command")
     fence: str = Field("bash", description="text-block: the code fence's info string")
     submit: str = Field(SUBMIT, description="the command that ends the episode")
+    submit_message: str | None = Field(None, description="harnesses that end on a final answer (no tool call): "
+                                       "the answer a demonstration ends with; the episode counts as submitted "
+                                       "when the harness exits 0 after the policy acted")
 
 
 class HarnessSpec(BaseModel):
@@ -119,6 +122,8 @@ class HarnessSpec(BaseModel):
 
     def render_action(self, action: Action, thought: str = "") -> dict:
         """The assistant message of one reference action in the harness's format."""
+        if action.kind == "submit" and self.demo.submit_message is not None:
+            return {"role": "assistant", "content": self.demo.submit_message}
         cmd = self.command_of(action)
         if self.demo.style == "text-block":
             return {"role": "assistant", "content": f"{thought or 'THOUGHT: next step.'}\n\n```{self.demo.fence}\n{cmd}\n```"}
@@ -323,7 +328,9 @@ def run_episode(spec: HarnessSpec, task_dir, gateway, model: str, out_dir, episo
         gateway.gateway.revoke(key)
         bridge.close()
         records = gateway.gateway.records(key)
-        submitted = any(e.get("kind") == "exec" and e.get("command", "").strip() == spec.demo.submit for e in ep.log)
+        submitted = any(e.get("kind") == "exec" and e.get("command", "").strip() == spec.demo.submit for e in ep.log) \
+            or (spec.demo.submit_message is not None and rc == 0 and not timed_out
+                and any(r["completion_ids"] for r in records.get("records", [])))
         reason, infra = end_reason(rc, timed_out, records, submitted)
         ep.done = True
         g = ep.grade()

@@ -101,6 +101,38 @@ def test_mini_swe_agent_plays_an_episode_in_the_sandbox(mini, learnable_base, to
     assert len(recorded) == 6 and all(x["completion_ids"][-1] == tok.convert_tokens_to_ids("<|im_end|>") for x in recorded)
 
 
+@pytest.fixture(scope="module")
+def agents_sdk():
+    from composer_dag.harness.external import install, load_spec
+
+    spec = load_spec("openai-agents")
+    install(spec)  # done by `make harnesses`; a no-op then
+    return spec
+
+
+def test_openai_agents_sdk_plays_an_episode_through_the_gateway(agents_sdk, learnable_base, tok, tmp_path):
+    """The SDK's own Runner with a function tool: its calls reach the sandbox as the persona,
+    its edit is graded, its history extends every earlier call exactly (one segment), and its
+    final answer without a tool call ends the episode as submitted."""
+    from composer_dag.laptop.image import task_persona
+    from composer_dag.tasks.taskdir import load_task
+
+    t = task(learnable_base, 1)
+    word = load_task(t)["instructions"].split("word ")[1].split()[0]
+    write = agents_sdk.command_of(Action("write", {"path": "answer.txt", "old": "", "new": word + "\n"}))
+    final = agents_sdk.render_action(Action("submit", {}))
+    assert "tool_calls" not in final and final["content"] == agents_sdk.demo.submit_message
+    r, server = play(agents_sdk, t, tok, ["I will look first.\n" + call("whoami; cat answer.txt 2>&1 | head -1"),
+                                         call(write), final["content"]], tmp_path)
+    assert r["end_reason"] == "submitted" and not r["infra_failure"] and r["exit_code"] == 0, r
+    assert r["harness"] == "openai-agents" and r["version"] == "0.24.0" and r["reward"] == 1.0 and r["flags"] == [], r
+    assert r["calls"] == 3 and r["segments"] == 1 and r["extension_rate"] == 1.0 and r["commands"] == 2, r["rollout"]["extension"]
+    log = r["rollout"]["action_log"]
+    assert [e["kind"] for e in log] == ["exec", "exec"] and log[1]["command"] == write
+    seen = tok.decode(r["rollout"]["records"][1]["prompt_ids"])  # what the model was shown of the first command
+    assert f"exit code 0\n{task_persona(load_task(t)).user}\n" in seen, seen[-400:]
+
+
 def test_commands_of_an_external_harness_raise_the_flags_of_commands(mini, learnable_base, tok, tmp_path):
     r, _ = play(mini, task(learnable_base, 1), tok, [call("git log -p --all | head -3"), call(mini.demo.submit)], tmp_path)
     assert any(f.startswith("git_history") for f in r["flags"]) and r["reward"] == 0.0, r
