@@ -62,7 +62,7 @@ $(DAGSTER_HOME)/dagster.yaml:
 	@mkdir -p $(DAGSTER_HOME)
 	cp deploy/dagster.yaml $@
 
-run: install $(DAGSTER_HOME)/dagster.yaml  ## materialize the whole graph on the embedded default (local files, DuckDB, CPU)
+run: install harnesses $(DAGSTER_HOME)/dagster.yaml  ## materialize the whole graph on the embedded default (local files, DuckDB, CPU)
 	$(PY) -m composer_dag.definitions materialize
 
 test: install harnesses $(DAGSTER_HOME)/dagster.yaml  ## the whole suite, as CI runs it (starts Slurm, S3, vLLM, a browser itself)

@@ -118,6 +118,8 @@ def evaluated_model(context: dg.AssetExecutionContext, config: EvalParams, artif
             "pass_at_1_by_source": dg.MetadataValue.md(source_md),
             **{f"{k}.pass@1.{src}": float(by_source(k, src) or 0.0) for k in names for src in sources},
             **{f"{k}.pass@1": float(summaries[k].get("pass@1") or 0.0) for k in names},
+            **{f"{k}.harness_pass@1.{h}": float(b.get("pass@1") or 0.0) for k in names
+               for h, b in (summaries[k].get("by_harness") or {}).items()},
             **{f"{k}.cost": dg.MetadataValue.json(summaries[k].get("cost") or {}) for k in names},
             "gate_passed": gate["passed"],
             "gate_failed_rows": dg.MetadataValue.json(gate["failed_rows"]),
@@ -173,9 +175,12 @@ def terminal_summary(meta: dict) -> str:
     task source and validation perplexity per checkpoint, the gate's verdict, where the report is.
     The full summaries stay in the artifacts and the event log."""
     sources = sorted({k.split(".pass@1.", 1)[1] for k in meta if ".pass@1." in k})
-    head = ["checkpoint", "pass@1", *[f"pass@1 {s}" for s in sources], "val ppl"]
+    harnesses = sorted({k.split(".harness_pass@1.", 1)[1] for k in meta if ".harness_pass@1." in k})
+    cell = lambda key: f"{float(meta[key]):.3f}" if key in meta else "–"
+    head = ["checkpoint", "pass@1", *[f"pass@1 {s}" for s in sources], *[f"harness {h}" for h in harnesses], "val ppl"]
     rows = [[label, f"{float(meta.get(f'{k}.pass@1', 0.0)):.3f}",
              *[f"{float(meta.get(f'{k}.pass@1.{s}', 0.0)):.3f}" for s in sources],
+             *[cell(f"{k}.harness_pass@1.{h}") for h in harnesses],
              f"{float(meta.get(f'{k}.val_ppl', float('nan'))):,.1f}"] for k, label in zip(CANDIDATES, LABELS)]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))

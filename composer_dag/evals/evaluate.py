@@ -81,6 +81,14 @@ class EvalConfig(StageConfig):
     ppl_max_batches: Optional[int] = 16
     torch_threads: Optional[int] = None
     seed: int = 0
+    harnesses: list[str] = Field([], description="external harnesses (a declared name or a spec file) also played on "
+                                                 "the selected tasks through the gateway over the same engine: "
+                                                 "pass@1 per harness under by_harness, which the gate compares")
+    harness_candidates: list[str] = Field(["sft_checkpoint", "rl_checkpoint"],
+                                          description="the candidates of a multi-checkpoint evaluation that play the "
+                                                      "external harnesses (the gate's pair)")
+    harness_max_tasks: Optional[int] = Field(3, description="the first N selected tasks each external harness plays")
+    harness_samples: int = Field(1, ge=1, description="samples per task of each external harness")
     agent: AgentConfig = AgentConfig()
     inference: InferenceConfig = InferenceConfig()
     gate: GateConfig = GateConfig()
@@ -91,6 +99,17 @@ class EvalConfig(StageConfig):
         if not ks or any(k < 1 for k in ks):
             raise ValueError("every k must be >= 1")
         return ks
+
+    @field_validator("harnesses")
+    @classmethod
+    def _harnesses_declared(cls, hs: list[str]) -> list[str]:
+        from ..harness import names
+        from ..harness.external import load_spec
+
+        for h in hs:
+            if h not in names():
+                load_spec(h)  # ValueError: neither a declared spec nor a spec file
+        return hs
 
     @field_validator("samples_of_source")
     @classmethod
@@ -120,7 +139,7 @@ def checkpoint_digest(checkpoint_dir) -> str:
 
 
 # Settings that change neither which episodes run nor how they are sampled and graded.
-_NOT_IN_KEY = ("ks", "gate", "samples_per_task_of", "torch_threads", "task_ids", "max_tasks", "every_task_of", "humaneval_ids", "humaneval_samples",
+_NOT_IN_KEY = ("ks", "gate", "samples_per_task_of", "harnesses", "harness_candidates", "harness_max_tasks", "harness_samples", "torch_threads", "task_ids", "max_tasks", "every_task_of", "humaneval_ids", "humaneval_samples",
                "humaneval_temperature", "humaneval_max_tokens", "humaneval_timeout", "val_dir", "ppl_seq_len",
                "ppl_batch_size", "ppl_max_batches")
 
@@ -237,6 +256,40 @@ def _run_agent(engine, tok, tasks, cfg: EvalConfig, log, progress_dir: Path | No
     return rollouts, reused
 
 
+def _run_harness(engine, tok, tasks, cfg: EvalConfig, harness: str, log, progress_dir: Path) -> list[dict]:
+    """The rollouts of one external harness: the first ``harness_max_tasks`` tasks,
+    ``harness_samples`` samples each, through a gateway over ``engine`` (resumable as the main
+    run is, in a progress directory of its own)."""
+    from ..harness.external import load_spec
+
+    if harness == cfg.agent.harness:
+        return []
+    spec = load_spec(harness)
+    if not spec.installed():
+        log(f"eval: harness {spec.name} {spec.version} is not installed (make harnesses): skipped")
+        return []
+    chosen = tasks[:cfg.harness_max_tasks] if cfg.harness_max_tasks else tasks
+    own = cfg.replace(samples_per_task=cfg.harness_samples, samples_of_source={}, agent={"harness": harness})
+    log(f"eval: harness {harness}: {len(chosen)} tasks x {cfg.harness_samples} samples")
+    tag = hashlib.sha256(f"{harness}\0{cfg.harness_samples}\0{len(chosen)}".encode()).hexdigest()[:12]
+    rollouts, _ = _run_agent(engine, tok, chosen, own, log, progress_dir / f"harness-{tag}")
+    return rollouts
+
+
+def _harness_block(rollouts: list[dict], digest: str, source: dict, ks) -> tuple[dict, list[dict]]:
+    """pass@1 of one external harness (infrastructure failures left out and counted), its end
+    reasons and mean prompt-extension rate; and its result rows."""
+    kept = [r for r in rollouts if not r.get("infra_error")]
+    rows, per_task, agg = _score(kept, digest, source, ks) if kept else ([], {}, {"pass@1": None, "pass@1_stderr": None})
+    rates = [r["extension_rate"] for r in rollouts if r.get("extension_rate") is not None]
+    block = {"tasks": len(per_task), "samples": len(rows), "pass@1": agg["pass@1"], "pass@1_stderr": agg["pass@1_stderr"],
+             "infra_failures": len(rollouts) - len(kept),
+             "end_reasons": dict(Counter(r.get("end_reason") or r.get("finish") for r in rollouts)),
+             "extension_rate": sum(rates) / len(rates) if rates else None,
+             "harness_version": next((r.get("harness_version") for r in rollouts), None)}
+    return block, rows
+
+
 def _humaneval(engine, tok, he_ids: list, cfg: EvalConfig, log) -> tuple[dict, dict]:
     """HumanEval function completion on the running engine: the scored samples (with their
     seconds) and the generated token counts per problem."""
@@ -261,8 +314,8 @@ def _score(rollouts: list[dict], digest: str, source: dict, ks) -> tuple[list[di
              "passed": sample_passed(r), "flags": r["flags"], "tests_passed": r["tests_passed"],
              "tests_failed": r["tests_failed"], "num_turns": r["num_turns"], "finish": r["finish"],
              "prompt_tokens": len(r["prompt_ids"]), "generated_tokens": r["generated_tokens"],
-             "seconds": r["episode_seconds"], "gen_seconds": r["gen_seconds"], "tool_seconds": r["tool_seconds"],
-             "grade_seconds": r["grade_seconds"]} for r in rollouts]
+             "seconds": r["episode_seconds"], "gen_seconds": r.get("gen_seconds"), "tool_seconds": r.get("tool_seconds"),
+             "grade_seconds": r.get("grade_seconds")} for r in rollouts]
     per_task: dict[str, dict] = {}
     for r in rows:
         t = per_task.setdefault(r["task_id"], {"source": r["source"], "n": 0, "c": 0, "flagged": 0})
@@ -356,6 +409,27 @@ def _token_cost(rows: list[dict], num_tasks: int, solved: int) -> dict:
             "tokens_per_solved_task": total / solved if solved else None}
 
 
+def _by_harness(cfg: EvalConfig, agg: dict, tasks: int, samples: int, external: dict, digest: str, source: dict,
+                out: Path, files: dict, log) -> dict:
+    """pass@1 per harness: the evaluation's own (its overall figures) and each external one's,
+    whose rows go to ``harness_results.parquet``."""
+    by_harness = {cfg.agent.harness: {"tasks": tasks, "samples": samples,
+                                      "pass@1": agg["pass@1"], "pass@1_stderr": agg["pass@1_stderr"]}}
+    h_rows = []
+    for h, h_rollouts in ((h, r) for h, r in external.items() if h != cfg.agent.harness):
+        block, hr = _harness_block(h_rollouts, digest, source, cfg.ks)
+        h = next((r["harness"] for r in h_rollouts if r.get("harness")), Path(h).stem)  # its name, not a path
+        by_harness[h] = block if h_rollouts else {**block, "skipped": "not installed (make harnesses)"}
+        if not h_rollouts:
+            continue
+        h_rows += [{**r, "harness": h} for r in hr]
+        log(f"eval: harness {h}: pass@1 {block['pass@1']:.4f} on {block['tasks']} tasks, "
+            f"{block['infra_failures']} infrastructure failures, extension rate {block['extension_rate']}")
+    if h_rows:
+        files["harness_results"] = _write_parquet(h_rows, out / "harness_results.parquet")
+    return by_harness
+
+
 def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | None = None, rep=None,
              engine=None, grades=None) -> dict:
     """Evaluate the Hugging Face checkpoint at ``checkpoint_dir`` on the tasks under
@@ -405,6 +479,7 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
         gen_tokens, gen_seconds = engine.stats.generated_tokens - gen_tokens0, engine.stats.seconds - gen_seconds0
         if he_ids:
             he_res, he_tokens = _humaneval(engine, tok, he_ids, cfg, log)
+        external = {h: _run_harness(engine, tok, tasks, cfg, h, log, progress_dir) for h in cfg.harnesses}
     finally:
         if own_engine:
             engine.close()
@@ -414,13 +489,14 @@ def evaluate(checkpoint_dir, tasks_dir, out_dir, config: EvalConfig | dict | Non
     solved = sum(r["passed"] for r in rows)
 
     files, he_summary = _write_tables(out, rows, rollouts, digest, he_res, he_tokens, cfg.humaneval_samples)
+    by_harness = _by_harness(cfg, agg, len(per_task), len(rows), external, digest, source, out, files, log)
     summary = {
         "checkpoint": checkpoint_dir, "checkpoint_digest": digest, "tasks_dir": str(tasks_dir),
         "num_tasks": len(per_task), "samples_per_task": cfg.samples_per_task, "samples_of_source": cfg.samples_of_source,
         "num_samples": len(rows),
         "resumed_batches": reused,
         "pass@1": agg["pass@1"], "pass@1_stderr": agg["pass@1_stderr"], "pass_at": agg["pass_at"],
-        "by_source": agg["by_source"], "solved_samples": solved,
+        "by_source": agg["by_source"], "solved_samples": solved, "harness": cfg.agent.harness, "by_harness": by_harness,
         "mean_reward": sum(r["reward"] for r in rows) / len(rows),
         "flag_rate": flagged / len(rows), "flagged_samples": flagged,
         "flags_by_kind": dict(Counter(f.split(":", 1)[0] for r in rows for f in r["flags"]).most_common()),
@@ -498,7 +574,8 @@ def evaluate_many(checkpoints: dict[str, str], tasks_dir, out_dir, config: EvalC
                 inference = fit_to_model(cfg.inference, ckpt, log)
                 engine, engine_dir = engine_from_config(inference, ckpt, seed=cfg.seed), ckpt
             log(f"eval: {name}")
-            own = cfg.replace(samples_per_task=cfg.samples_per_task_of.get(name, cfg.samples_per_task))
+            own = cfg.replace(samples_per_task=cfg.samples_per_task_of.get(name, cfg.samples_per_task),
+                              harnesses=cfg.harnesses if name in cfg.harness_candidates else [])
             summaries[name] = evaluate(ckpt, tasks_dir, out, own, rep, engine=engine, grades=grades)
             _mark_done(Path(out_dir), summaries)
     finally:

@@ -37,6 +37,8 @@ class GateConfig(StageConfig):
                                                            "lose (None: reported, not gating)")
     source_sigmas: Optional[float] = Field(2.0, description="each task source's pass@1 (sources with >= min_tasks)")
     humaneval_sigmas: Optional[float] = Field(2.0, description="HumanEval function-completion pass@1")
+    harness_sigmas: Optional[float] = Field(2.0, description="each harness's pass@1 (by_harness; harnesses with >= "
+                                                             "min_tasks tasks gate, the others are reported)")
     min_tasks: int = Field(10, description="a task source with fewer eval tasks is reported and does not gate")
     max_ppl_increase: Optional[float] = Field(0.1, description="validation perplexity: allowed relative increase "
                                                                "over the parent")
@@ -117,6 +119,21 @@ def _ppl_row(label: str, cand: dict, base: dict, tolerance: Optional[float], bas
                 f"(x{pc / pb:.3g}, threshold {threshold:,.2f})")
 
 
+def _harness_rows(cand: dict, base: dict, gate: GateConfig, baseline: str) -> list[dict]:
+    """One row per harness that played the tasks besides the evaluation's own (its pass@1 is
+    the overall row), gating as a task source does."""
+    own = {cand.get("harness"), base.get("harness")}
+    rows = []
+    for h in sorted((set(cand.get("by_harness") or {}) | set(base.get("by_harness") or {})) - own):
+        n = min(_value(s, f"by_harness.{h}.pass@1")[1] for s in (cand, base))
+        sigmas = gate.harness_sigmas if n >= gate.min_tasks else None
+        row = _noise_row(f"pass@1 harness {h}", f"by_harness.{h}.pass@1", cand, base, sigmas, baseline, required=False)
+        if n < gate.min_tasks and row.get("note") is None:
+            row["note"] = f"{n} tasks < min_tasks {gate.min_tasks}: not gating"
+        rows.append(row)
+    return rows
+
+
 def compare(candidate_summary: dict, baseline_summary: dict, gate: GateConfig | None = None,
             candidate_name: str = "candidate", baseline_name: str = "baseline",
             ppl_tolerance: Optional[float] | str = "parent") -> dict:
@@ -136,6 +153,7 @@ def compare(candidate_summary: dict, baseline_summary: dict, gate: GateConfig | 
         if n < gate.min_tasks:
             row["note"] = f"{n} tasks < min_tasks {gate.min_tasks}: not gating"
         rows.append(row)
+    rows += _harness_rows(cand, base, gate, baseline_name)
     if _get(cand, ("humaneval", "pass@1")) is not None or _get(base, ("humaneval", "pass@1")) is not None:
         rows.append(_noise_row("HumanEval fn-completion pass@1", "humaneval.pass@1", cand, base,
                                gate.humaneval_sigmas, baseline_name, required=False))

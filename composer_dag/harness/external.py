@@ -371,5 +371,6 @@ def rollout_record(summary: dict, task_dir, group_id: str, sample: int, version:
         "finish": summary["end_reason"], "end_reason": summary["end_reason"],
         "generated_tokens": sum(sum(s["mask"]) for s in segs), "extension_rate": summary["extension_rate"],
         "episode_seconds": summary["seconds"],
+        "gen_seconds": sum(r.get("server_s") or 0.0 for r in ro["records"]), "tool_seconds": None, "grade_seconds": None,
         "infra_error": summary["end_reason"] if summary["infra_failure"] else None,
     }

@@ -264,3 +264,37 @@ def test_harness_run_from_the_command_line_with_a_real_model(long_model, short_s
     assert r["harness"] == "mini-swe-agent" and r["calls"] >= 1 and not r["infra_failure"] and proc.returncode == 0, (r, proc.stderr[-800:])
     rollout = json.loads((tmp_path / "out" / "rollout.json").read_text())
     assert sum(len(s["ids"]) for s in rollout["segments"]) >= sum(len(x["completion_ids"]) for x in rollout["records"])
+
+
+def test_evaluation_reports_pass_at_1_per_harness_and_the_gate_compares_them(long_model, short_spec, learnable_base, tmp_path):
+    """``EvalConfig.harnesses``: mini-swe-agent (a spec file) plays the first tasks beside the
+    built-in loop on the same engine; the summary has pass@1 per harness with its end reasons
+    and extension rate, ``harness_results.parquet`` its rows (read back by pyarrow), the gate a
+    row per harness and ``make run``'s table a column."""
+    import pyarrow.parquet as pq
+
+    from assets.evals import terminal_summary
+    from composer_dag.evals.evaluate import evaluate
+    from composer_dag.evals.gate import compare
+
+    cfg = {"samples_per_task": 1, "max_tasks": 2, "every_task_of": [], "humaneval_ids": [], "inference": {"engine": "hf"},
+           "agent": {"max_turns": 2, "max_new_tokens": 24, "max_context": 4096, "workers": 2},
+           "harnesses": [str(short_spec)], "harness_max_tasks": 2, "harness_samples": 1}
+    s = evaluate(str(long_model), learnable_base["tasks_dir"], tmp_path / "eval", cfg)
+    assert set(s["by_harness"]) == {"composer", "mini-swe-agent"} and s["harness"] == "composer", s["by_harness"]
+    mini = s["by_harness"]["mini-swe-agent"]
+    assert mini["tasks"] + mini["infra_failures"] >= 1 and sum(mini["end_reasons"].values()) == 2, mini
+    assert mini["harness_version"] == "2.4.6" and mini["pass@1"] is not None and mini["extension_rate"] is not None, mini
+    assert s["by_harness"]["composer"]["pass@1"] == s["pass@1"]
+    rows = pq.read_table(tmp_path / "eval" / "harness_results.parquet").to_pylist()
+    assert len(rows) == mini["samples"] and {r["harness"] for r in rows} == {"mini-swe-agent"}
+    cmp = compare(s, s)
+    row = next(r for r in cmp["rows"] if r["metric"] == "pass@1 harness mini-swe-agent")
+    assert row["delta"] == 0.0 and not row["gating"] and "min_tasks" in row["note"], row
+    worse = {**s, "by_harness": {**s["by_harness"], "mini-swe-agent": {**mini, "pass@1": mini["pass@1"] - 0.5, "tasks": 40}}}
+    better = {**s, "by_harness": {**s["by_harness"], "mini-swe-agent": {**mini, "pass@1": mini["pass@1"] + 0.5, "tasks": 40}}}
+    failed = compare(worse, better)
+    assert not failed["passed"] and any("harness mini-swe-agent" in r for r in failed["reasons"]), failed["reasons"]
+    meta = {"rl_checkpoint.pass@1": 0.5, "rl_checkpoint.harness_pass@1.mini-swe-agent": 0.25, "gate_passed": True}
+    table = terminal_summary(meta).splitlines()
+    assert "harness mini-swe-agent" in table[0] and "0.250" in next(x for x in table if x.startswith("RL")), table
