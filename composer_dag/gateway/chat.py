@@ -124,6 +124,29 @@ class Renderer:
             return f"message {k} ({norm[k][0]}) is not call {t.index}'s reply"
         return f"the chat template renders call {t.index}'s turns otherwise with the new messages"
 
+    def conversation(self, messages: list[dict], tools: list | None) -> tuple[list[int], list[int]]:
+        """``(ids, mask)`` of a whole conversation as a harness that keeps its history is served
+        it: each prompt rendered with the generation prompt, each assistant turn encoded on its
+        own up to its end-of-turn token (mask 1), as the server samples it; what the template
+        writes after a turn opens the next prompt. An SFT row in the harness's own format."""
+        ids, mask, done = [], [], 0
+        full = self.template(messages, tools, False)
+        for i, m in enumerate(messages):
+            if m.get("role") != "assistant":
+                continue
+            start = len(self.template(messages[:i], tools, True))
+            head = self.template(messages[:i + 1], tools, False)
+            end = head.rfind(self.end_text)
+            if not full.startswith(head) or end < start:
+                raise BadRequest(f"the chat template does not render message {i} as a continuation of the earlier ones")
+            end += len(self.end_text)
+            for piece, m_ in ((full[done:start], 0), (full[start:end], 1)):
+                p_ids = self.encode(piece) if piece else []
+                ids, mask = ids + p_ids, mask + [m_] * len(p_ids)
+            done = end
+        tail = self.encode(full[done:]) if full[done:] else []
+        return ids + tail, mask + [0] * len(tail)
+
     def render(self, messages: list[dict], tools: list | None, turns: list[Turn]) -> tuple[list[int], int | None, str | None]:
         """The prompt ids of a chat request, the index of the earlier turn it extends (None), and
         why it does not continue the latest turn (None where it does)."""

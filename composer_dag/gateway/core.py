@@ -37,6 +37,7 @@ class EpisodeKey:
     records: list[CallRecord] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     refused: Counter = field(default_factory=Counter)
+    conversation: dict | None = None  # the latest chat request's messages and tools, with its reply
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -88,7 +89,7 @@ class Gateway:
             recs = list(ep.records)
         return {"key": key, "episode": ep.episode, "records": [r.to_dict() for r in recs],
                 "segments": [s.to_dict() for s in segments(recs)], "extension": extension(recs),
-                "refused": dict(ep.refused)}
+                "refused": dict(ep.refused), "conversation": ep.conversation}
 
     def stats(self) -> dict:
         with self._lock:
@@ -165,6 +166,7 @@ class Gateway:
         finish = "tool_calls" if calls else ("stop" if c.finish_reason == "stop" else "length")
         rec.finish_reason = finish
         with ep.lock:
+            ep.conversation = {"messages": [*messages, reply], "tools": tools}
             ep.turns.append(Turn([normal(m) for m in messages], normal(reply), json.dumps(tools, sort_keys=True) if tools else "",
                                  list(prompt) + list(c.token_ids), ended, rec.index))
         self._persist(rec)

@@ -374,3 +374,41 @@ def rollout_record(summary: dict, task_dir, group_id: str, sample: int, version:
         "gen_seconds": sum(r.get("server_s") or 0.0 for r in ro["records"]), "tool_seconds": None, "grade_seconds": None,
         "infra_error": summary["end_reason"] if summary["infra_failure"] else None,
     }
+
+
+def assistant_text(renderer, message: dict) -> str:
+    """What the policy samples for the assistant turn ``message`` under the chat template (its
+    end-of-turn token left out): a demonstration's reply as the server would return it."""
+    user = [{"role": "user", "content": "."}]
+    body = renderer.template(user + [message], None, False)[len(renderer.template(user, None, True)):]
+    return body[:body.rfind(renderer.end_text)]
+
+
+def demonstrate(spec: HarnessSpec, task_dir, actions: list[Action], tokenizer, out_dir, episode_config=None):
+    """Play reference ``actions`` through the harness itself: each is the reply of a scripted
+    policy at a gateway, so the harness builds its own prompts, runs the commands in the
+    episode's sandbox and renders the results as it always does. Returns ``(conversation,
+    reason, summary)``: the harness's last request with the last reply (its messages and tools,
+    as it sent them) when the episode took one call per action and passed unflagged, else None
+    with the reason."""
+    from composer_dag.gateway.chat import Renderer
+    from composer_dag.gateway.core import Gateway
+    from composer_dag.gateway.server import GatewayServer
+    from composer_dag.gateway.upstream import Scripted
+
+    renderer = Renderer(tokenizer)
+    replies = [assistant_text(renderer, spec.render_action(a)) for a in actions]
+    gw = Gateway(Scripted(tokenizer, replies), tokenizer, "policy", max_model_len=1 << 16,
+                 default_max_tokens=1 << 12)
+    with GatewayServer(gw) as server:
+        s = run_episode(spec, task_dir, server, "policy", out_dir, episode_config)
+    if s["infra_failure"]:
+        return None, f"demo_infra:{s['end_reason']}", s
+    if s["calls"] != len(actions) or s["rollout"]["conversation"] is None:
+        return None, "demo_calls_mismatch", s
+    if s["flags"]:
+        return None, "reference_flagged", s
+    if not (s["tests_passed"] > 0 and s["tests_failed"] == 0):
+        return None, "reference_not_passing", s
+    return s["rollout"]["conversation"], "ok", s
+

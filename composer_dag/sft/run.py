@@ -70,9 +70,13 @@ class SFTConfig(MidtrainConfig):
 
 
 def transcript(messages: list[dict], tok, system_style: str = "compact",
-               harness="composer") -> tuple[list[int], list[int]]:
+               harness="composer", tools: list | None = None) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` of one trajectory, piece by piece as the agent loop encodes it
     (the prompt, calls and results as ``harness`` renders them)."""
+    if harness not in harnesses.names():  # an external harness's own messages: as the gateway serves them
+        from ..gateway.chat import Renderer
+
+        return Renderer(tok).conversation(messages, tools)
     h = harnesses.get(harness)
     enc = lambda text: tok(text, add_special_tokens=False).input_ids
     if not messages or messages[0].get("role") != "user":
@@ -113,7 +117,8 @@ def tokenize(trajectories_dir: str, model_dir: str, out_dir: str, seq_len: int, 
     skipped, cut, lengths = Counter(), 0, []
     for r in rows:
         try:
-            ids, mask = transcript(json.loads(r["messages"]), tok, system_style)
+            ids, mask = transcript(json.loads(r["messages"]), tok, system_style, r.get("harness") or "composer",
+                                   json.loads(r["tools"]) if r.get("tools") else None)
         except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
             skipped[f"malformed:{type(e).__name__}"] += 1
             continue

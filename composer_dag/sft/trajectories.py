@@ -58,6 +58,10 @@ class TrajectoryConfig(StageConfig):
     val_fraction: float = Field(0.1, description="share of tasks (by a hash of the id) whose trajectories validate")
     context_lines: int = Field(3, description="lines shown around the change by the reference read")
     workers: int = Field(2, description="episodes played at once")
+    harnesses: list[str] = Field([], description="external harnesses (declared names or spec files) whose reference "
+                                                 "demonstrations join the set: the same tasks' reference actions "
+                                                 "played through each harness itself (harness.external.demonstrate), "
+                                                 "kept as the messages it sent; needs the tokenizer")
     seed: int = 0
 
 
@@ -146,7 +150,8 @@ def play(task_dir: Path, calls: list[dict], harness="composer") -> tuple[list[di
 
 
 def _text(messages: list[dict]) -> str:
-    return "\n".join(m.get("content") or "" for m in messages) + "\n" + "\n".join(
+    text = lambda c: c if isinstance(c, str) else json.dumps(c) if c else ""
+    return "\n".join(text(m.get("content")) for m in messages) + "\n" + "\n".join(
         json.dumps(c) for m in messages for c in m.get("tool_calls") or [])
 
 
@@ -168,21 +173,7 @@ def _draw(seed: int, task_id: str) -> str:
 
 def from_references(tasks_dir, cfg: TrajectoryConfig, log=lambda msg: None) -> tuple[list[dict], Counter, int]:
     """Reference trajectories of the tasks under ``tasks_dir``: (rows, skipped by reason, tasks read)."""
-    tasks = [(p.parent, json.loads(p.read_text())) for p in sorted(Path(tasks_dir).glob("*/task.json"))]
-    skipped: Counter = Counter()
-    by_source: dict[str, list] = {}
-    for d, t in tasks:
-        by_source.setdefault(t.get("source", "?"), []).append((d, t))
-    chosen = []
-    for source, items in sorted(by_source.items()):
-        cap = cfg.max_per_source.get(source)
-        if cap is not None and len(items) > cap:
-            # the cap's tasks by a per-task draw (seed and id), so that tasks joining or leaving the
-            # set do not change which of the others are kept
-            keep = set(map(id, sorted(items, key=lambda x: _draw(cfg.seed, x[1]["id"]))[:cap]))
-            skipped["over_source_cap"] += len(items) - cap
-            items = [x for x in items if id(x) in keep]
-        chosen += items
+    chosen, skipped, tasks = _chosen(tasks_dir, cfg)
 
     def one(item):
         d, t = item
@@ -204,6 +195,67 @@ def from_references(tasks_dir, cfg: TrajectoryConfig, log=lambda msg: None) -> t
                 rows.append(_row(t.get("id", d.name), t.get("source", "?"), "reference", messages, cfg))
     log(f"sft: {len(rows)} reference trajectories from {len(tasks)} tasks in {time.perf_counter() - t0:.1f} s "
         f"(skipped {dict(skipped)})")
+    return rows, skipped, len(tasks)
+
+
+def _chosen(tasks_dir, cfg: TrajectoryConfig) -> tuple[list, Counter, list]:
+    """The tasks whose references are played (each source's cap drawn by seed), the skips, all tasks."""
+    tasks = [(p.parent, json.loads(p.read_text())) for p in sorted(Path(tasks_dir).glob("*/task.json"))]
+    skipped: Counter = Counter()
+    by_source: dict[str, list] = {}
+    for d, t in tasks:
+        by_source.setdefault(t.get("source", "?"), []).append((d, t))
+    chosen = []
+    for source, items in sorted(by_source.items()):
+        cap = cfg.max_per_source.get(source)
+        if cap is not None and len(items) > cap:
+            # the cap's tasks by a per-task draw (seed and id), so that tasks joining or leaving the
+            # set do not change which of the others are kept
+            keep = set(map(id, sorted(items, key=lambda x: _draw(cfg.seed, x[1]["id"]))[:cap]))
+            skipped["over_source_cap"] += len(items) - cap
+            items = [x for x in items if id(x) in keep]
+        chosen += items
+    return chosen, skipped, tasks
+
+
+def from_harness(tasks_dir, cfg: TrajectoryConfig, harness: str, tokenizer, log=lambda msg: None) -> tuple[list[dict], Counter, int]:
+    """Reference demonstrations of the tasks under ``tasks_dir`` played through an external
+    harness: (rows, skipped by reason, tasks read). A row's ``messages`` are the harness's own
+    (its system prompt, its way of giving the task and the results), ``tools`` what it declared."""
+    import tempfile
+
+    from composer_dag.harness.external import demonstrate, load_spec
+
+    spec = load_spec(harness)
+    chosen, skipped, tasks = _chosen(tasks_dir, cfg)
+    work = Path(tempfile.mkdtemp(prefix="cdag-demo-"))
+
+    def one(item):
+        d, t = item
+        actions = reference_actions(d, t, cfg.context_lines)
+        if actions is None:
+            return None, "no_usable_reference"
+        try:
+            conv, why, _ = demonstrate(spec, d, actions, tokenizer, work / d.name)
+            return conv, why
+        except Exception as e:  # noqa: BLE001 - a task the host could not play is counted, not fatal
+            return None, f"episode_error:{type(e).__name__}"
+
+    rows = []
+    try:
+        with ThreadPoolExecutor(max(1, cfg.workers)) as pool:
+            for (d, t), (conv, why) in zip(chosen, pool.map(one, chosen)):
+                if conv is None:
+                    skipped[why] += 1
+                    continue
+                row = _row(t.get("id", d.name), t.get("source", "?"), "reference", conv["messages"], cfg,
+                           harness=(spec.name, spec.version))
+                rows.append({**row, "tools": json.dumps(conv["tools"]) if conv["tools"] else None})
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"sft: {len(rows)} {spec.name} demonstrations from {len(chosen)} tasks (skipped {dict(skipped)})")
     return rows, skipped, len(tasks)
 
 
@@ -284,7 +336,7 @@ def decontaminate(rows: list[dict], eval_tasks_dir) -> tuple[list[dict], list[di
 
 
 def build(tasks_dir, out_dir, cfg: TrajectoryConfig | dict | None = None, rollout_tables: Iterable = (),
-          eval_tasks_dir=None, log=lambda msg: None, sessions: Iterable[dict] = ()) -> dict:
+          eval_tasks_dir=None, log=lambda msg: None, sessions: Iterable[dict] = (), tokenizer=None) -> dict:
     """Write ``out_dir/trajectories.parquet`` and ``out_dir/summary.json``; return the summary
     (``{"reference": {in, out, skipped}, "rollout": {...}, "session": {...}, "contaminated",
     "by_source", ...}``). ``sessions``: rows of ``production_traces``."""
@@ -292,6 +344,12 @@ def build(tasks_dir, out_dir, cfg: TrajectoryConfig | dict | None = None, rollou
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ref_rows, ref_skip, ref_in = from_references(tasks_dir, cfg, log)
+    if cfg.harnesses and tokenizer is None:
+        raise ValueError("demonstrations through external harnesses (harnesses) need the policy's tokenizer")
+    demos = {h: from_harness(tasks_dir, cfg, h, tokenizer, log) for h in cfg.harnesses}
+    for h_rows, h_skip, _ in demos.values():
+        ref_rows += h_rows
+        ref_skip.update({f"harness:{k}": v for k, v in h_skip.items()})
     train = {t.get("id", p.parent.name): t.get("source", "?")
              for p, t in ((p, json.loads(p.read_text())) for p in Path(tasks_dir).glob("*/task.json"))}
     roll_rows, roll_skip, roll_in = from_rollouts(rollout_tables if cfg.from_rollouts else (), train, cfg)
@@ -316,6 +374,7 @@ def build(tasks_dir, out_dir, cfg: TrajectoryConfig | dict | None = None, rollou
         "rollout": {"in": roll_in, "out": count("rollout"), "skipped": dict(roll_skip)},
         "session": {"in": sess_in, "out": count("session"), "skipped": dict(sess_skip)},
         "by_source": dict(Counter(r["source"] for r in rows)),
+        "by_harness": dict(Counter(r["harness"] for r in rows)),
         "by_split": dict(Counter(r["split"] for r in rows)),
         "contamination_examples": leaks[:10],
         "config": cfg.to_dict(),
@@ -332,7 +391,7 @@ def write_rows(rows: list[dict], out_dir) -> Path:
     table = pa.Table.from_pylist(rows, schema=pa.schema([
         ("trajectory_id", pa.string()), ("task_id", pa.string()), ("source", pa.string()), ("origin", pa.string()),
         ("split", pa.string()), ("messages", pa.string()), ("num_turns", pa.int32()), ("chars", pa.int64()),
-        ("harness", pa.string()), ("harness_version", pa.string())]))
+        ("harness", pa.string()), ("harness_version", pa.string()), ("tools", pa.string())]))
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     pq.write_table(table, Path(out_dir) / "trajectories.parquet", compression="zstd")
     return Path(out_dir) / "trajectories.parquet"

@@ -298,3 +298,41 @@ def test_evaluation_reports_pass_at_1_per_harness_and_the_gate_compares_them(lon
     meta = {"rl_checkpoint.pass@1": 0.5, "rl_checkpoint.harness_pass@1.mini-swe-agent": 0.25, "gate_passed": True}
     table = terminal_summary(meta).splitlines()
     assert "harness mini-swe-agent" in table[0] and "0.250" in next(x for x in table if x.startswith("RL")), table
+
+
+@pytest.mark.parametrize("name", ["mini-swe-agent", "openai-agents"])
+def test_sft_demonstrations_in_a_harness_format_are_what_it_serves(name, mini, agents_sdk, learnable_base, tok, tmp_path):
+    """Reference actions played through the harness itself give SFT rows in its own format (its
+    system prompt, its task message, its observations), named by harness and version; SFT's
+    tokenization of a row is token for token the sequence the gateway recorded when the policy
+    sampled those replies, with loss on exactly the sampled tokens."""
+    import pyarrow.parquet as pq
+
+    from composer_dag.gateway.chat import Renderer
+    from composer_dag.harness.external import demonstrate, load_spec
+    from composer_dag.sft.run import tokenize
+    from composer_dag.sft.trajectories import TrajectoryConfig, from_harness, reference_actions, write_rows
+    from composer_dag.tasks.taskdir import load_task
+
+    spec = load_spec(name)
+    t = task(learnable_base, 2)
+    conv, why, s = demonstrate(spec, t, reference_actions(t, load_task(t)), tok, tmp_path / "demo")
+    assert why == "ok" and s["reward"] == 1.0 and s["segments"] == 1, (why, s["end_reason"], s["rollout"]["extension"])
+    seg = s["rollout"]["segments"][0]
+    ids, mask = Renderer(tok).conversation(conv["messages"], conv["tools"])
+    assert ids[:len(seg["ids"])] == seg["ids"] and mask[:len(seg["mask"])] == seg["mask"]
+    assert not any(mask[len(seg["mask"]):]) and len(ids) - len(seg["ids"]) <= 2  # what follows the last turn's end
+    assert conv["messages"][0]["role"] == "system" and conv["tools"][0]["function"]["name"] == "bash"
+
+    rows, skipped, n = from_harness(learnable_base["tasks_dir"], TrajectoryConfig(max_per_source={"learnable": 2}),
+                                    name, tok)
+    assert len(rows) == 2 and skipped["over_source_cap"] == n - 2, skipped
+    assert {(r["harness"], r["harness_version"]) for r in rows} == {(spec.name, spec.version)}
+    write_rows(rows, tmp_path / "traj")
+    out = tokenize(str(tmp_path / "traj"), learnable_base["policy_dir"], str(tmp_path / "tok"), seq_len=4096)
+    assert out["trajectories_in"] == 2 and out["skipped"] == {} and out["supervised_tokens"] > 0, out
+    got = [r for split in ("train", "val") if (tmp_path / "tok" / f"{split}.parquet").exists()
+           for r in pq.read_table(tmp_path / "tok" / f"{split}.parquet").to_pylist()]
+    for r, row in zip(sorted(got, key=lambda r: r["trajectory_id"]), sorted(rows, key=lambda r: r["trajectory_id"])):
+        want = Renderer(tok).conversation(json.loads(row["messages"]), json.loads(row["tools"]))
+        assert (r["input_ids"], r["loss_mask"]) == (want[0], want[1])
