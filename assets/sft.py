@@ -62,7 +62,7 @@ def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams
         rows = engine.read_rows(os.path.join(tmp, "trajectories.parquet"))
         digest = storage.publish_dir(tmp, url)
     catalog.get().insert_records("sft_trajectories", [
-        {k: v for k, v in r.items() if k != "messages"} | {"run_id": context.run.run_id, "uri": url} for r in rows])
+        {k: v for k, v in r.items() if k not in ("messages", "tools")} | {"run_id": context.run.run_id, "uri": url} for r in rows])
     skipped = {f"{origin}: {why}": n for origin in ORIGINS
                for why, n in summary[origin]["skipped"].items()}
     yield dg.MaterializeResult(metadata={
