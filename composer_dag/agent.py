@@ -251,21 +251,23 @@ class AgentLoop:
 
 class ExternalLoop:
     """Episodes played by an external harness (``AgentConfig.harness`` names a declared spec or a
-    spec file): each job is one ``harness.external.run_episode`` through a gateway over the
-    loop's engine, several at once (``workers``); each becomes one rollout with the gateway's
-    token-exact segments. The same ``run`` as ``AgentLoop``."""
+    spec file): each job is one ``harness.external.run_episode`` through a gateway, several at
+    once (``workers``); each becomes one rollout with the gateway's token-exact segments. The
+    same ``run`` as ``AgentLoop``: on the loop's engine, or on the ``engine`` a call gives (the
+    rollout fleet's server for that episode: its key is bound to it at the gateway). A server
+    lost mid-episode raises ``ServerDown`` after the episode, so the fleet plays it again elsewhere."""
 
     def __init__(self, engine: Engine, tokenizer, config: AgentConfig = AgentConfig(),
                  episode: EpisodeConfig | None = None, grades=None):
         from composer_dag.gateway.core import Gateway
         from composer_dag.gateway.server import GatewayServer
-        from composer_dag.gateway.upstream import InProcess
+        from composer_dag.gateway.upstream import Bound
         from composer_dag.harness.external import load_spec
 
         self.cfg, self.engine = config, engine
         self.episode = config.episode if episode is None else episode
         self.spec = load_spec(config.harness)
-        self.upstream = InProcess(engine, "0")
+        self.upstream = Bound()
         self.gateway = Gateway(self.upstream, tokenizer, "policy", max_model_len=config.max_context,
                                default_max_tokens=config.max_new_tokens)
         self.server = GatewayServer(self.gateway).start()
@@ -278,14 +280,23 @@ class ExternalLoop:
     def run(self, jobs: list[tuple[str, str, int]], version: int, seed: int = 0,
             engine: Engine | None = None) -> list[dict]:
         from composer_dag.harness.external import rollout_record, run_episode
+        from composer_dag.inference.server import ServerDown
 
-        if engine is not None:
-            self.upstream.engine = engine
-        self.upstream.version = str(version)
+        own = engine is None
+        engine = self.engine if own else engine
+
         def one(job):
             task_dir, group, sample = job
             out = self.work / f"{group}-{sample}-{uuid.uuid4().hex[:6]}"
-            s = run_episode(self.spec, task_dir, self.server, "policy", out, self.episode)
+            key = self.gateway.issue(f"{group}#{sample}", self.spec.run.max_calls)
+            self.upstream.bind(key, engine, str(version), "in-process" if own else "fleet", exclusive=own)
+            try:
+                s = run_episode(self.spec, task_dir, self.server, "policy", out, self.episode, key=key)
+            finally:
+                self.upstream.unbind(key)
+                self.gateway.forget(key)
+            if s["end_reason"] == "upstream_down" and not own:
+                raise ServerDown(f"the episode's server stopped answering ({s['calls']} calls)")
             return rollout_record(s, task_dir, group, sample, version)
 
         with ThreadPoolExecutor(max(1, self.cfg.workers), thread_name_prefix="external") as pool:

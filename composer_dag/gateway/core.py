@@ -129,7 +129,7 @@ class Gateway:
         try:
             sampling = self._sampling(body, len(prompt_ids))
             t1 = time.perf_counter()
-            c, server, version = self.upstream.complete(prompt_ids, sampling)
+            c, server, version = self.upstream.complete(prompt_ids, sampling, ep.key)
             rec.server_s = time.perf_counter() - t1
         except (BadRequest, ServerDown) as e:
             rec.error, rec.finish_reason = f"{type(e).__name__}: {e}", "error"

@@ -13,7 +13,10 @@ from composer_dag.inference.server import ServerClient, ServerDown
 
 
 class Upstream:
-    def complete(self, prompt_ids: list[int], sampling: Sampling) -> tuple[Completion, str, str | None]:
+    """Where a call is sampled: ``complete`` returns the completion, the server's name and the
+    policy version it served; ``episode`` is the calling episode's key."""
+
+    def complete(self, prompt_ids: list[int], sampling: Sampling, episode: str | None = None) -> tuple[Completion, str, str | None]:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -27,10 +30,40 @@ class InProcess(Upstream):
         self.engine, self.version, self.name = engine, version, name
         self._lock = threading.Lock()
 
-    def complete(self, prompt_ids, sampling):
+    def complete(self, prompt_ids, sampling, episode=None):
         with self._lock:
             c = self.engine.generate([list(prompt_ids)], sampling)[0]
         return c, self.name, self.version
+
+
+class Bound(Upstream):
+    """Each episode's calls go to the engine bound to its key: the rollout fleet picks a server
+    for an episode (least busy among those serving a recent enough version) as it does for the
+    built-in loop, and an external harness's episode keeps to it. Calls on one engine are
+    serialized when ``exclusive`` (an in-process engine); a server's client is not."""
+
+    def __init__(self):
+        self._bound: dict[str, tuple] = {}
+        self._lock = threading.Lock()
+
+    def bind(self, key: str, engine, version: str | None, name: str = "bound", exclusive: bool = False) -> None:
+        with self._lock:
+            self._bound[key] = (engine, version, name, threading.Lock() if exclusive else None)
+
+    def unbind(self, key: str) -> None:
+        with self._lock:
+            self._bound.pop(key, None)
+
+    def complete(self, prompt_ids, sampling, episode=None):
+        with self._lock:
+            bound = self._bound.get(episode or "")
+        if bound is None:
+            raise ServerDown("no server is bound to this episode")
+        engine, version, name, lock = bound
+        if lock is None:
+            return engine.generate([list(prompt_ids)], sampling)[0], name, version
+        with lock:
+            return engine.generate([list(prompt_ids)], sampling)[0], name, version
 
 
 class Servers(Upstream):
@@ -78,7 +111,7 @@ class Servers(Upstream):
             self.in_flight[i] += 1
             return i
 
-    def complete(self, prompt_ids, sampling):
+    def complete(self, prompt_ids, sampling, episode=None):
         tried: set[int] = set()
         last: Exception | None = None
         while (i := self._pick(tried)) is not None:
@@ -107,7 +140,7 @@ class Scripted(Upstream):
         self._lock = threading.Lock()
         self.served = 0
 
-    def complete(self, prompt_ids, sampling):
+    def complete(self, prompt_ids, sampling, episode=None):
         with self._lock:
             text = self.replies[self.served] if self.served < len(self.replies) else ""
             self.served += 1

@@ -277,10 +277,11 @@ def end_reason(proc_rc: int | None, timed_out: bool, records: dict, submitted: b
 
 
 def run_episode(spec: HarnessSpec, task_dir, gateway, model: str, out_dir, episode_config=None,
-                timeout_s: float | None = None, log=lambda m: None) -> dict:
+                timeout_s: float | None = None, log=lambda m: None, key: str | None = None) -> dict:
     """Play one episode of ``task_dir`` with the harness of ``spec`` through ``gateway`` (a
     started ``GatewayServer``); returns the episode's summary and, under ``"rollout"``, its
-    record: the gateway's calls, segments and extension, the action log and the grade."""
+    record: the gateway's calls, segments and extension, the action log and the grade.
+    ``key``: the episode's key, issued by the caller (which may bind it to a server first)."""
     import tempfile
 
     from composer_dag.harness.episode import Episode, EpisodeConfig
@@ -293,7 +294,7 @@ def run_episode(spec: HarnessSpec, task_dir, gateway, model: str, out_dir, episo
     where = Path(tempfile.mkdtemp(prefix="cdag-h-"))
     t0 = time.monotonic()
     with Episode(task_dir, episode_config or EpisodeConfig()) as ep:
-        key = gateway.gateway.issue(f"{spec.name}:{Path(task_dir).name}", spec.run.max_calls)
+        key = key or gateway.gateway.issue(f"{spec.name}:{Path(task_dir).name}", spec.run.max_calls)
         bridge = ShellBridge(ep, where, tool=spec.name)
         bridge.secrets = [key, gateway.admin_token]
         values = {"task": ep.prompt(), "model": model, "base_url": gateway.url, "api_key": key, "workdir": ep.root,

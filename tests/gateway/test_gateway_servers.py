@@ -50,3 +50,37 @@ def test_sixteen_sessions_through_the_gateway_are_recorded_as_the_servers_sample
     for x in calls[:6]:
         again = ServerClient(x["server"]).score(x["prompt_ids"] + x["completion_ids"])[len(x["prompt_ids"]) - 1:]
         assert max(abs(a - b) for a, b in zip(again, x["logprobs"])) < 1e-3, json.dumps([again[:3], x["logprobs"][:3]])
+
+
+def test_the_fleet_plays_an_external_harness_on_the_server_it_picks(servers, learnable_base, tmp_path):
+    """``ExternalLoop.run(engine=...)`` as the fleet's orchestrator calls it: each episode's key
+    is bound to the server picked for it, so the harness's calls are sampled there (with that
+    server's logprobs); a server that is down ends the episode with ``ServerDown``, which the
+    orchestrator answers by playing it again elsewhere."""
+    import pytest
+
+    from composer_dag.agent import AgentConfig, ExternalLoop, agent_loop
+    from composer_dag.harness.external import install, load_spec
+    from composer_dag.inference.server import ServerClient, ServerDown, ServerEngine
+    from composer_dag.train.tokenizer import load_tokenizer
+    from tests.conftest import _free_port
+    from tests.harness.test_external import AGENT, _spec, task
+
+    path = _spec(tmp_path, "tiny-agent", ["{python}", "agent.py", "{base_url}", "{api_key}", "{docker}"],
+                 {"agent.py": AGENT, "task.txt": "{task}"})
+    install(load_spec(path))
+    tok = load_tokenizer(learnable_base["policy_dir"])
+    loop = agent_loop(None, tok, AgentConfig(harness=str(path), max_context=1024, max_new_tokens=16, workers=2))
+    assert isinstance(loop, ExternalLoop)
+    try:
+        eng = ServerEngine(ServerClient(servers.urls[0]))
+        t = str(task(learnable_base, 0))
+        rows = loop.run([(t, "g", 0), (t, "g", 1)], version=0, engine=eng)
+        assert all(r["harness"] == "tiny-agent" and r["infra_error"] is None and r["segments"] for r in rows), rows
+        assert eng.completions == sum(r["num_turns"] for r in rows) > 0
+        lp = [x for r in rows for s in r["segments"] for x, m in zip(s["logprobs"], s["mask"]) if m]
+        assert lp and all(x <= 0.0 for x in lp) and any(x < 0.0 for x in lp)  # the server's sampling logprobs
+        with pytest.raises(ServerDown):
+            loop.run([(t, "g", 2)], version=0, engine=ServerEngine(ServerClient(f"http://127.0.0.1:{_free_port()}", timeout=5)))
+    finally:
+        loop.close()

@@ -75,6 +75,7 @@ class Orchestrator:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self.agent.close()
 
     def jobs(self, index: int) -> list[tuple[str, str, int]]:
         cfg = self.cfg
@@ -152,7 +153,6 @@ def build(cfg, rep: Reporter | None = None):
     """Fleet + agent + orchestrator for ``cfg`` (its fleet settings), started."""
     import os
 
-    from ...agent import AgentLoop
     from ...inference.engine import fit_to_model
     from ...storage import Storage, open_storage
     from ...train.tokenizer import load_tokenizer
@@ -166,12 +166,11 @@ def build(cfg, rep: Reporter | None = None):
     orch = fit_context(cfg.orchestrator, inference.max_model_len)
     fleet = Fleet(cfg.fleet.urls, wstore, wprefix, cfg.policy_dir, os.path.join(cfg.out_dir, "fleet_weights"),
                   cfg.fleet, log).start()
-    from ... import harness as harnesses
+    from ...agent import agent_loop
 
-    if orch.harness not in harnesses.names():
-        raise ValueError(f"harness {orch.harness!r}: external harnesses run in the one-process mode for now "
-                         "(fleet.servers 0); the fleet's episodes use a built-in harness")
-    agent = AgentLoop(None, load_tokenizer(cfg.policy_dir), orch)
+    # the built-in loop or an external harness through a gateway; either way each episode runs
+    # on the server ``Orchestrator.episode`` picks for it
+    agent = agent_loop(None, load_tokenizer(cfg.policy_dir), orch)
     return Orchestrator(fleet, agent, find_tasks(cfg.tasks_dir, cfg.task_sources), cfg, log)
 
 
