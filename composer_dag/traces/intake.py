@@ -124,7 +124,15 @@ def scrub(record: dict) -> tuple[dict, Counter, int]:
         out["start"] = {**record["start"], "repository": s(record["start"]["repository"])}
     gens = [g for g in record["generations"] if g["message_index"] not in changed]
     out["generations"] = gens
-    return out, s.counts, len(record["generations"]) - len(gens)
+    dropped = len(record["generations"]) - len(gens)
+    if record.get("calls"):
+        # a call's ids hold the text of every message and tool before it: kept only when scrubbing
+        # changed none of them (else the ids would carry what the text no longer does)
+        tools = record.get("tools")
+        clean = json.dumps(tools) if tools else ""
+        if changed or (tools and json.dumps(json.loads(s(clean))) != clean):
+            out["calls"], dropped = [], dropped + len(record["calls"])
+    return out, s.counts, dropped
 
 
 def conversation_digest(record: dict) -> str:

@@ -39,8 +39,21 @@ from .format import from_openai
 from .intake import judge
 
 
+def call_segments(record: dict) -> list[dict] | str:
+    """A ``composer-session/2`` session's training segments, from the ids its calls recorded (a
+    call whose prompt extends the previous call's prompt and completion continues its segment;
+    loss on sampled ids only), never from its messages; or the reason it has none."""
+    from composer_dag.gateway.records import CallRecord, segments
+
+    calls = [CallRecord(record["session_id"], c["index"], "chat", c["prompt_ids"], c["completion_ids"], c["logprobs"],
+                        c.get("policy_version")) for c in record.get("calls") or []]
+    segs = [{"ids": s.ids, "mask": s.mask, "logprobs": s.logprobs} for s in segments(calls)]
+    return segs or "no_token_ids"
+
+
 def token_stream(record: dict, tok) -> tuple[list[int], list[int], list[int], list[float]] | str:
-    """``(prompt_ids, completion_ids, loss_mask, logprobs)`` of a session, or the reason it has none."""
+    """``(prompt_ids, completion_ids, loss_mask, logprobs)`` of a ``composer-session/1`` session
+    (rebuilt from its messages and logged generations), or the reason it has none."""
     msgs = record["messages"]
     first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
     if first is None:
@@ -88,12 +101,33 @@ def regrade(record: dict, task_dir: Path, harness="composer") -> tuple[float, li
     from composer_dag import harness as harnesses
     from composer_dag.harness.episode import Episode
 
-    with Episode(task_dir, harness=harnesses.get(harness)) as ep:
+    served = (record.get("harness") or {}).get("name") or harness
+    if served not in harnesses.names():
+        return _regrade_external(record, task_dir, served)
+    with Episode(task_dir, harness=harnesses.get(served)) as ep:
         for m in from_openai(record["messages"]):
             for call in m.get("tool_calls") or []:
                 if ep.done:
                     break
                 ep.step(call)
+        g = ep.grade()
+    return float(g.reward), list(g.flags), int(g.passed), int(g.failed)
+
+
+def _regrade_external(record: dict, task_dir: Path, name: str) -> tuple[float, list[str], int, int]:
+    """A session of an external harness played again: each call of its command tool runs in
+    the episode's sandbox as the harness ran it, then the grader grades the workspace."""
+    from composer_dag.harness.episode import Episode
+    from composer_dag.harness.external import load_spec
+
+    spec = load_spec(name)
+    with Episode(task_dir) as ep:
+        for m in from_openai(record["messages"]):
+            for call in m.get("tool_calls") or []:
+                args = call.get("arguments")
+                if call.get("name") == spec.demo.tool and isinstance(args, dict) and isinstance(args.get(spec.demo.argument), str):
+                    ep.shell(args[spec.demo.argument], tool=spec.name)
+        ep.done = True
         g = ep.grade()
     return float(g.reward), list(g.flags), int(g.passed), int(g.failed)
 
@@ -158,7 +192,7 @@ def session_rollouts(sessions: list[dict], tok, *, current_version: str, version
         if tokenizer_digest is not None and rec["tokenizer_digest"] != tokenizer_digest:
             dropped["tokenizer_mismatch"] += 1
             continue
-        stream = token_stream(rec, tok)
+        stream = call_segments(rec) if rec.get("format") == "composer-session/2" else token_stream(rec, tok)
         if isinstance(stream, str):
             dropped[stream] += 1
             continue
@@ -175,10 +209,11 @@ def session_rollouts(sessions: list[dict], tok, *, current_version: str, version
                 dropped["no_reward"] += 1
                 continue
             flags, kind = [], "outcome"
-        prompt, ids, mask, lps = stream
+        prompt, ids, mask, lps = stream if isinstance(stream, tuple) else ([], [], [], [])
         out.append({"session_id": rec["session_id"], "task_id": snapshot or rec["session_id"],
                     "group_id": f"session:{snapshot or rec['session_id']}", "prompt_ids": prompt,
-                    "completion_ids": ids, "loss_mask": mask, "logprobs": lps, "reward": reward,
+                    "completion_ids": ids, "loss_mask": mask, "logprobs": lps,
+                    **({"segments": stream} if isinstance(stream, list) else {}), "reward": reward,
                     "reward_kind": kind, "flags": flags, "tests_passed": passed, "tests_failed": failed,
                     "staleness": now - served, "policy_version": served})
     return out, {"in": len(sessions), "out": len(out), "dropped": dict(dropped),

@@ -336,3 +336,40 @@ def test_sft_demonstrations_in_a_harness_format_are_what_it_serves(name, mini, a
     for r, row in zip(sorted(got, key=lambda r: r["trajectory_id"]), sorted(rows, key=lambda r: r["trajectory_id"])):
         want = Renderer(tok).conversation(json.loads(row["messages"]), json.loads(row["tools"]))
         assert (r["input_ids"], r["loss_mask"]) == (want[0], want[1])
+
+
+def test_sessions_through_the_gateway_become_composer_session_2_and_train_on_their_ids(mini, learnable_base, tok, tmp_path):
+    """A session mini-swe-agent played through the gateway, as a ``composer-session/2`` record:
+    valid by the schema, read back by the session reader, its calls' exact ids; the off-policy
+    path trains on segments built from those ids (never a rendering of the messages) and
+    grades it again by replaying the harness's commands; a session whose text scrubbing changed
+    keeps no ids."""
+    from composer_dag.rl.grpo import training_rows
+    from composer_dag.tasks.taskdir import load_task
+    from composer_dag.traces.format import gateway_session, read_sessions, schema_errors
+    from composer_dag.traces.intake import scrub
+    from composer_dag.traces.offpolicy import session_rollouts
+
+    t = task(learnable_base, 3)
+    word = load_task(t)["instructions"].split("word ")[1].split()[0]
+    write = mini.command_of(Action("write", {"path": "answer.txt", "old": "", "new": word + "\n"}))
+    r, _ = play(mini, t, tok, ["Writing it.\n" + call(write), call(mini.demo.submit)], tmp_path)
+    assert r["reward"] == 1.0 and r["segments"] == 1
+    rec = gateway_session(r["rollout"], session_id="s-1", user_id="u-1", training_consent=True,
+                          model={"version": "v1", "digest": "d"}, tokenizer_digest="t",
+                          harness={"name": mini.name, "version": mini.version}, started_at="2026-12-07T10:00:00Z",
+                          ended_at="2026-12-07T10:05:00Z", outcome={"rating": 1}, start={"snapshot": t.name})
+    assert schema_errors(rec) == [] and rec["format"] == "composer-session/2" and len(rec["calls"]) == 2
+    [(_, back, why)] = list(read_sessions((json.dumps(rec) + "\n").encode()))
+    assert why == "ok" and back == rec
+    assert schema_errors({**rec, "format": "composer-session/1"})  # /1 holds no calls
+    rows, summary = session_rollouts([rec], tok, current_version="v1", versions=["v1"], max_staleness=1,
+                                     tasks_dir=learnable_base["tasks_dir"])
+    assert summary["out"] == 1 and rows[0]["reward_kind"] == "regraded" and rows[0]["reward"] == 1.0, summary
+    seg = r["rollout"]["segments"][0]
+    assert rows[0]["segments"] == [{"ids": seg["ids"], "mask": seg["mask"], "logprobs": seg["logprobs"]}]
+    got = training_rows({**rows[0], "advantage": 1.0})
+    assert got[0]["prompt_ids"] + got[0]["completion_ids"] == seg["ids"]
+    leaky = {**rec, "client": {"user": "alice"}, "messages": rec["messages"] + [{"role": "user", "content": "thanks, alice"}]}
+    cleaned, _, dropped = scrub(leaky)
+    assert cleaned["calls"] == [] and dropped == 2 and "alice" not in json.dumps(cleaned["messages"])
