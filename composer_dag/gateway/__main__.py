@@ -16,6 +16,9 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--admin-port", type=int, default=8101)
     p.add_argument("--records", default=None, help="a directory: each key's calls appended as JSON lines")
+    p.add_argument("--sessions", default=None, help="a directory: product sessions closed through the admin API "
+                                                     "(POST /admin/keys/KEY/session) appended as composer-session/2 "
+                                                     "JSON lines under <YYYY-MM-DDTHH>/, the production traces' intake")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the checkpoint's")
     p.add_argument("--served-name", default=None, help="the model name clients use (default: the directory's name)")
     a = p.parse_args(argv)
@@ -28,7 +31,8 @@ def main(argv=None) -> int:
     from composer_dag.train.tokenizer import load_tokenizer
 
     gw = Gateway(Servers(a.upstream), load_tokenizer(a.model), a.served_name or os.path.basename(a.model.rstrip("/")),
-                 a.max_model_len or model_max_len(a.model) or 2048, records_dir=a.records)
+                 a.max_model_len or model_max_len(a.model) or 2048, records_dir=a.records,
+                 sessions_dir=a.sessions)
     given = os.environ.get("COMPOSER_GATEWAY_ADMIN_TOKEN")
     server = GatewayServer(gw, a.host, a.port, admin_port=a.admin_port, admin_token=given)
     if not given:  # a token made here: the runner of episodes needs it, and only this log shows it

@@ -15,7 +15,7 @@ from pathlib import Path
 from composer_dag.inference.engine import Sampling
 from composer_dag.inference.server import ServerDown
 from composer_dag.gateway.chat import BadRequest, Renderer, Turn, normal, parse_reply
-from composer_dag.gateway.records import CallRecord, extension, segments
+from composer_dag.gateway.records import CallRecord, extension, segments, session_record
 from composer_dag.gateway.upstream import Upstream
 
 
@@ -46,7 +46,8 @@ class Gateway:
     ``records_dir``: where each key's calls are appended as JSON lines (None: in memory only)."""
 
     def __init__(self, upstream: Upstream, tokenizer, model: str, max_model_len: int,
-                 default_max_tokens: int = 256, max_calls: int = 200, records_dir: str | None = None):
+                 default_max_tokens: int = 256, max_calls: int = 200, records_dir: str | None = None,
+                 sessions_dir: str | None = None):
         self.upstream, self.model, self.max_model_len = upstream, model, max_model_len
         self.renderer = Renderer(tokenizer)
         self.tok = tokenizer
@@ -54,6 +55,7 @@ class Gateway:
         self.records_dir = Path(records_dir) if records_dir else None
         if self.records_dir:
             self.records_dir.mkdir(parents=True, exist_ok=True)
+        self.sessions_dir = Path(sessions_dir) if sessions_dir else None
         self.keys: dict[str, EpisodeKey] = {}
         self.refused: Counter = Counter()
         self._lock = threading.Lock()
@@ -90,6 +92,38 @@ class Gateway:
         return {"key": key, "episode": ep.episode, "records": [r.to_dict() for r in recs],
                 "segments": [s.to_dict() for s in segments(recs)], "extension": extension(recs),
                 "refused": dict(ep.refused), "conversation": ep.conversation}
+
+    def close_session(self, key: str, meta: dict) -> dict:
+        """End a product session: its key is closed and forgotten, and the session becomes a
+        ``composer-session/2`` record (``records.session_record``; ``meta``: ``user_id``,
+        ``training_consent``, ``model`` {version, digest}, ``tokenizer_digest``, ``harness``
+        {name, version}, and where known ``outcome``, ``start``, ``client``), appended to
+        ``sessions_dir/<YYYY-MM-DDTHH>/gateway-<pid>.jsonl`` for the hour it ended in, where
+        ``production_traces`` takes it in. Returns the record."""
+        import datetime as dt
+        import os
+
+        ep = self.keys.get(key)
+        if ep is None:
+            raise KeyError(key)
+        self.revoke(key)
+        missing = [k for k in ("user_id", "training_consent", "model", "tokenizer_digest", "harness") if k not in meta]
+        if missing:
+            raise BadRequest(f"a session needs {', '.join(missing)}")
+        iso = lambda t: dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        ended = time.time()
+        rec = session_record(self.records(key), session_id=str(meta.get("session_id") or ep.episode),
+                             user_id=str(meta["user_id"]), training_consent=bool(meta["training_consent"]),
+                             model=meta["model"], tokenizer_digest=str(meta["tokenizer_digest"]), harness=meta["harness"],
+                             started_at=iso(ep.created), ended_at=iso(ended), outcome=meta.get("outcome"),
+                             client=meta.get("client"), start=meta.get("start"))
+        if self.sessions_dir is not None:
+            hour = self.sessions_dir / dt.datetime.fromtimestamp(ended, dt.timezone.utc).strftime("%Y-%m-%dT%H")
+            hour.mkdir(parents=True, exist_ok=True)
+            with self._lock, open(hour / f"gateway-{os.getpid()}.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        self.forget(key)
+        return rec
 
     def stats(self) -> dict:
         with self._lock:

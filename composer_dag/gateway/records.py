@@ -13,7 +13,10 @@ re-tokenized: every id is one a server saw or sampled.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+
+SESSION_FORMAT = "composer-session/2"
 
 
 @dataclass
@@ -90,3 +93,42 @@ def extension(records: list[CallRecord]) -> dict:
     pairs = max(0, len(ok) - 1)
     return {"pairs": pairs, "extended": pairs - len(misses), "rate": (pairs - len(misses)) / pairs if pairs else None,
             "misses": misses}
+
+
+def session_message(m: dict) -> dict:
+    """A harness's chat message in the session's message shape (text content; calls with ids)."""
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    out = {"role": m["role"], "content": content if content is None or isinstance(content, str) else str(content)}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{"id": str(c.get("id") or f"call_{k}"), "type": "function", "function": {
+            "name": str((c.get("function") or {}).get("name", "")),
+            "arguments": a if isinstance(a := (c.get("function") or {}).get("arguments", ""), str) else json.dumps(a)}}
+            for k, c in enumerate(m["tool_calls"])]
+    if m.get("tool_call_id"):
+        out["tool_call_id"] = str(m["tool_call_id"])
+    return out
+
+
+def session_record(records: dict, *, session_id: str, user_id: str, training_consent: bool, model: dict,
+                    tokenizer_digest: str, harness: dict, started_at: str, ended_at: str, outcome: dict | None = None,
+                    client: dict | None = None, start: dict | None = None) -> dict:
+    """A ``composer-session/2`` record (``traces.format`` reads and checks it) of one session the gateway served (``records``: its
+    ``Gateway.records(key)``): the harness's last request with the reply as the messages, its
+    tools, and every call that completed with the exact ids the server saw and sampled."""
+    conv = records.get("conversation") or {}
+    calls = [{"index": r["index"], "prompt_ids": r["prompt_ids"], "completion_ids": r["completion_ids"],
+              "logprobs": r["logprobs"] if len(r["logprobs"]) == len(r["completion_ids"]) else [0.0] * len(r["completion_ids"]),
+              "policy_version": r.get("policy_version"), "finish_reason": r.get("finish_reason")}
+             for r in records.get("records", []) if r.get("error") is None and r.get("completion_ids")]
+    rec = {"format": SESSION_FORMAT, "session_id": session_id, "user_id": user_id, "consent": {"training": training_consent},
+           "started_at": started_at, "ended_at": ended_at, "model": model, "tokenizer_digest": tokenizer_digest,
+           "harness": harness, "tools": conv.get("tools"), "messages": [session_message(m) for m in conv.get("messages") or []],
+           "generations": [], "calls": calls, "outcome": outcome or {}}
+    if client:
+        rec["client"] = client
+    if start:
+        rec["start"] = start
+    return rec
+

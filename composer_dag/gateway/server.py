@@ -9,7 +9,8 @@ served as server-sent events), ``POST /v1/completions``, ``GET /v1/models``, ``G
 Admin (``Authorization: Bearer <admin token>``, ``$COMPOSER_GATEWAY_ADMIN_TOKEN`` or printed
 at start): ``POST /admin/keys`` (``{"episode", "max_calls"}`` -> ``{"key"}``),
 ``DELETE /admin/keys/<key>`` (closes it; ``?forget=1`` also drops its records),
-``GET /admin/records/<key>``, ``GET /admin/stats``. An episode's key reaches its harness only;
+``POST /admin/keys/<key>/session`` (ends a product session: a ``composer-session/2`` record, written
+under ``--sessions``), ``GET /admin/records/<key>``, ``GET /admin/stats``. An episode's key reaches its harness only;
 the admin token never leaves the runner.
 """
 
@@ -162,11 +163,19 @@ class AdminHandler(_Handler):
     def do_POST(self) -> None:
         if not self._authorized():
             return
-        if urlparse(self.path).path == "/admin/keys":
+        path = urlparse(self.path).path
+        if path == "/admin/keys":
             def issue():
                 b = self._body()
                 self._send(200, {"key": self.gateway.issue(b.get("episode"), b.get("max_calls"))})
             self._guard(issue)
+        elif path.startswith("/admin/keys/") and path.endswith("/session"):
+            def close():
+                try:
+                    self._send(200, self.gateway.close_session(path.split("/")[3], self._body()))
+                except KeyError:
+                    self._error(404, "no such key", "not_found")
+            self._guard(close)
         else:
             self._error(404, "no route", "not_found")
 

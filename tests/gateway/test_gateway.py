@@ -192,3 +192,53 @@ def test_a_sampled_tool_call_sent_back_in_another_form_renders_as_sampled(tok):
     other = [*msgs, {**back, "tool_calls": [{"function": {"name": "bash", "arguments": '{"command": "ls"}'}}]}, nxt[-1]]
     assert ren.render(other, BASH, [turn])[1:] == (None, "message 2 (assistant) is not call 0's reply")
     assert ren.render(nxt, None, [turn])[1:] == (None, "the tools differ from call 0's")
+
+
+def test_a_product_session_closed_at_the_admin_api_is_taken_in_as_composer_session_2(policy, tok, tmp_path):
+    """Production through the gateway: a session's key issued and closed at the admin API; the
+    closed session is a ``composer-session/2`` line under the hour it ended in, which the
+    production traces' intake takes in with every call's exact ids."""
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    from composer_dag.gateway.core import Gateway
+    from composer_dag.gateway.server import GatewayServer
+    from composer_dag.gateway.upstream import InProcess
+    from composer_dag.inference.engine import HFEngine
+    from composer_dag.traces.intake import intake, partition_key
+
+    gw = Gateway(InProcess(HFEngine(policy), version="7"), tok, "policy", max_model_len=1024, default_max_tokens=12,
+                 sessions_dir=str(tmp_path / "incoming"))
+    with GatewayServer(gw) as server:
+        def admin(path, body):
+            req = urllib.request.Request(server.admin_url + path, json.dumps(body).encode(), method="POST", headers={
+                "Authorization": f"Bearer {server.admin_token}", "Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        _, issued = admin("/admin/keys", {"episode": "sess-1"})
+        client = openai.OpenAI(base_url=server.url, api_key=issued["key"], max_retries=0)
+        msgs = [{"role": "system", "content": "You help."}, {"role": "user", "content": "list the files"}]
+        for turn in range(2):
+            msgs.append(client.chat.completions.create(model="policy", messages=msgs, tools=BASH, seed=turn)
+                        .choices[0].message.model_dump(exclude_none=True))
+            msgs.append({"role": "user", "content": "and then?"})
+        assert admin(f"/admin/keys/{issued['key']}/session", {"user_id": "u1"})[0] == 400  # what a session needs
+        meta = {"user_id": "u1", "training_consent": True, "model": {"version": "v7", "digest": "d7"},
+                "tokenizer_digest": "t", "harness": {"name": "product", "version": "1.0"}, "outcome": {"rating": 1}}
+        status, rec = admin(f"/admin/keys/{issued['key']}/session", meta)
+        assert status == 200 and rec["format"] == "composer-session/2" and len(rec["calls"]) == 2, rec
+        with pytest.raises(openai.AuthenticationError):  # the session's key is closed
+            client.chat.completions.create(model="policy", messages=msgs)
+    [f] = list((tmp_path / "incoming").rglob("*.jsonl"))
+    rows, summary = intake([(f.name, f.read_bytes())], partition_key(f.parent.name), known_models={"v7": "d7"})
+    assert summary["kept"] == 1 and summary["records_in"] == 1, summary
+    kept = json.loads(rows[0]["record"])
+    assert kept["format"] == "composer-session/2" and kept["calls"] == rec["calls"] and kept["harness"]["name"] == "product"
+    assert [c["completion_ids"] for c in kept["calls"]][-1][-1] == tok.convert_tokens_to_ids("<|im_end|>") or \
+        kept["calls"][-1]["finish_reason"] == "length"
