@@ -230,8 +230,12 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
 
     def seal():
         check("end")
+        try:
+            seen, built = foreign(), built_files()
+        except Exception as e:  # noqa: BLE001 - the workspace's modules made unreadable: that is a finding too
+            seen, built = [f"the workspace's modules could not be read ({type(e).__name__})"], {}
         payload = _dumps({"results": results, "messages": messages, "tamper": tamper, "events": events,
-                          "files": files}, sort_keys=True).encode()
+                          "files": files, "foreign": seen, "built": built}, sort_keys=True).encode()
         mac = _hmac_new(key, payload, _sha256).hexdigest().encode()
         fd = _open(os.path.join(report_dir, "results.json"),
                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
@@ -240,6 +244,120 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
             data = data[_write(fd, data):]
         _close(fd)
 
+    top = os.path.realpath(root) + os.sep
+    venv_top = top + ".venv" + os.sep
+    _getframe, _realpath, _b64 = sys._getframe, os.path.realpath, __import__("base64").b64encode
+    made, by_checks, compiled = {}, set(), []  # what the solution's code wrote (path -> read back), the tests'
+
+    def whose():
+        f = _getframe(2)
+        while f is not None:
+            fn = f.f_code.co_filename
+            if fn.startswith(top) and not fn.startswith(venv_top):
+                return "solution"
+            if fn.startswith("/var/tmp/"):
+                return "checks"
+            f = f.f_back
+        return None
+
+    def audit(event, args):
+        # the files the solution's code writes and reads back, and the sources it compiles from a
+        # string: what it may build at run time from an encoded constant (the grader scans them)
+        try:
+            if event == "open" and len(made) < 200 and isinstance(args[0], (str, bytes)):
+                mode, flags = args[1] or "", args[2] or 0
+                writes = any(c in str(mode) for c in "wax+") or bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+                who = whose()
+                if who is None:
+                    return
+                path = _realpath(os.fsdecode(args[0]))
+                if who == "checks":
+                    if writes:
+                        by_checks.add(path)
+                elif writes:
+                    made.setdefault(path, False)
+                elif path in made:
+                    made[path] = True
+            elif event == "compile" and len(compiled) < 50 and isinstance(args[0], (str, bytes)) \
+                    and str(args[1]).startswith("<") and whose() == "solution":
+                compiled.append(args[0] if isinstance(args[0], bytes) else args[0].encode("utf-8", "replace"))
+        except Exception:  # noqa: BLE001 - never in the way of the code under test
+            pass
+
+    sys.addaudithook(audit)
+
+    def built_files():
+        out, budget = {}, 4 << 20
+        for path, read_back in sorted(made.items()):
+            if not read_back or path in by_checks or budget <= 0:
+                continue
+            try:
+                fd = _open(path, os.O_RDONLY | os.O_NONBLOCK)
+                try:
+                    data = os.read(fd, min(budget, (1 << 20) + 1)) if stat_reg(fd) else b""
+                finally:
+                    _close(fd)
+            except OSError:
+                continue
+            budget -= len(data)
+            out[path] = _b64(data).decode()
+        for i, src in enumerate(compiled):
+            out[f"<compiled {i}>"] = _b64(src[:1 << 20]).decode()
+        return out
+
+    def stat_reg(fd):
+        return (os.fstat(fd).st_mode & 0o170000) == 0o100000
+
+    def foreign():
+        """The functions and classes of the workspace's modules whose code was loaded from another
+        copy of a workspace module (a file at that module's path under a ``sys.path`` entry outside
+        the workspace: the interpreter's own module, an installed copy), or, defined under the
+        module's own name, from outside the workspace (``exec`` of another file's text)."""
+        out, mods, dirs = [], [], set()
+        for d in sys.path:
+            rd = _realpath(d or ".") + os.sep
+            if not rd.startswith(top) or rd.startswith(venv_top):
+                dirs.add(rd)
+        for name, mod in list(sys.modules.items()):
+            f = vars(mod).get("__file__") if type(mod).__name__ == "module" else None
+            if isinstance(f, str) and _realpath(f).startswith(top) and not _realpath(f).startswith(venv_top):
+                mods.append((name, mod))
+        paths = {n.replace(".", os.sep) + ext for n, _ in mods for ext in (".py", os.sep + "__init__.py")}
+        copies = {d + p for d in dirs for p in paths}
+        for name, mod in mods:
+            for attr, v in list(vars(mod).items()):
+                codes = code_files(v, name)
+                for fn, own in codes:
+                    real = fn if fn.startswith("<") else _realpath(fn)
+                    if real in copies or (own and not (real.startswith(top) and not real.startswith(venv_top))):
+                        out.append(f"{name}.{attr} from {fn}")
+                        break
+                if len(out) >= 20:
+                    return out
+        return out
+
+    def code_files(v, modname):
+        """(code file, module-level function of the module's own name) of a function (unwrapped)
+        or of the methods a class of the module defines."""
+        fnt = type(foreign)
+        if type(v) is fnt:
+            for _ in range(50):
+                w = v.__dict__.get("__wrapped__")
+                if type(w) is not fnt:
+                    break
+                v = w
+            return [(v.__code__.co_filename, v.__module__ == modname)]
+        if isinstance(v, type) and vars(v).get("__module__") == modname:
+            out = []
+            for m in list(vars(v).values()):
+                m = getattr(m, "__func__", m) if type(m) in (staticmethod, classmethod) else m
+                if type(m) is fnt and not m.__code__.co_filename.startswith("<"):
+                    out.append((m.__code__.co_filename, False))
+            return out
+        return []
+
+    for fn in (foreign, code_files, built_files, stat_reg, whose, audit):
+        watched.append(({"f": fn}, "f", fn, fn.__code__, f"runner.{fn.__name__}"))
     sys.path.insert(0, root)
     check("start")
     if pytest_mode:

@@ -189,8 +189,14 @@ def run_checks(task_dir: Path, workspace: Path, files: list[Path], timeout: floa
             argv = [f"{sb.root}/.venv/bin/python", "-I", "-S", "-B"] if pytest_task else ["python3", "-I", "-B"]
             argv += [RUNNER_PATH, sb.root, REPORT_DIR, *inside]
             r = sb.run(argv, timeout=timeout, stdin=key + "\n", env={"PYTHONDONTWRITEBYTECODE": "1"})
+            inside_root = str(sb.root).rstrip("/") + "/"
         payload, extra, problem = _read_results(report, key)
-    return _run_outcome(r, payload, extra, problem, stems)
+    per_test, details = _run_outcome(r, payload, extra, problem, stems)
+    # what the solution's code wrote and read back, or compiled from a string, during the run
+    # (base64, by its path in the workspace or inside the sandbox): read as the solution's data
+    details["built"] = {k[len(inside_root):] if k.startswith(inside_root) else k: str(v)
+                        for k, v in ((payload or {}).get("built") or {}).items()}
+    return per_test, details
 
 
 def _place_pytest_checks(task_dir: Path, task: dict, ws: Path, checks: Path, files: list[Path],
@@ -254,6 +260,7 @@ def _run_outcome(r, payload: dict | None, extra: list, problem, stems: dict[str,
                "output_tail": (r.stdout + r.stderr)[-3000:], "valid": payload is not None and not extra,
                "sealed": payload is not None, "problem": problem, "report_extra": extra,
                "tamper": list((payload or {}).get("tamper") or []),
+               "foreign": [str(x)[:300] for x in (payload or {}).get("foreign") or []][:20],
                "events": [_rename_text(e, stems) for e in (payload or {}).get("events") or []],
                "killed_reason": r.killed_reason}
     return per_test, details

@@ -101,7 +101,9 @@ def grade(task_dir: Path, workspace: Path, action_log: list[dict] | None = None,
             canary_passed = True
             flags.append(flag("canary_passed", path.stem))
     flags += unsealed_flags(task_dir, runs, [d for _, d in results], config, details)
-    flags = list(dict.fromkeys(flags + detect_flags(task_dir, workspace, action_log)))
+    built = built_files([d for _, d in results])
+    details["built_files"] = sorted(built)[:20]
+    flags = list(dict.fromkeys(flags + detect_flags(task_dir, workspace, action_log, built)))
     details["failures"] = failures(per_test)
     details["unflagged_reward"] = reward
     details["canaries"] = len(canaries)
@@ -110,6 +112,22 @@ def grade(task_dir: Path, workspace: Path, action_log: list[dict] | None = None,
         reward = config.flag_penalty
     return GradeResult(reward=reward, passed=passed, failed=failed, per_test=outcomes(per_test), flags=flags,
                        details=details, canary_passed=canary_passed)
+
+
+def built_files(run_details: list[dict]) -> dict[str, bytes]:
+    """What the solution's code wrote and read back, or compiled from a string, in any run
+    (``details["built"]``, taken out of each run's details): path -> bytes."""
+    import base64
+    import binascii
+
+    out: dict[str, bytes] = {}
+    for d in run_details:
+        for path, b64 in (d.pop("built", None) or {}).items():
+            try:
+                out.setdefault(path, base64.b64decode(b64))
+            except (binascii.Error, ValueError):
+                continue
+    return out
 
 
 def untouched(task_dir: Path, task: dict, workspace: Path) -> bool:

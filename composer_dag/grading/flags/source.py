@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -177,26 +178,85 @@ def literals(tree) -> set:
 
 
 
+READ_MAX = (1 << 20) + 1  # bytes read of one file the solution can read besides its code (one more: "over")
+
+
+def linked_files(root: Path) -> dict[str, bytes]:
+    """The links of the tree whose target is a regular file inside ``root`` (the link's path ->
+    the target's first ``READ_MAX`` bytes): what the solution reads through them. A link out of
+    the tree is never followed (it may point at any host file)."""
+    root = Path(root)
+    top = os.path.realpath(root)
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "__pycache__" and not (dirpath == str(root) and d == ".git")]
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                continue
+            target = os.path.realpath(p)
+            if os.path.commonpath([top, target]) != top or not os.path.isfile(target):
+                continue
+            with open(target, "rb") as f:
+                out[Path(p).relative_to(root).as_posix()] = f.read(READ_MAX)
+    return out
+
+
+def git_files(orig_git: Path, git: Path) -> dict[str, bytes]:
+    """The files of the workspace's ``.git`` that the task's own ``.git`` does not hold as they
+    are (``.git/<path>`` -> bytes, each up to ``READ_MAX``): a loose object, a note, a stash the
+    solution can read back. A file of the same path and size as the original's is the original's
+    when it is an object or too large to compare (objects and packs are named by their content)."""
+    out = {}
+    if not Path(git).is_dir():
+        return out
+    for p in sorted(Path(git).rglob("*")):
+        if p.is_symlink() or not p.is_file():
+            continue
+        rel = p.relative_to(git).as_posix()
+        o = Path(orig_git) / rel
+        size = p.stat().st_size
+        if o.is_file() and not o.is_symlink() and o.stat().st_size == size and (
+                size > READ_MAX or rel.startswith("objects/") or o.read_bytes() == p.read_bytes()):
+            continue
+        with open(p, "rb") as f:
+            out[f".git/{rel}"] = f.read(READ_MAX)
+    return out
+
+
 @dataclass
 class Workspace:
     """A grading's trees: the task's original ``repo/`` and the final workspace (path -> bytes,
     no ``.git``, caches or links), the paths the solution changed or added, and the hidden tests
-    (file name -> bytes)."""
+    (file name -> bytes). ``readable``: every file the solution can read besides its code and
+    the original tree as it was: the files it added or changed whatever their type (tests' data
+    included), the targets of its links inside the workspace, what it left in ``.git``, and the
+    files its code opened or wrote while the checks ran (``written``: path -> bytes, from the
+    runner's record)."""
     task_dir: Path
     orig: dict[str, bytes]
     final: dict[str, bytes]
     changed: list[str]
     hidden_src: dict[str, bytes]
+    extra: dict[str, bytes] = field(default_factory=dict)
     solution: dict[str, bytes] = field(init=False)
+    readable: dict[str, bytes] = field(init=False)
 
     def __post_init__(self):
         # the solution's code: the Python files it changed or added that are not tests
         self.solution = {rel: self.final[rel] for rel in self.changed
                          if rel.endswith(".py") and not TEST_NAME.search(rel)}
+        self.readable = {rel: self.final[rel] for rel in self.changed if rel not in self.solution
+                         and not (rel.endswith(".py") and TEST_NAME.search(rel))}
+        for rel, data in self.extra.items():
+            if self.final.get(rel) != data and self.orig.get(rel) != data:
+                self.readable.setdefault(rel, data)
 
     @classmethod
-    def read(cls, task_dir: Path, workspace: Path) -> "Workspace":
+    def read(cls, task_dir: Path, workspace: Path, written: dict[str, bytes] | None = None) -> "Workspace":
         task_dir = Path(task_dir)
         orig, final = snapshot(task_dir / "repo"), snapshot(workspace)
+        extra = {**linked_files(workspace), **git_files(task_dir / "repo" / ".git", Path(workspace) / ".git"),
+                 **(written or {})}
         return cls(task_dir, orig, final, [rel for rel in final if orig.get(rel) != final[rel]],
-                   {p.name: p.read_bytes() for p in (task_dir / "hidden_tests").rglob("*.py")})
+                   {p.name: p.read_bytes() for p in (task_dir / "hidden_tests").rglob("*.py")}, extra)
