@@ -15,15 +15,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from composer_dag.grading.flags import actions, behaviour, literals, paths, shape  # noqa: F401 - they register
+from composer_dag.grading.flags import actions, behaviour, delegation, literals, paths, shape  # noqa: F401 - they register
 from composer_dag.grading.flags.registry import detectors, flag
 from composer_dag.grading.flags.source import Workspace, parse_source
 
 
-def detect_flags(task_dir: Path, workspace: Path, action_log: list[dict] | None = None) -> list[str]:
+def detect_flags(task_dir: Path, workspace: Path, action_log: list[dict] | None = None,
+                 written: dict[str, bytes] | None = None) -> list[str]:
     """The flags of the workspace's files (``tree`` and ``module`` detectors) and of the episode's
-    calls (``action_flags``)."""
-    ws = Workspace.read(task_dir, workspace)
+    calls (``action_flags``); ``written``: the files the solution's code built while the checks
+    ran (path -> bytes, ``grade.built_files``), read as the solution's data too."""
+    ws = Workspace.read(task_dir, workspace, written)
     flags = [f for d in detectors("tree") for f in d.fn(ws)] + module_flags(ws)
     return list(dict.fromkeys(flags + action_flags(action_log)))
 
