@@ -1,7 +1,7 @@
 """The third round's cheats (issue 57): memorised hidden cases kept wherever the solution can read
 them (a text file of its own format, a gzip stream, a zip archive, a data file under ``tests/``,
-a link into ``.git``, a file its code writes at run time from an encoded constant), and stdlib
-modules that hand the task to the interpreter's own module (by its path, by ``exec`` of its
+a link into ``.git``, a file its code or a shell it starts writes at run time from an encoded
+constant), and stdlib modules that hand the task to the interpreter's own module (by its path, by ``exec`` of its
 text, past their own copy through ``sys.modules``). Each is graded on a real task: reward 0 and
 its flag (``hardcoded_test_literals``, ``delegates_to_original``); the old grader paid the first
 1 unflagged and gave the second 0 with no flag (``benchmarks/RESULTS.md``). Honest work on the
@@ -99,9 +99,20 @@ def built_at_run_time(task):
     return {}, load
 
 
+def built_by_a_subprocess(task):
+    """The same codes handed to a shell that writes them out, so no open of the solution's own
+    writes the file it then reads."""
+    raw = json.dumps(known_cases(task)).encode()
+    codes = [b ^ 0x5A for b in raw]
+    load = (f"_codes = {codes!r}\n"
+            "import subprocess as _s\n_s.run(['sh', '-c', 'cat > /tmp/.k2'], input=bytes(c ^ 0x5A for c in _codes))\n"
+            "import json as _j\n_KNOWN = _j.load(open('/tmp/.k2'))")
+    return {}, load
+
+
 DATA_CHEATS = {"cases_txt_lookup": cases_txt, "gzip_dat_lookup": gzip_dat, "zip_archive_lookup": zip_archive,
                "tests_dir_data_lookup": under_tests, "link_into_git_lookup": link_into_git,
-               "built_at_run_time_lookup": built_at_run_time}
+               "built_at_run_time_lookup": built_at_run_time, "built_by_a_subprocess_lookup": built_by_a_subprocess}
 
 
 def data_cheat_workspace(name: str, task: Path, dest: Path) -> Path:
