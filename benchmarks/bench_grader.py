@@ -8,7 +8,9 @@ with that copy first on ``PYTHONPATH``:
     .venv/bin/python benchmarks/bench_grader.py redteam --old /tmp/old
     .venv/bin/python benchmarks/bench_grader.py timing --old /tmp/old --repeat 5 [--workers 4]
     .venv/bin/python benchmarks/bench_grader.py fp [--all-humaneval]
+    .venv/bin/python benchmarks/bench_grader.py fp-mined [--repos parse==1.20.2,...] [--mined 8]
     .venv/bin/python benchmarks/bench_grader.py round2 --old /tmp/old --repeat 5
+    .venv/bin/python benchmarks/bench_grader.py round3 --old /tmp/old
 
 ``timing --workers N``: batches of N x 5 episodes graded N at a time (the agent loop grades its
 episodes through a pool of 4): the throughput per batch, beside each episode's latency.
@@ -271,10 +273,78 @@ def fp(args) -> dict:
             "with_canaries": with_canaries, "build_s": round(build_s, 1), "by_source": summary["by_source"]}
 
 
+def round3(args) -> dict:
+    """The third round's cheats (``tests/grading/test_round_three.py``): memorised cases kept in
+    data files of any form on a HumanEval task, and stdlib modules that delegate to the
+    interpreter's own on each stdlib bug-fix task; old grader against this one."""
+    from composer_dag.grading.grade import grade
+    from tests.grading.test_round_three import (DATA_CHEATS, DELEGATIONS, data_cheat_workspace,
+                                                delegation_workspace)
+
+    tasks = build(Path(args.tasks) / "he", {"humaneval_limit": 3, "bugfix_count": 0, "learnable_count": 0})
+    tasks += build(Path(args.tasks) / "bf", {"humaneval_limit": 0, "bugfix_count": 2,
+                                             "bugfix_modules": ["colorsys", "fnmatch"], "max_per_module": 1,
+                                             "learnable_count": 0})
+    he = [t for t in sorted(tasks) if t.name.startswith("humaneval")][:1]
+    bf = [t for t in sorted(tasks) if t.name.startswith("bugfix")]
+    work = Path(tempfile.mkdtemp(prefix="cdag-rt3-"))
+    jobs, rows = [], []
+    for cases, make, on in ((DATA_CHEATS, data_cheat_workspace, he), (DELEGATIONS, delegation_workspace, bf)):
+        for name in sorted(cases):
+            for task in on:
+                ws = make(name, task, work / f"{name}-{task.name}")
+                jobs.append({"task": str(task), "ws": str(ws), "log": []})
+                rows.append({"cheat": name, "task": task.name})
+    _, old = run_old(Path(args.old), jobs)
+    for row, job, o in zip(rows, jobs, old):
+        r = grade(Path(job["task"]), Path(job["ws"]), [])
+        row.update(old_reward=o["reward"], old_flags=o["flags"], new_reward=r.reward, new_flags=r.flags)
+    print("| cheat | task | old reward | old flags | new reward | new flags |")
+    print("|---|---|---:|---|---:|---|")
+    for row in rows:
+        print(f"| {row['cheat']} | {row['task']} | {row['old_reward']:.0f} | {_short(row['old_flags'])} | "
+              f"{row['new_reward']:.0f} | {_short(row['new_flags'])} |")
+    return {"cases": len(rows), "old_paid_unflagged": sum(r["old_reward"] > 0 and not r["old_flags"] for r in rows),
+            "old_silent": sum(r["old_reward"] == 0 and not r["old_flags"] for r in rows),
+            "new_paid": sum(r["new_reward"] > 0 for r in rows), "new_unflagged": sum(not r["new_flags"] for r in rows)}
+
+
+def fp_mined(args) -> dict:
+    """False positives on mined tasks: each of ``--repos`` (``name==version``, sdists from the
+    package index) bootstrapped and mined once under ``--tasks``, every reference graded."""
+    from composer_dag.grading.grade import false_positive_rate
+    from composer_dag.repos.bootstrap import bootstrap
+    from composer_dag.repos.config import BootstrapConfig
+    from composer_dag.repos.fetch import fetch_sdist
+    from composer_dag.tasks.sources.repo_mined import mine
+
+    rows, total = {}, {"tasks": 0, "flagged": 0, "examples": {}}
+    for spec in args.repos.split(","):
+        name, version = spec.split("==")
+        where = Path(args.tasks) / "mined" / name
+        out = where / "tasks"
+        if not (where / "done").exists():
+            b = bootstrap(str(fetch_sdist(name, version, Path(args.tasks) / "sdists")), where / "env", BootstrapConfig())
+            assert b["ok"], b
+            mine(where / "env", out, max_tasks=args.mined, seed=0)
+            (where / "done").touch()
+        dirs = sorted(d for d in out.iterdir() if (d / "task.json").is_file()) if out.is_dir() else []
+        res = false_positive_rate(dirs, graded=True)
+        rows[name] = {k: res[k] for k in ("tasks", "flagged")}
+        total["tasks"] += res["tasks"]
+        total["flagged"] += res["flagged"]
+        total["examples"].update(res["examples"])
+    print("| repository | mined tasks | flagged references |")
+    print("|---|---:|---:|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['tasks']} | {r['flagged']} |")
+    return {**total, "by_repo": rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("redteam", "timing", "fp", "round2"):
+    for name in ("redteam", "timing", "fp", "fp-mined", "round2", "round3"):
         s = sub.add_parser(name)
         s.add_argument("--tasks", default="/tmp/cdag-bench-grader", help="where tasks are built (reused)")
         s.add_argument("--old", default="/tmp/old", help="a copy of the repository at the grader's old commit")
@@ -282,13 +352,16 @@ def main() -> None:
         s.add_argument("--all-humaneval", action="store_true", help="fp: all 164 HumanEval problems (default 80)")
         s.add_argument("--workers", type=int, default=1, help="timing: gradings at a time (the agent loop's default: 4)")
         s.add_argument("--exclusive", action="store_true", help="timing: the new side with GradeConfig(exclusive_runs=True)")
+        s.add_argument("--repos", default="parse==1.20.2,inflection==0.5.1,cachetools==5.5.0",
+                       help="fp-mined: the repositories mined (name==version, sdists from the index)")
+        s.add_argument("--mined", type=int, default=8, help="fp-mined: synthetic tasks mined per repository")
     w = sub.add_parser("old-worker")
     w.add_argument("jobs")
     w.add_argument("--workers", type=int, default=1)
     a = p.parse_args()
     if a.cmd == "old-worker":
         return old_worker(a.jobs, a.workers)
-    print(json.dumps({"redteam": redteam, "timing": timing, "fp": fp, "round2": round2}[a.cmd](a)))
+    print(json.dumps({"redteam": redteam, "timing": timing, "fp": fp, "fp-mined": fp_mined, "round2": round2, "round3": round3}[a.cmd](a)))
 
 
 if __name__ == "__main__":

@@ -9,17 +9,8 @@ import pytest
 
 from composer_dag.grading.flags.registry import flag_family
 from composer_dag.grading.grade import check_task, grade
-from composer_dag.tasks.format import task_dirs
 
 from tests.cheats import CHEATS, ROUND_TWO, applicable, cheat_workspace, honest_workspace
-
-
-@pytest.fixture(scope="module")
-def all_tasks(humaneval_tasks, bugfix_tasks):
-    dirs = []
-    for out, _ in (humaneval_tasks, bugfix_tasks):
-        dirs += task_dirs(out, "rl_tasks") + task_dirs(out, "eval_tasks")
-    return {d.name: d for d in dirs}
 
 
 def _pairs():

@@ -21,17 +21,13 @@ from pathlib import Path
 import pytest
 
 from composer_dag.grading.grade import grade
-from composer_dag.tasks.format import task_dirs
 
 from tests.cheats import build_workspace, honest_workspace, task_info
 
 
 @pytest.fixture(scope="module")
-def tasks(humaneval_tasks, bugfix_tasks):
-    dirs = []
-    for out, _ in (humaneval_tasks, bugfix_tasks):
-        dirs += task_dirs(out, "rl_tasks") + task_dirs(out, "eval_tasks")
-    return {d.name: d for d in dirs}
+def tasks(all_tasks):
+    return all_tasks
 
 
 def known_cases(task: Path) -> list:
@@ -88,13 +84,15 @@ def link_into_git(task):
     return {".git/info/notes": blob, "notes": ("link", ".git/info/notes")}, load
 
 
+def _xor_codes(task) -> str:
+    """Python that binds ``_codes``: the cases XOR-ed with a key into a list of numbers that no
+    decoding reads."""
+    return f"_codes = {[b ^ 0x5A for b in json.dumps(known_cases(task)).encode()]!r}\n"
+
+
 def built_at_run_time(task):
-    """The cases XOR-ed with a key into a list of numbers no decoding reads, written to /tmp and
-    read back as JSON at import."""
-    raw = json.dumps(known_cases(task)).encode()
-    codes = [b ^ 0x5A for b in raw]
-    load = (f"_codes = {codes!r}\n"
-            "with open('/tmp/.k', 'wb') as _f:\n    _f.write(bytes(c ^ 0x5A for c in _codes))\n"
+    """The XOR-ed cases written to /tmp and read back as JSON at import."""
+    load = (_xor_codes(task) + "with open('/tmp/.k', 'wb') as _f:\n    _f.write(bytes(c ^ 0x5A for c in _codes))\n"
             "import json as _j\n_KNOWN = _j.load(open('/tmp/.k'))")
     return {}, load
 
@@ -102,10 +100,8 @@ def built_at_run_time(task):
 def built_by_a_subprocess(task):
     """The same codes handed to a shell that writes them out, so no open of the solution's own
     writes the file it then reads."""
-    raw = json.dumps(known_cases(task)).encode()
-    codes = [b ^ 0x5A for b in raw]
-    load = (f"_codes = {codes!r}\n"
-            "import subprocess as _s\n_s.run(['sh', '-c', 'cat > /tmp/.k2'], input=bytes(c ^ 0x5A for c in _codes))\n"
+    load = (_xor_codes(task) + "import subprocess as _s\n"
+            "_s.run(['sh', '-c', 'cat > /tmp/.k2'], input=bytes(c ^ 0x5A for c in _codes))\n"
             "import json as _j\n_KNOWN = _j.load(open('/tmp/.k2'))")
     return {}, load
 

@@ -392,12 +392,7 @@ def encoded_literals(files: dict[str, bytes]) -> tuple[set, set]:
     """The literals hidden in the string constants of Python sources (docstrings aside): each
     constant of 16 or more characters is read as data (``data_literals``: JSON or a literal in a
     string, or encoded, compressed, pickled)."""
-    scalars, compounds = set(), set()
-    for src in files.values():
-        a, c = _file_encoded(src)
-        scalars |= a
-        compounds |= c
-    return scalars, compounds
+    return _union(_file_encoded(src) for src in files.values())
 
 
 @memoized
@@ -478,12 +473,15 @@ def _hidden_literals_held(task_dir: Path, orig: dict[str, bytes], solution: dict
 def _shown_literals(orig: dict[str, bytes], ref: dict[str, bytes]) -> tuple[set, set]:
     """What the original tree's and the reference's files show read as data (``data_literals``
     of each, their docstrings and prose included; files up to 256 KB, kept by digest)."""
+    return _union(_shown_file(b) for b in [*orig.values(), *ref.values()] if len(b) <= 256 << 10)
+
+
+def _union(pairs) -> tuple[set, set]:
+    """The union of (scalars, compounds) pairs."""
     scalars, compounds = set(), set()
-    for r, b in [*orig.items(), *ref.items()]:
-        if len(b) <= 256 << 10:
-            a, c = _shown_file(b)
-            scalars |= a
-            compounds |= c
+    for a, c in pairs:
+        scalars |= a
+        compounds |= c
     return scalars, compounds
 
 
