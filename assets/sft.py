@@ -6,6 +6,7 @@ takes the successful, unflagged rollouts of the last RL run, when there is one);
 (``objective: sft``) on the cluster resource.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -37,7 +38,21 @@ def _last_rollouts(context, storage) -> tuple[list, str]:
     return [storage.read_parquet(u) for u in urls], base
 
 
-@dg.asset(deps=["rl_tasks", "eval_tasks", "production_traces"], group_name="sft", kinds={"python", "parquet", "duckdb"},
+@contextlib.contextmanager
+def _policy_tokenizer(context, storage, cfg):
+    """The policy's tokenizer (the ``tokenizer`` asset, which every checkpoint carries) when the
+    demonstrations include external harnesses: their messages are kept as the gateway serves
+    them, which its chat template decides; None otherwise."""
+    if not cfg.harnesses:
+        yield None
+        return
+    from composer_dag.train.tokenizer import load_tokenizer
+
+    with local_copy(storage, latest_uri(context.instance, "tokenizer")) as d:
+        yield load_tokenizer(d)
+
+
+@dg.asset(deps=["rl_tasks", "eval_tasks", "production_traces", "tokenizer"], group_name="sft", kinds={"python", "parquet", "duckdb"},
           retry_policy=RETRY,
           check_specs=[dg.AssetCheckSpec("trajectories_accounted", asset="sft_trajectories", blocking=True,
                                          description="Every task and rollout read is written or counted under a reason.")])
@@ -54,9 +69,10 @@ def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams
     sessions = good_sessions(storage, catalog.get()) if cfg.session_share > 0 else []
     with local_copy(storage, latest_uri(context.instance, "rl_tasks")) as rl, \
             local_copy(storage, latest_uri(context.instance, "eval_tasks")) as ev, \
+            _policy_tokenizer(context, storage, cfg) as tok, \
             tempfile.TemporaryDirectory(prefix="composer-sft-") as tmp:
         try:
-            summary = engine.build(rl, tmp, cfg, rollouts, ev, context.log.info, sessions=sessions)
+            summary = engine.build(rl, tmp, cfg, rollouts, ev, context.log.info, sessions=sessions, tokenizer=tok)
         except ValueError as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         rows = engine.read_rows(os.path.join(tmp, "trajectories.parquet"))
@@ -76,6 +92,7 @@ def sft_trajectories(context: dg.AssetExecutionContext, config: TrajectoryParams
         "rollouts_from": rollouts_from or "(no RL run yet)",
         "skipped": counts_table(skipped, "origin: reason", "items"),
         "by_split": dg.MetadataValue.json(summary["by_split"]),
+        "by_harness": counts_table(summary["by_harness"], "harness", "trajectories"),
         "example": dg.MetadataValue.md("```json\n" + json.dumps(json.loads(rows[0]["messages"]), indent=1)[:1500] + "\n```"),
     })
     ok = all(summary[o]["in"] == summary[o]["out"] + sum(summary[o]["skipped"].values()) for o in ORIGINS)

@@ -347,9 +347,10 @@ def build(tasks_dir, out_dir, cfg: TrajectoryConfig | dict | None = None, rollou
     if cfg.harnesses and tokenizer is None:
         raise ValueError("demonstrations through external harnesses (harnesses) need the policy's tokenizer")
     demos = {h: from_harness(tasks_dir, cfg, h, tokenizer, log) for h in cfg.harnesses}
-    for h_rows, h_skip, _ in demos.values():
+    for h_rows, h_skip, h_in in demos.values():  # each harness reads the tasks again: its own in, out and skips
         ref_rows += h_rows
         ref_skip.update({f"harness:{k}": v for k, v in h_skip.items()})
+        ref_in += h_in
     train = {t.get("id", p.parent.name): t.get("source", "?")
              for p, t in ((p, json.loads(p.read_text())) for p in Path(tasks_dir).glob("*/task.json"))}
     roll_rows, roll_skip, roll_in = from_rollouts(rollout_tables if cfg.from_rollouts else (), train, cfg)

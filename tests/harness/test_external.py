@@ -311,7 +311,7 @@ def test_sft_demonstrations_in_a_harness_format_are_what_it_serves(name, mini, a
     from composer_dag.gateway.chat import Renderer
     from composer_dag.harness.external import demonstrate, load_spec
     from composer_dag.sft.run import tokenize
-    from composer_dag.sft.trajectories import TrajectoryConfig, from_harness, reference_actions, write_rows
+    from composer_dag.sft.trajectories import TrajectoryConfig, build, read_rows, reference_actions
     from composer_dag.tasks.taskdir import load_task
 
     spec = load_spec(name)
@@ -324,18 +324,22 @@ def test_sft_demonstrations_in_a_harness_format_are_what_it_serves(name, mini, a
     assert not any(mask[len(seg["mask"]):]) and len(ids) - len(seg["ids"]) <= 2  # what follows the last turn's end
     assert conv["messages"][0]["role"] == "system" and conv["tools"][0]["function"]["name"] == "bash"
 
-    rows, skipped, n = from_harness(learnable_base["tasks_dir"], TrajectoryConfig(max_per_source={"learnable": 2}),
-                                    name, tok)
-    assert len(rows) == 2 and skipped["over_source_cap"] == n - 2, skipped
+    # the set as the sft_trajectories asset builds it: the composer harness's references and this
+    # harness's demonstrations, every task read accounted for once per harness
+    summary = build(learnable_base["tasks_dir"], tmp_path / "traj",
+                    TrajectoryConfig(max_per_source={"learnable": 2}, harnesses=[name]), tokenizer=tok)
+    ref = summary["reference"]
+    assert ref["in"] == ref["out"] + sum(ref["skipped"].values()) and ref["out"] == 4, ref
+    assert summary["by_harness"] == {"composer": 2, spec.name: 2}, summary["by_harness"]
+    rows = [r for r in read_rows(str(tmp_path / "traj" / "trajectories.parquet")) if r["harness"] == spec.name]
     assert {(r["harness"], r["harness_version"]) for r in rows} == {(spec.name, spec.version)}
-    write_rows(rows, tmp_path / "traj")
     out = tokenize(str(tmp_path / "traj"), learnable_base["policy_dir"], str(tmp_path / "tok"), seq_len=4096)
-    assert out["trajectories_in"] == 2 and out["skipped"] == {} and out["supervised_tokens"] > 0, out
-    got = [r for split in ("train", "val") if (tmp_path / "tok" / f"{split}.parquet").exists()
-           for r in pq.read_table(tmp_path / "tok" / f"{split}.parquet").to_pylist()]
-    for r, row in zip(sorted(got, key=lambda r: r["trajectory_id"]), sorted(rows, key=lambda r: r["trajectory_id"])):
+    assert out["trajectories_in"] == 4 and out["skipped"] == {} and out["supervised_tokens"] > 0, out
+    got = {r["trajectory_id"]: r for split in ("train", "val") if (tmp_path / "tok" / f"{split}.parquet").exists()
+           for r in pq.read_table(tmp_path / "tok" / f"{split}.parquet").to_pylist()}
+    for row in rows:
         want = Renderer(tok).conversation(json.loads(row["messages"]), json.loads(row["tools"]))
-        assert (r["input_ids"], r["loss_mask"]) == (want[0], want[1])
+        assert (got[row["trajectory_id"]]["input_ids"], got[row["trajectory_id"]]["loss_mask"]) == want
 
 
 def test_sessions_through_the_gateway_become_composer_session_2_and_train_on_their_ids(mini, learnable_base, tok, tmp_path):
@@ -373,3 +377,40 @@ def test_sessions_through_the_gateway_become_composer_session_2_and_train_on_the
     leaky = {**rec, "client": {"user": "alice"}, "messages": rec["messages"] + [{"role": "user", "content": "thanks, alice"}]}
     cleaned, _, dropped = scrub(leaky)
     assert cleaned["calls"] == [] and dropped == 2 and "alice" not in json.dumps(cleaned["messages"])
+
+
+def test_the_sft_trajectories_asset_adds_a_harness_s_demonstrations(mini, learnable_base, tmp_path):
+    """``sft_trajectories`` with ``harnesses`` set reads the policy's tokenizer (the ``tokenizer``
+    asset, now among its parents) and adds the harness's demonstrations beside the composer
+    harness's, shown by harness in its metadata; its accounting check holds."""
+    import dagster as dg
+
+    from composer_dag.definitions import build_defs
+    from composer_dag.rl.learnable import build_learnable_tasks
+    from composer_dag.storage import open_storage
+    from tests.graph.test_graph_data import resources_for
+
+    (tmp_path / "sources.yaml").write_text("sources: []\n")
+    defs = build_defs(resources_for(str(tmp_path / "artifacts"), tmp_path, tmp_path / "sources.yaml"))
+    assert dg.AssetKey("tokenizer") in defs.resolve_asset_graph().get(dg.AssetKey("sft_trajectories")).parent_keys
+    storage = open_storage(str(tmp_path / "artifacts"))
+    build_learnable_tasks(tmp_path / "eval_tasks", 2, seed=1, words=("green", "yellow"), request_file=False)
+    with dg.instance_for_test() as instance:
+        for key, local in (("eval_tasks", tmp_path / "eval_tasks"), ("rl_tasks", learnable_base["tasks_dir"]),
+                           ("tokenizer", learnable_base["policy_dir"])):
+            url = storage.url(key, "seed")
+            digest = storage.publish_dir(str(local), url)
+            instance.report_runless_asset_event(dg.AssetMaterialization(key, metadata={"dagster/uri": url,
+                                                                                      "manifest_digest": digest}))
+        config = {"harnesses": ["mini-swe-agent"], "max_per_source": {"learnable": 2}, "session_share": 0.0}
+        result = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+            instance=instance, asset_selection=[dg.AssetKey("sft_trajectories")],
+            run_config={"ops": {"sft_trajectories": {"config": config}}})
+    assert result.success
+    (mat,) = result.asset_materializations_for_node("sft_trajectories")
+    meta = {k: v.value for k, v in mat.metadata.items()}
+    assert "| mini-swe-agent | 2 |" in meta["by_harness"] and "| composer | 2 |" in meta["by_harness"], meta["by_harness"]
+    assert {e.check_name: e.passed for e in result.get_asset_check_evaluations()} == {"trajectories_accounted": True}
+    rows = storage.read_parquet(meta["dagster/uri"].rstrip("/") + "/trajectories.parquet").to_pylist()
+    assert sorted(r["harness"] for r in rows) == ["composer"] * 2 + ["mini-swe-agent"] * 2
+    assert all(json.loads(r["tools"])[0]["function"]["name"] == "bash" for r in rows if r["harness"] == "mini-swe-agent")
