@@ -7,7 +7,7 @@ with that copy first on ``PYTHONPATH``:
     rm -rf /tmp/old && mkdir -p /tmp/old && git archive HEAD | tar -x -C /tmp/old
     .venv/bin/python benchmarks/bench_grader.py redteam --old /tmp/old
     .venv/bin/python benchmarks/bench_grader.py timing --old /tmp/old --repeat 5 [--workers 4]
-    .venv/bin/python benchmarks/bench_grader.py fp [--all-humaneval]
+    .venv/bin/python benchmarks/bench_grader.py fp [--all-humaneval | --built DIR,DIR]
     .venv/bin/python benchmarks/bench_grader.py fp-mined [--repos parse==1.20.2,...] [--mined 8]
     .venv/bin/python benchmarks/bench_grader.py round2 --old /tmp/old --repeat 5
     .venv/bin/python benchmarks/bench_grader.py round3 --old /tmp/old
@@ -25,6 +25,7 @@ Each prints a Markdown table and, on its last line, a JSON summary.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import os
@@ -258,9 +259,14 @@ def fp(args) -> dict:
 
     out = Path(args.tasks) / ("full-all" if args.all_humaneval else "full")
     t0 = time.monotonic()
-    tasks = build(out, {"humaneval_limit": None} if args.all_humaneval else {})
+    if args.built:  # tasks built elsewhere (a graph run's rl_tasks and eval_tasks directories)
+        tasks = sorted(d for b in args.built.split(",") for d in Path(b).iterdir() if (d / "task.json").is_file())
+        summary = {"seconds": {"total": 0.0}, "by_source": dict(collections.Counter(
+            json.loads((d / "task.json").read_text())["source"] for d in tasks))}
+    else:
+        tasks = build(out, {"humaneval_limit": None} if args.all_humaneval else {})
+        summary = json.loads((out / "summary.json").read_text())
     build_s = time.monotonic() - t0
-    summary = json.loads((out / "summary.json").read_text())
     t0 = time.monotonic()
     res = false_positive_rate(tasks, graded=True)
     with_canaries = sum(bool((json.loads((d / "task.json").read_text()).get("checks") or {}).get("canaries"))
@@ -354,6 +360,7 @@ def main() -> None:
         s.add_argument("--exclusive", action="store_true", help="timing: the new side with GradeConfig(exclusive_runs=True)")
         s.add_argument("--repos", default="parse==1.20.2,inflection==0.5.1,cachetools==5.5.0",
                        help="fp-mined: the repositories mined (name==version, sdists from the index)")
+        s.add_argument("--built", default="", help="fp: task directories already built (comma-separated), graded as they are")
         s.add_argument("--mined", type=int, default=8, help="fp-mined: synthetic tasks mined per repository")
     w = sub.add_parser("old-worker")
     w.add_argument("jobs")

@@ -319,7 +319,8 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
         """The functions and classes of the workspace's modules whose code was loaded from another
         copy of a workspace module (a file at that module's path under a ``sys.path`` entry outside
         the workspace: the interpreter's own module, an installed copy), or, defined under the
-        module's own name, from outside the workspace (``exec`` of another file's text)."""
+        module's own name, from a file outside the workspace (another file's text compiled under
+        its path); never code compiled from a string."""
         out, mods, dirs = [], [], set()
         for d in sys.path:
             rd = _realpath(d or ".") + os.sep
@@ -335,7 +336,12 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
             for attr, v in list(vars(mod).items()):
                 codes = code_files(v, name)
                 for fn, own in codes:
-                    real = fn if fn.startswith("<") else _realpath(fn)
+                    if fn.startswith("<"):
+                        # compiled from a string: what decorators and code generators make
+                        # (networkx's argmap, dataclasses); the source is scanned as data, and
+                        # exec of a file's text is seen in the code (delegation's exec_file)
+                        continue
+                    real = _realpath(fn)
                     if real in copies or (own and not (real.startswith(top) and not real.startswith(venv_top))):
                         out.append(f"{name}.{attr} from {fn}")
                         break
