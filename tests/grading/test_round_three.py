@@ -227,3 +227,17 @@ def test_honest_work_on_these_tasks_stays_clean(tasks, tmp_path):
                                 "commit", "-qm", "Fix"], check=True, capture_output=True)
             r = grade(task, ws)
             assert r.reward == 1.0 and r.flags == [], (tid, extras, r.flags)
+
+
+def test_code_a_module_compiles_from_a_string_is_not_delegation(tasks, tmp_path):
+    """A stdlib module whose reference also makes a function from a string under its own name (as
+    decorators such as networkx's ``argmap`` make their wrappers): 1, no flag."""
+    gen = ('\n\n_ns = {"__name__": __name__}\n'
+           'exec(compile("def _generated(x):\\n    return x\\n", "<generated wrapper>", "exec"), _ns)\n'
+           '_generated = _ns["_generated"]\n')
+    for tid in sorted(t for t in tasks if t.startswith("bugfix")):
+        ws = honest_workspace(tasks[tid], tmp_path / tid, False)
+        sol = ws / task_info(tasks[tid])["sol"]
+        sol.write_text(sol.read_text() + gen)
+        r = grade(tasks[tid], ws)
+        assert r.reward == 1.0 and r.flags == [] and r.details["foreign"] == [], (tid, r.flags, r.details["foreign"])
