@@ -244,7 +244,9 @@ def from_harness(tasks_dir, cfg: TrajectoryConfig, harness: str, tokenizer, log=
     rows = []
     try:
         with ThreadPoolExecutor(max(1, cfg.workers)) as pool:
-            for (d, t), (conv, why) in zip(chosen, pool.map(one, chosen)):
+            for k, ((d, t), (conv, why)) in enumerate(zip(chosen, pool.map(one, chosen)), 1):
+                if k % 10 == 0:
+                    log(f"sft: {spec.name} demonstrations: {k} of {len(chosen)} tasks played ({len(rows)} kept)")
                 if conv is None:
                     skipped[why] += 1
                     continue
