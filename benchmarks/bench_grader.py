@@ -217,6 +217,9 @@ def timing(args) -> dict:
     tasks += build(Path(args.tasks) / "bf", {"humaneval_limit": 0, "bugfix_count": 2,
                                              "bugfix_modules": ["colorsys", "fnmatch"], "max_per_module": 1,
                                              "learnable_count": 0})
+    if args.learnable:  # the family the RL tests and make run's RL train on
+        tasks += build(Path(args.tasks) / "ln", {"humaneval_limit": 0, "bugfix_count": 0,
+                                                 "learnable_count": args.learnable})[:args.learnable]
     work = Path(tempfile.mkdtemp(prefix="cdag-tm-"))
     once = [{"task": str(t), "ws": str(honest_workspace(t, work / t.name, False)), "log": []} for t in sorted(tasks)]
     once = once * max(1, args.workers)  # a batch as an RL step grades it: each task several times, overlapping
@@ -360,6 +363,7 @@ def main() -> None:
         s.add_argument("--exclusive", action="store_true", help="timing: the new side with GradeConfig(exclusive_runs=True)")
         s.add_argument("--repos", default="parse==1.20.2,inflection==0.5.1,cachetools==5.5.0",
                        help="fp-mined: the repositories mined (name==version, sdists from the index)")
+        s.add_argument("--learnable", type=int, default=0, help="timing: also this many learnable tasks")
         s.add_argument("--built", default="", help="fp: task directories already built (comma-separated), graded as they are")
         s.add_argument("--mined", type=int, default=8, help="fp-mined: synthetic tasks mined per repository")
     w = sub.add_parser("old-worker")

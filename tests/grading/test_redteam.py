@@ -268,8 +268,13 @@ def test_runs_of_a_grading_cannot_find_each_other(all_tasks, tmp_path):
         assert drop_caches()
         f = run(f"f{token}", f"e{token}", True, held=uf)
         # the control: without the drop in between, the later run finds the file the earlier read
-        run(f"g{token}", f"h{token}", True, held=ue)
-        h = run(f"h{token}", f"g{token}", True, held=uf)
+        # (any process on the machine may drop the caches between the two, as the other test
+        # worker's gradings do: a few tries, the first that sees it counts)
+        for k in range(4):
+            run(f"g{k}{token}", f"h{k}{token}", True, held=ue)
+            h = run(f"h{k}{token}", f"g{k}{token}", True, held=uf)
+            if h["page_cache"]:
+                break
     assert e["uid"] != f["uid"], (e, f)
     for seen in (e, f):
         assert nothing(seen) and not seen["inotify"] and seen["page_cache"] is False, seen
