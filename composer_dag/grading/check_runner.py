@@ -248,6 +248,8 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
     venv_top = top + ".venv" + os.sep
     _getframe, _realpath, _b64 = sys._getframe, os.path.realpath, __import__("base64").b64encode
     made, by_checks, compiled = {}, set(), []  # what the solution's code wrote (path -> read back), the tests'
+    over = []  # more was built than is recorded or read: the grader flags it, so junk cannot hide the rest
+    read = []  # the built files read back, in order (at most 200)
     # what no run writes: a read there is of the installation, not of something built for the run
     fixed = tuple({_realpath(d) + os.sep for d in (sys.prefix, sys.base_prefix, sys.exec_prefix, "/usr", "/etc",
                                                     "/proc", "/sys", "/dev", "/bin", "/sbin", "/lib", "/lib64", "/opt")})
@@ -270,7 +272,7 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
         # the files the solution's code writes and reads back, and the sources it compiles from a
         # string: what it may build at run time from an encoded constant (the grader scans them)
         try:
-            if event == "open" and len(made) < 200 and isinstance(args[0], (str, bytes)):
+            if event == "open" and isinstance(args[0], (str, bytes)):
                 mode, flags = args[1] or "", args[2] or 0
                 writes = any(c in str(mode) for c in "wax+") or bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
                 who = whose()
@@ -281,13 +283,22 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
                     if writes:
                         by_checks.add(path)
                 elif writes:
-                    made.setdefault(path, False)
-                elif path in made or (not (path.startswith(fixed) or path.startswith(venv_top))
-                                      and os.stat(path).st_ctime >= began):
-                    made[path] = True  # read back, or read after another process of the run made it
-            elif event == "compile" and len(compiled) < 50 and isinstance(args[0], (str, bytes)) \
+                    if path not in made and len(made) >= 100_000:
+                        over.append(path)
+                    else:
+                        made.setdefault(path, False)
+                elif not made.get(path) and (path in made or (
+                        not (path.startswith(fixed) or path.startswith(venv_top))
+                        and os.stat(path).st_ctime >= began)):  # read back, or read after another process made it
+                    if len(read) >= 200:
+                        over.append(path)
+                    else:
+                        made[path] = True
+                        read.append(path)
+            elif event == "compile" and isinstance(args[0], (str, bytes)) \
                     and str(args[1]).startswith("<") and whose() == "solution":
-                compiled.append(args[0] if isinstance(args[0], bytes) else args[0].encode("utf-8", "replace"))
+                if len(compiled) < 50:  # decorators may compile many: past 50, unrecorded and not flagged
+                    compiled.append(args[0] if isinstance(args[0], bytes) else args[0].encode("utf-8", "replace"))
         except Exception:  # noqa: BLE001 - never in the way of the code under test
             pass
 
@@ -295,9 +306,12 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
 
     def built_files():
         out, budget = {}, 4 << 20
-        for path, read_back in sorted(made.items()):
-            if not read_back or path in by_checks or budget <= 0:
+        for path in read:
+            if path in by_checks:
                 continue
+            if budget <= 0:
+                over.append(path)
+                break
             try:
                 fd = _open(path, os.O_RDONLY | os.O_NONBLOCK)
                 try:
@@ -310,6 +324,8 @@ def _main():  # noqa: C901 - one closure on purpose: the key lives only in its c
             out[path] = _b64(data).decode()
         for i, src in enumerate(compiled):
             out[f"<compiled {i}>"] = _b64(src[:1 << 20]).decode()
+        if over:
+            out["<over>"] = ""
         return out
 
     def stat_reg(fd):

@@ -102,6 +102,8 @@ def grade(task_dir: Path, workspace: Path, action_log: list[dict] | None = None,
             flags.append(flag("canary_passed", path.stem))
     flags += unsealed_flags(task_dir, runs, [d for _, d in results], config, details)
     built = built_files([d for _, d in results])
+    if built.pop("<over>", None) is not None:  # past what a run records or reads of what it built
+        flags.append(flag("shape_unreadable", "what the run built: over 200 files or 4 MB"))
     details["built_files"] = sorted(built)[:20]
     flags = list(dict.fromkeys(flags + detect_flags(task_dir, workspace, action_log, built)))
     details["failures"] = failures(per_test)
